@@ -1,0 +1,179 @@
+"""The ``epp`` command: ``epp serve [flags]`` runs the picker, ``epp demo`` the local demo.
+
+Flags keep the upstream Endpoint Picker's names and defaults, parsed the Go way (:mod:`epp.goflags`),
+so the container arguments of the upstream Helm chart are accepted unchanged. Upstream flags this
+version accepts but does not implement yet are listed at startup, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from epp.datastore import parse_endpoints, read_endpoints_file
+from epp.goflags import FlagError, FlagSet, make_flag
+from epp.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
+
+__all__ = ["SERVE_FLAGS", "main", "settings_from_args"]
+
+log = logging.getLogger("epp")
+
+SERVE_FLAGS = FlagSet(
+    "epp serve",
+    [
+        make_flag("grpc-port", 9002, "gRPC port of the ext_proc service"),
+        make_flag("grpc-health-port", 9003, "gRPC port of the health service"),
+        make_flag("metrics-port", 9090, "port of the Prometheus /metrics endpoint"),
+        make_flag("secure-serving", True, "serve ext_proc over TLS"),
+        make_flag("cert-path", "", "directory with tls.crt and tls.key; empty: a self-signed certificate"),
+        make_flag("config-file", "", "EndpointPickerConfig YAML file"),
+        make_flag("config-text", "", "EndpointPickerConfig YAML, inline (instead of --config-file)"),
+        make_flag("v", 1, "log verbosity: 0-2 info, 3 and up debug"),
+        make_flag("zap-encoder", "console", "log format: console or json"),
+        make_flag("pool-name", "", "InferencePool to serve (Kubernetes discovery)"),
+        make_flag("pool-namespace", "", "namespace of the InferencePool (default $NAMESPACE, else default)"),
+        make_flag("pool-group", "inference.networking.k8s.io", "API group of the InferencePool", implemented=False),
+        make_flag("endpoints", "", "static pool: comma-separated ip:port list (no Kubernetes needed)"),
+        make_flag("endpoints-file", "", "static pool from a file: ip:port per line, # comments"),
+        make_flag("max-request-body-bytes", DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413"),
+        make_flag("bind-address", "0.0.0.0", "address the gRPC, health and metrics servers listen on"),
+        make_flag("shutdown-grace-period", 20.0, "seconds in-flight streams get to finish after SIGTERM"),
+        # Accepted for drop-in compatibility with the upstream chart; no effect yet.
+        make_flag("tracing", False, "export OpenTelemetry traces", implemented=False),
+        make_flag("ha-enable-leader-election", False, "leader election between replicas", implemented=False),
+        make_flag("health-checking", False, "upstream flag: enable health checking", implemented=False),
+        make_flag("enable-pprof", True, "upstream profiling endpoint", implemented=False),
+        make_flag("metrics-endpoint-auth", True, "authenticate /metrics scrapes", implemented=False),
+        make_flag("kv-cache-usage-percentage-metric", "", "upstream metric-name override", implemented=False),
+        make_flag("total-queued-requests-metric", "", "upstream metric-name override", implemented=False),
+        make_flag("lora-info-metric", "", "upstream metric-name override", implemented=False),
+    ],
+)
+
+
+def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
+    """Settings from ``epp serve`` arguments, and the names of given flags that have no effect yet."""
+    values, positional, given = SERVE_FLAGS.parse(argv)
+    if positional:
+        raise FlagError(f"unexpected argument(s): {' '.join(positional)}")
+    if values["config-file"] and values["config-text"]:
+        raise FlagError("give --config-file or --config-text, not both")
+    config_text: str | None = values["config-text"] or None
+    if values["config-file"]:
+        try:
+            config_text = Path(values["config-file"]).read_text()
+        except OSError as exc:
+            raise FlagError(f"--config-file: {exc}") from None
+    try:
+        endpoints = parse_endpoints(values["endpoints"])
+        if values["endpoints-file"]:
+            endpoints += read_endpoints_file(values["endpoints-file"])
+    except (OSError, ValueError) as exc:
+        raise FlagError(f"--endpoints: {exc}") from None
+    if values["zap-encoder"] not in ("console", "json"):
+        raise FlagError(f"--zap-encoder must be console or json, got {values['zap-encoder']!r}")
+    if values["max-request-body-bytes"] < 1:
+        raise FlagError("--max-request-body-bytes must be positive")
+    settings = Settings(
+        endpoints=tuple(endpoints),
+        grpc_port=values["grpc-port"],
+        grpc_health_port=values["grpc-health-port"],
+        metrics_port=values["metrics-port"],
+        bind_address=values["bind-address"],
+        secure_serving=values["secure-serving"],
+        cert_path=values["cert-path"],
+        config_text=config_text,
+        max_request_body_bytes=values["max-request-body-bytes"],
+        pool_name=values["pool-name"],
+        pool_namespace=values["pool-namespace"] or os.environ.get("NAMESPACE", "default"),
+        verbosity=values["v"],
+        log_format=values["zap-encoder"],
+        shutdown_grace_seconds=values["shutdown-grace-period"],
+    )
+    not_yet = sorted(name for name in given if not SERVE_FLAGS.flags[name].implemented)
+    return settings, not_yet
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["error"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(verbosity: int, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbosity >= 3 else logging.INFO)
+
+
+def _run(coroutine: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:  # uvloop has no Windows build
+        asyncio.run(coroutine)
+    else:
+        uvloop.run(coroutine)
+
+
+def _serve(argv: Sequence[str]) -> int:
+    try:
+        settings, not_yet = settings_from_args(argv)
+    except FlagError as exc:
+        if str(exc) == "help requested":
+            print(SERVE_FLAGS.usage(), file=sys.stderr)
+            return 0
+        print(f"epp serve: {exc}\n\n{SERVE_FLAGS.usage()}", file=sys.stderr)
+        return 2
+    configure_logging(settings.verbosity, settings.log_format)
+    for name in not_yet:
+        log.warning("flag --%s is accepted for compatibility with the upstream picker but has no effect yet", name)
+    if settings.pool_name and not settings.endpoints:
+        log.warning("--pool-name: Kubernetes discovery is not implemented yet; give the pool with --endpoints")
+
+    from epp.config import ConfigError
+    from epp.server import serve
+
+    try:
+        _run(serve(settings))
+    except ConfigError as exc:
+        log.error("invalid configuration: %s", exc)
+        return 2
+    return 0
+
+
+def _demo(argv: Sequence[str]) -> int:
+    from epp.demo import main as demo_main
+
+    return demo_main(argv)
+
+
+_COMMANDS = {"serve": _serve, "demo": _demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in _COMMANDS:
+        return _COMMANDS[args[0]](args[1:])
+    if args and args[0].startswith("-") and args[0] not in ("-h", "--help", "-help"):
+        return _serve(args)  # `epp --grpc-port ...`: the upstream binary takes flags directly
+    print("usage: epp serve [flags]   run the endpoint picker (epp serve -h lists the flags)\n"
+          "       epp demo            start the local demo: Envoy + simulated vLLM pods + the picker", file=sys.stderr)
+    return 0 if args and args[0] in ("-h", "--help", "-help") else 2

@@ -1,0 +1,113 @@
+"""Command-line flags parsed the way Go's ``flag`` package parses them.
+
+The upstream Endpoint Picker is a Go binary, and Helm charts pass it Go-style arguments; a drop-in
+replacement must accept exactly those forms:
+
+* ``-name`` and ``--name`` are the same flag;
+* a value follows as ``-name=value`` or as the next argument ``-name value``;
+* a boolean takes its value only with ``=`` (``-secure-serving=false``); a bare ``-name`` means true,
+  and ``-name false`` leaves ``false`` as a positional argument, as in Go;
+* parsing stops at ``--`` or at the first argument that is not a flag;
+* an unknown flag or a bad value is an error that names it (exit status 2 from the CLI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Flag", "FlagError", "FlagSet"]
+
+_TRUE = {"1", "t", "T", "TRUE", "true", "True"}
+_FALSE = {"0", "f", "F", "FALSE", "false", "False"}
+
+
+class FlagError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    default: Any
+    help: str
+    kind: type = str  # bool, int, float, str
+    implemented: bool = True  # accepted for compatibility, but has no effect yet
+
+
+def _convert(flag: Flag, text: str) -> Any:
+    if flag.kind is bool:
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise FlagError(f'invalid boolean value "{text}" for -{flag.name}')
+    if flag.kind is int:
+        try:
+            return int(text, 0)
+        except ValueError:
+            raise FlagError(f'invalid value "{text}" for flag -{flag.name}: parse error') from None
+    if flag.kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise FlagError(f'invalid value "{text}" for flag -{flag.name}: parse error') from None
+    return text
+
+
+class FlagSet:
+    def __init__(self, program: str, flags: Sequence[Flag]) -> None:
+        self.program = program
+        self.flags = {flag.name: flag for flag in flags}
+
+    def parse(self, argv: Sequence[str]) -> tuple[dict[str, Any], list[str], set[str]]:
+        """Returns (values for every flag, positional arguments, names of flags given explicitly)."""
+        values = {name: flag.default for name, flag in self.flags.items()}
+        given: set[str] = set()
+        args = list(argv)
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":
+                i += 1
+                break
+            if len(arg) < 2 or not arg.startswith("-"):
+                break
+            name = arg[2:] if arg.startswith("--") else arg[1:]
+            if not name or name.startswith("-") or name.startswith("="):
+                raise FlagError(f"bad flag syntax: {arg}")
+            name, has_value, value = name.partition("=")
+            if name in ("h", "help"):
+                raise FlagError("help requested")
+            flag = self.flags.get(name)
+            if flag is None:
+                raise FlagError(f"flag provided but not defined: -{name}")
+            if not has_value:
+                if flag.kind is bool:
+                    value = "true"
+                elif i + 1 < len(args):
+                    i += 1
+                    value = args[i]
+                else:
+                    raise FlagError(f"flag needs an argument: -{name}")
+            values[name] = _convert(flag, value)
+            given.add(name)
+            i += 1
+        return values, args[i:], given
+
+    def usage(self) -> str:
+        lines = [f"Usage of {self.program}:"]
+        for name in sorted(self.flags):
+            flag = self.flags[name]
+            kind = "" if flag.kind is bool else f" {flag.kind.__name__}"
+            note = "" if flag.implemented else " (accepted for compatibility; no effect yet)"
+            lines.append(f"  -{name}{kind}\n    \t{flag.help}{note} (default {flag.default!r})")
+        return "\n".join(lines)
+
+
+def make_flag(name: str, default: Any, help: str, *, implemented: bool = True, kind: type | None = None) -> Flag:
+    """A Flag whose kind follows its default's type."""
+    return Flag(name=name, default=default, help=help, kind=kind or type(default), implemented=implemented)
+
+

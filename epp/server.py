@@ -1,0 +1,144 @@
+"""The running service: gRPC ext_proc + health servers, metrics, and their lifecycle.
+
+:class:`EndpointPicker` wires the pieces (datastore -> scheduler -> director -> ext_proc servicer)
+and owns every server. :func:`serve` runs one until SIGTERM/SIGINT (or ``shutdown_trigger``).
+
+Health (the standard ``grpc.health.v1`` service) is served on the health port, plaintext, for the
+kubelet's gRPC probes, and on the main port too, over the same TLS as ext_proc, for Envoy's
+active health check. Services: ``liveness`` (SERVING while the process runs), ``readiness``,
+``envoy.service.ext_proc.v3.ExternalProcessor`` and ``""`` (SERVING only while the pool has an
+endpoint and the picker is not shutting down).
+
+Shutdown, in order:
+ 1. every health service but liveness goes NOT_SERVING (load balancers stop sending new streams);
+ 2. the ext_proc server stops accepting streams and in-flight ones get ``shutdown_grace_seconds``
+    to finish; any still open after that are cancelled;
+ 3. the health server and the metrics server stop; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from epp.config import load_scheduler
+from epp.datastore import Datastore, Endpoint
+from epp.director import Director
+from epp.extproc import ExternalProcessor
+from epp.metrics import Metrics, start_metrics_server
+from epp.registry import Handle, default_registry
+from epp.scheduling import Scheduler
+from epp.settings import Settings
+from epp.tls import server_credentials
+
+__all__ = ["EXT_PROC_SERVICE", "EndpointPicker", "serve"]
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Envoy may send a whole request body in one message: leave room above the body limit for the
+# message's other fields.
+_MESSAGE_HEADROOM = 1024 * 1024
+
+
+class EndpointPicker:
+    """One picker: build it, ``await start()``, ``await stop()``."""
+
+    def __init__(self, settings: Settings, *, scheduler: Scheduler | None = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics(pool_name=settings.pool_name)
+        self.datastore = Datastore(settings.endpoints)
+        self.scheduler = scheduler or load_scheduler(settings.config_text, default_registry(), Handle(self.datastore))
+        self.director = Director(self.datastore, self.scheduler, self.metrics)
+        self.processor = ExternalProcessor(
+            self.director, self.metrics, max_request_body_bytes=settings.max_request_body_bytes
+        )
+        self.health = health.aio.HealthServicer()
+        self._stopping = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.grpc_port = 0
+        self.grpc_health_port = 0
+
+    async def start(self) -> None:
+        settings = self.settings
+        limit = settings.max_request_body_bytes + _MESSAGE_HEADROOM
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        self._server = grpc.aio.server(options=options)
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        address = f"{settings.bind_address}:{settings.grpc_port}"
+        if settings.secure_serving:
+            self.grpc_port = self._server.add_secure_port(address, server_credentials(settings.cert_path))
+        else:
+            self.grpc_port = self._server.add_insecure_port(address)
+
+        self._health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.grpc_health_port = self._health_server.add_insecure_port(
+            f"{settings.bind_address}:{settings.grpc_health_port}"
+        )
+
+        await self.health.set("liveness", _SERVING)
+        self.datastore.subscribe(self._pool_changed)
+        await self._update_readiness()
+        if settings.metrics_port >= 0:
+            start_metrics_server(self.metrics, settings.metrics_port, settings.bind_address)
+        await self._server.start()
+        await self._health_server.start()
+        log.info(
+            "serving ext_proc on %s:%d (%s), health on :%d, metrics on :%d; pool has %d endpoint(s)",
+            settings.bind_address,
+            self.grpc_port,
+            "TLS" if settings.secure_serving else "plaintext",
+            self.grpc_health_port,
+            settings.metrics_port,
+            len(self.datastore.endpoints()),
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        self._stopping = True
+        await self._update_readiness()  # 1. NOT_SERVING
+        if self._server is not None:
+            await self._server.stop(grace)  # 2. drain in-flight streams
+        if self._health_server is not None:
+            await self._health_server.stop(0)  # 3.
+        log.info("stopped")
+
+    def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
+        task = asyncio.get_running_loop().create_task(self._update_readiness())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _update_readiness(self) -> None:
+        ready = self.datastore.ready and not self._stopping
+        self.metrics.ready_pods.labels(self.settings.pool_name).set(len(self.datastore.endpoints()))
+        for service in _READINESS_SERVICES:
+            await self.health.set(service, _SERVING if ready else _NOT_SERVING)
+
+
+async def serve(settings: Settings, *, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Run a picker until SIGTERM/SIGINT (or until ``shutdown_trigger()`` returns), then stop it gracefully."""
+    picker = EndpointPicker(settings)
+    await picker.start()
+    if shutdown_trigger is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("signal received: draining for up to %.0fs", settings.shutdown_grace_seconds)
+    else:
+        await shutdown_trigger()
+    await picker.stop()

@@ -1,0 +1,33 @@
+"""The frozen settings of one picker process, built from the command line (see :mod:`epp.cli`).
+
+Configuration flows one way: flags -> :class:`Settings` -> the config file decoded strictly ->
+plugins -> a frozen scheduler. Nothing reads flags or the environment after this point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epp.datastore import Endpoint
+
+__all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "Settings"]
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Settings:
+    endpoints: tuple[Endpoint, ...] = ()
+    grpc_port: int = 9002
+    grpc_health_port: int = 9003
+    metrics_port: int = 9090
+    bind_address: str = "0.0.0.0"
+    secure_serving: bool = True
+    cert_path: str = ""  # a directory holding tls.crt and tls.key; empty: self-signed at start
+    config_text: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    pool_name: str = ""
+    pool_namespace: str = "default"
+    verbosity: int = 1
+    log_format: str = "console"  # or json (--zap-encoder)
+    shutdown_grace_seconds: float = 20.0
