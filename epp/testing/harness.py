@@ -1,0 +1,129 @@
+"""Pieces shared by the end-to-end tests, the demo and the benchmarks.
+
+* :class:`PickerProcess` runs ``python -m epp serve`` as a child process (so its CPU time can be
+  read from /proc and SIGTERM really is a signal) and waits until its readiness is SERVING.
+* :func:`wait_for_picker` waits until Envoy's health check has admitted the picker: Envoy is ready
+  before its first health check round has passed, and the bootstrap disables panic routing, so
+  traffic sent earlier would fail (fail-closed) or bypass the picker (fail-open).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epp.envoy_bootstrap import EPP_CLUSTER
+from epp.testing.envoy import EnvoyProcess, free_port
+
+__all__ = ["PickerProcess", "cpu_seconds", "wait_for_picker"]
+
+
+def wait_for_picker(envoy: EnvoyProcess, *, healthy: bool = True, timeout: float = 15.0) -> None:
+    """Block until Envoy counts the picker healthy (or, with ``healthy=False``, unhealthy)."""
+    want = 1 if healthy else 0
+    deadline = time.monotonic() + timeout
+    name = f"cluster.{EPP_CLUSTER}.membership_healthy"
+    while True:
+        value = envoy.stats(rf"^cluster\.{EPP_CLUSTER}\.membership_healthy$").get(name)
+        if value == want:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Envoy did not see the picker {'healthy' if healthy else 'unhealthy'} in {timeout}s")
+        time.sleep(0.05)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by process ``pid`` and its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class PickerProcess:
+    """``python -m epp serve`` on 127.0.0.1 with free ports, plaintext unless ``tls``."""
+
+    def __init__(self, endpoints: Sequence[str], *, tls: bool = False, extra_args: Sequence[str] = ()) -> None:
+        self.grpc_port = free_port()
+        self.health_port = free_port()
+        self.metrics_port = free_port()
+        self.args = [
+            sys.executable, "-m", "epp", "serve",
+            "--bind-address", "127.0.0.1",
+            "--grpc-port", str(self.grpc_port),
+            "--grpc-health-port", str(self.health_port),
+            "--metrics-port", str(self.metrics_port),
+            f"--secure-serving={'true' if tls else 'false'}",
+            "--endpoints", ",".join(endpoints),
+            *extra_args,
+        ]  # fmt: skip
+        self._log = tempfile.NamedTemporaryFile(prefix="epp-picker-", suffix=".log", delete=False)  # noqa: SIM115
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def log_path(self) -> str:
+        return self._log.name
+
+    def start(self, timeout: float = 20.0) -> None:
+        self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while self.health("readiness") != health_pb2.HealthCheckResponse.SERVING:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the picker exited with status {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the picker was not ready in {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def health(self, service: str = "") -> int:
+        """The health status of ``service`` on the health port (UNKNOWN when unreachable)."""
+        with grpc.insecure_channel(f"127.0.0.1:{self.health_port}") as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=0.5
+                )
+            except grpc.RpcError:
+                return health_pb2.HealthCheckResponse.UNKNOWN
+            return reply.status
+
+    def terminate(self) -> None:
+        """Send SIGTERM (graceful drain); :meth:`wait` for the exit status."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> PickerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

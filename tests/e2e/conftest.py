@@ -1,0 +1,131 @@
+"""Fixtures for end-to-end tests: a real Envoy, echo backends and an in-process picker on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+import pytest
+
+from epp.config import load_scheduler
+from epp.datastore import Endpoint, parse_endpoints
+from epp.envoy_bootstrap import BootstrapOptions, render
+from epp.registry import Handle, default_registry
+from epp.request import InferenceRequest
+from epp.server import EndpointPicker
+from epp.settings import Settings
+from epp.testing.backends import EchoServer, start_echo_servers
+from epp.testing.envoy import EnvoyProcess
+from epp.testing.harness import wait_for_picker
+
+
+class RecordingScheduler:
+    """Wraps the configured scheduler and remembers each pick by x-request-id."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.picks: dict[str, list[Endpoint]] = {}
+
+    def schedule(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[Endpoint]:
+        endpoints = self.inner.schedule(request, candidates)
+        self.picks[request.request_id] = endpoints
+        return endpoints
+
+
+@dataclass
+class Stack:
+    envoy: EnvoyProcess
+    picker: EndpointPicker | None
+    backends: list[EchoServer]
+    recorder: RecordingScheduler | None
+    session: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy.listen_port}"
+
+    def backend_by_port(self, port: int) -> EchoServer:
+        return next(b for b in self.backends if b.port == port)
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[list[EchoServer]]:
+    servers = await start_echo_servers(3, token_interval=0.05)
+    yield servers
+    for server in servers:
+        await server.stop()
+
+
+StackFactory = Callable[..., Awaitable[Stack]]
+
+
+@pytest.fixture
+async def make_stack(backends: list[EchoServer]) -> AsyncIterator[StackFactory]:
+    """Build Envoy + picker + backends; every piece is stopped at teardown."""
+    envoys: list[EnvoyProcess] = []
+    pickers: list[EndpointPicker] = []
+    sessions: list[aiohttp.ClientSession] = []
+
+    async def make(
+        *,
+        picker: bool = True,
+        tls: bool = False,
+        fail_open: bool = False,
+        request_body_mode: str = "FULL_DUPLEX_STREAMED",
+        pool: Sequence[EchoServer] | None = None,
+        config_text: str | None = None,
+        max_request_body_bytes: int | None = None,
+        picker_port: int | None = None,
+    ) -> Stack:
+        pool = backends[:2] if pool is None else pool
+        recorder = None
+        running = None
+        port = picker_port or 0
+        if picker:
+            settings = Settings(
+                endpoints=tuple(parse_endpoints(",".join(b.hostport for b in pool))),
+                grpc_port=port,
+                grpc_health_port=0,
+                metrics_port=-1,
+                bind_address="127.0.0.1",
+                secure_serving=tls,
+                config_text=config_text,
+                shutdown_grace_seconds=1.0,
+            )
+            if max_request_body_bytes is not None:
+                settings = replace(settings, max_request_body_bytes=max_request_body_bytes)
+            running = EndpointPicker(settings)
+            recorder = RecordingScheduler(running.scheduler)
+            running.director.scheduler = recorder  # type: ignore[assignment]
+            await running.start()
+            pickers.append(running)
+            port = running.grpc_port
+        assert port, "a stack without a picker needs picker_port (an unused port)"
+        options = BootstrapOptions(
+            listen_address="127.0.0.1",
+            listen_port=0,
+            admin_port=0,
+            picker_port=port,
+            picker_tls=tls,
+            fail_open=fail_open,
+            pool_endpoints=tuple(b.hostport for b in pool),
+            request_body_mode=request_body_mode,
+        )
+        envoy = EnvoyProcess(render(options), concurrency=1)
+        envoys.append(envoy)
+        await asyncio.to_thread(envoy.start)
+        await asyncio.to_thread(wait_for_picker, envoy, healthy=picker)
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+        sessions.append(session)
+        return Stack(envoy=envoy, picker=running, backends=backends, recorder=recorder, session=session)
+
+    yield make
+    for session in sessions:
+        await session.close()
+    for envoy in envoys:
+        await asyncio.to_thread(envoy.stop)
+    for running in pickers:
+        await running.stop(0)

@@ -1,0 +1,204 @@
+"""End to end through a real Envoy: client -> Envoy -> ext_proc picker -> echo backend."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+
+import pytest
+
+from epp.testing.envoy import free_port
+
+from .conftest import Stack, StackFactory
+
+
+def _completion(prompt: str, **extra: object) -> bytes:
+    return json.dumps({"model": "m", "prompt": prompt, **extra}).encode()
+
+
+async def _post(stack: Stack, body: bytes, path: str = "/v1/completions", headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    async with stack.session.post(stack.url + path, data=body, headers=headers or {}) as response:
+        text = await response.text()
+        return response.status, json.loads(text) if text.startswith("{") else {"text": text}
+
+
+async def test_requests_land_on_the_endpoint_the_picker_chose(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    hit_ports = set()
+    for i in range(12):
+        status, answer = await _post(stack, _completion(f"hello {i}"))
+        assert status == 200, answer
+        request_id = answer["headers"]["x-request-id"]
+        picked = stack.recorder.picks[request_id]
+        assert [e.port for e in picked] == [answer["port"]]
+        assert answer["headers"]["x-gateway-destination-endpoint"] == picked[0].hostport
+        hit_ports.add(answer["port"])
+    assert hit_ports == {b.port for b in stack.backends[:2]}  # random picks over 12 requests reach both
+    assert not stack.backends[2].received  # not a pool member
+
+
+@pytest.mark.parametrize("size", [100_000, 5_000_000])
+async def test_large_bodies_arrive_byte_identical(make_stack: StackFactory, size: int) -> None:
+    stack = await make_stack()
+    body = _completion("z" * size)
+    status, answer = await _post(stack, body)
+    assert status == 200, answer
+    assert answer["body_len"] == len(body)
+    assert answer["body_sha256"] == hashlib.sha256(body).hexdigest()
+
+
+async def test_empty_body_is_routed_and_arrives_empty(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    status, answer = await _post(stack, b"", path="/v1/echo")
+    assert status == 200, answer
+    assert answer["body_len"] == 0
+    assert answer["body_sha256"] == hashlib.sha256(b"").hexdigest()
+
+
+async def test_get_is_routed(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    async with stack.session.get(stack.url + "/v1/models") as response:
+        answer = await response.json()
+    assert response.status == 200
+    assert answer["method"] == "GET"
+    assert stack.recorder.picks[answer["headers"]["x-request-id"]][0].port == answer["port"]
+
+
+async def test_sse_streams_through_chunk_by_chunk(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    tokens = 8
+    arrivals: list[float] = []
+    async with stack.session.post(stack.url + "/v1/completions", data=_completion("s", stream=True, max_tokens=tokens)) as response:
+        assert response.status == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        buffer = b""
+        async for chunk in response.content.iter_any():
+            buffer += chunk
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                arrivals.append(time.monotonic())
+                last = event
+    assert len(arrivals) == tokens + 1  # tokens, then [DONE]
+    assert last == b"data: [DONE]"
+    # The backend spaces events 50 ms apart: a proxy that buffered the response would deliver them
+    # all at once at the end.
+    assert arrivals[-1] - arrivals[0] > 0.5 * 0.05 * tokens
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "m", "prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+        (b'{"prompt": "no model"}', 400, "missing required field `model`"),
+        (b'{"model": 7, "prompt": "x"}', 400, "$.model"),
+    ],
+)
+async def test_bad_requests_get_a_clear_error_and_the_next_request_works(
+    make_stack: StackFactory, body: bytes, status: int, message: str
+) -> None:
+    stack = await make_stack()
+    got, answer = await _post(stack, body)
+    assert got == status
+    assert message in answer["error"]["message"]
+    assert answer["error"]["code"] == status
+    assert not any(b.received for b in stack.backends)  # no backend saw it
+    got, answer = await _post(stack, _completion("fine"))
+    assert got == 200
+
+
+async def test_oversize_body_gets_413_naming_the_limit(make_stack: StackFactory) -> None:
+    stack = await make_stack(max_request_body_bytes=1_000_000)
+    got, answer = await _post(stack, _completion("x" * 2_000_000))
+    assert got == 413
+    assert "1000000 bytes" in answer["error"]["message"]
+    assert not any(b.received for b in stack.backends)
+    got, _ = await _post(stack, _completion("fine"))
+    assert got == 200
+
+
+async def test_forged_destination_headers_are_ignored(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    outsider = stack.backends[2]  # running, but not in the pool
+    forged = {
+        "x-gateway-destination-endpoint": outsider.hostport,
+        "x-gateway-destination-endpoint-subset": outsider.hostport,
+        "x-gateway-destination-endpoint-fallback": outsider.hostport,
+    }
+    for i in range(6):
+        status, answer = await _post(stack, _completion(f"forged {i}"), headers=forged)
+        assert status == 200
+        assert answer["port"] != outsider.port
+        seen = answer["headers"]
+        assert seen["x-gateway-destination-endpoint"] == f"127.0.0.1:{answer['port']}"
+        assert "x-gateway-destination-endpoint-subset" not in seen
+        assert "x-gateway-destination-endpoint-fallback" not in seen
+    assert not outsider.received
+
+
+async def test_200_concurrent_requests_all_succeed(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    bodies = [_completion(f"concurrent {i} " + "p" * (i * 37 % 3000)) for i in range(200)]
+    results = await asyncio.gather(*(_post(stack, body) for body in bodies))
+    assert [status for status, _ in results] == [200] * 200
+    for body, (_, answer) in zip(bodies, results):
+        assert answer["body_sha256"] == hashlib.sha256(body).hexdigest()
+
+
+async def test_buffered_request_bodies_work(make_stack: StackFactory) -> None:
+    stack = await make_stack(request_body_mode="BUFFERED")
+    body = _completion("b" * 300_000)
+    status, answer = await _post(stack, body)
+    assert status == 200, answer
+    assert answer["body_sha256"] == hashlib.sha256(body).hexdigest()
+    assert stack.recorder.picks[answer["headers"]["x-request-id"]][0].port == answer["port"]
+    got, answer = await _post(stack, b"{oops")
+    assert got == 400
+
+
+async def test_tls_to_the_picker(make_stack: StackFactory) -> None:
+    stack = await make_stack(tls=True)
+    status, answer = await _post(stack, _completion("over tls"))
+    assert status == 200, answer
+    assert stack.recorder.picks[answer["headers"]["x-request-id"]][0].port == answer["port"]
+
+
+async def test_fallback_endpoints_are_listed_and_the_primary_is_used(make_stack: StackFactory) -> None:
+    config = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: random-picker
+  parameters: {maxNumOfEndpoints: 2}
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: random-picker}]
+"""
+    stack = await make_stack(config_text=config)
+    status, answer = await _post(stack, _completion("two"))
+    assert status == 200
+    picked = stack.recorder.picks[answer["headers"]["x-request-id"]]
+    assert len(picked) == 2
+    assert answer["port"] == picked[0].port
+
+
+async def test_picker_down_fail_closed_answers_5xx(make_stack: StackFactory) -> None:
+    stack = await make_stack(picker=False, picker_port=free_port())
+    status, _ = await _post(stack, _completion("nobody home"))
+    assert 500 <= status < 600
+    assert not any(b.received for b in stack.backends)
+
+
+async def test_picker_down_fail_open_reaches_a_pool_member_never_a_forged_one(make_stack: StackFactory) -> None:
+    stack = await make_stack(picker=False, picker_port=free_port(), fail_open=True)
+    outsider = stack.backends[2]
+    pool_ports = {b.port for b in stack.backends[:2]}
+    for i in range(6):
+        status, answer = await _post(
+            stack, _completion(f"open {i}"), headers={"x-gateway-destination-endpoint": outsider.hostport}
+        )
+        assert status == 200, answer
+        assert answer["port"] in pool_ports
+    assert not outsider.received
