@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from epp.datastore import parse_endpoints, read_endpoints_file
+from epp.datastore import check_unique, parse_endpoints, read_endpoints_file
 from epp.goflags import FlagError, FlagSet, make_flag
 from epp.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 
@@ -72,10 +72,13 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
             raise FlagError(f"--config-file: {exc}") from None
     try:
         endpoints = parse_endpoints(values["endpoints"])
-        if values["endpoints-file"]:
-            endpoints += read_endpoints_file(values["endpoints-file"])
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         raise FlagError(f"--endpoints: {exc}") from None
+    if values["endpoints-file"]:
+        try:
+            endpoints = check_unique(endpoints + read_endpoints_file(values["endpoints-file"]))
+        except (OSError, ValueError) as exc:
+            raise FlagError(f"--endpoints-file: {exc}") from None
     if values["zap-encoder"] not in ("console", "json"):
         raise FlagError(f"--zap-encoder must be console or json, got {values['zap-encoder']!r}")
     if values["max-request-body-bytes"] < 1:
@@ -91,7 +94,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         config_text=config_text,
         max_request_body_bytes=values["max-request-body-bytes"],
         pool_name=values["pool-name"],
-        pool_namespace=values["pool-namespace"] or os.environ.get("NAMESPACE", "default"),
+        pool_namespace=values["pool-namespace"] or os.environ.get("NAMESPACE") or "default",
         verbosity=values["v"],
         log_format=values["zap-encoder"],
         shutdown_grace_seconds=values["shutdown-grace-period"],

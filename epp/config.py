@@ -8,6 +8,7 @@ valid, because a silently ignored line is a routing policy nobody asked for.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -133,11 +134,11 @@ def _profile(raw: Any, index: int, plugins: Mapping[str, object]) -> Profile:
             raise ConfigError(f"{ref_where} must be a mapping with pluginRef and optionally weight")
         _check_keys(ref, {"pluginRef", "weight"}, ref_where)
         name = ref.get("pluginRef")
-        if name not in plugins:
+        if not isinstance(name, str) or name not in plugins:
             raise ConfigError(f"{ref_where}: pluginRef {name!r} names no plugin; defined: {', '.join(plugins)}")
         plugin = plugins[name]
         weight = ref.get("weight", 1)
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"{ref_where}: weight must be a non-negative number, got {weight!r}")
         if isinstance(plugin, Picker):
             pickers.append(plugin)

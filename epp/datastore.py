@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-__all__ = ["Datastore", "Endpoint", "parse_endpoints", "read_endpoints_file"]
+__all__ = ["Datastore", "Endpoint", "check_unique", "parse_endpoint", "parse_endpoints", "read_endpoints_file"]
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 
@@ -46,14 +46,17 @@ def parse_endpoint(text: str) -> Endpoint:
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
         raise ValueError(f"endpoint {text!r} is not ip:port")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"endpoint {text!r}: write an IPv6 address in brackets, as [address]:port")
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         raise ValueError(
             f"endpoint {text!r}: {host!r} is not an IP address (Envoy's ORIGINAL_DST cluster dials IPs, not names)"
         ) from None
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise ValueError(f"endpoint {text!r}: port must be 1-65535")
     endpoint = Endpoint(name="", address=str(address), port=int(port_text))
     return Endpoint(name=endpoint.hostport, address=endpoint.address, port=endpoint.port)
@@ -61,7 +64,11 @@ def parse_endpoint(text: str) -> Endpoint:
 
 def parse_endpoints(text: str) -> list[Endpoint]:
     """A comma- or whitespace-separated list of ``ip:port``; duplicates are an error."""
-    endpoints = [parse_endpoint(item) for item in text.replace(",", " ").split()]
+    return check_unique([parse_endpoint(item) for item in text.replace(",", " ").split()])
+
+
+def check_unique(endpoints: list[Endpoint]) -> list[Endpoint]:
+    """``endpoints`` itself; ValueError naming the first endpoint listed twice."""
     seen: set[str] = set()
     for endpoint in endpoints:
         if endpoint.hostport in seen:

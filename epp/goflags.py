@@ -36,18 +36,41 @@ class Flag:
     implemented: bool = True  # accepted for compatibility, but has no effect yet
 
 
+def _go_int(text: str) -> int | None:
+    """Go's strconv.ParseInt(text, 0, 64): 0x/0o/0b prefixes, a bare leading 0 means octal, no spaces."""
+    if not text or text != text.strip():
+        return None
+    digits = text.lstrip("+-")
+    try:
+        if len(digits) > 1 and digits[0] == "0" and digits[1].isdigit():
+            value = int(text.replace(digits, "0o" + digits[1:], 1), 0)
+        else:
+            value = int(text, 0)
+    except ValueError:
+        return None
+    return value if -(2**63) <= value < 2**63 else None
+
+
+def _go_default(flag: Flag) -> str:
+    if flag.kind is bool:
+        return "true" if flag.default else "false"
+    if flag.kind is str:
+        return f'"{flag.default}"'
+    return str(flag.default)
+
+
 def _convert(flag: Flag, text: str) -> Any:
     if flag.kind is bool:
         if text in _TRUE:
             return True
         if text in _FALSE:
             return False
-        raise FlagError(f'invalid boolean value "{text}" for -{flag.name}')
+        raise FlagError(f'invalid boolean value "{text}" for -{flag.name}: parse error')
     if flag.kind is int:
-        try:
-            return int(text, 0)
-        except ValueError:
-            raise FlagError(f'invalid value "{text}" for flag -{flag.name}: parse error') from None
+        value = _go_int(text)
+        if value is None:
+            raise FlagError(f'invalid value "{text}" for flag -{flag.name}: parse error')
+        return value
     if flag.kind is float:
         try:
             return float(text)
@@ -102,7 +125,7 @@ class FlagSet:
             flag = self.flags[name]
             kind = "" if flag.kind is bool else f" {flag.kind.__name__}"
             note = "" if flag.implemented else " (accepted for compatibility; no effect yet)"
-            lines.append(f"  -{name}{kind}\n    \t{flag.help}{note} (default {flag.default!r})")
+            lines.append(f"  -{name}{kind}\n    \t{flag.help}{note} (default {_go_default(flag)})")
         return "\n".join(lines)
 
 

@@ -1,0 +1,249 @@
+"""The pool (epp.datastore): endpoint parsing, immutable snapshots and change listeners."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from epp.datastore import Datastore, Endpoint, parse_endpoint, parse_endpoints, read_endpoints_file
+
+
+def _ep(hostport: str) -> Endpoint:
+    return parse_endpoint(hostport)
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "address", "port", "hostport"),
+    [
+        ("10.0.0.1:8000", "10.0.0.1", 8000, "10.0.0.1:8000"),
+        ("  10.0.0.1:8000\n", "10.0.0.1", 8000, "10.0.0.1:8000"),
+        ("127.0.0.1:1", "127.0.0.1", 1, "127.0.0.1:1"),
+        ("127.0.0.1:65535", "127.0.0.1", 65535, "127.0.0.1:65535"),
+        ("[fd00::1]:8000", "fd00::1", 8000, "[fd00::1]:8000"),
+        ("[::1]:8000", "::1", 8000, "[::1]:8000"),
+        # addresses are normalised, so the same pod is always the same hostport
+        ("[FD00:0:0::0001]:8000", "fd00::1", 8000, "[fd00::1]:8000"),
+        ("[10.0.0.1]:8000", "10.0.0.1", 8000, "10.0.0.1:8000"),
+    ],
+)
+def test_parse_endpoint(text: str, address: str, port: int, hostport: str) -> None:
+    endpoint = parse_endpoint(text)
+    assert endpoint == Endpoint(name=hostport, address=address, port=port)
+    assert endpoint.hostport == hostport
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("10.0.0.1", "endpoint '10.0.0.1' is not ip:port"),
+        (":8000", "endpoint ':8000' is not ip:port"),
+        ("", "endpoint '' is not ip:port"),
+        (
+            "pod-a.default.svc:8000",
+            "endpoint 'pod-a.default.svc:8000': 'pod-a.default.svc' is not an IP address "
+            "(Envoy's ORIGINAL_DST cluster dials IPs, not names)",
+        ),
+        ("localhost:8000", "endpoint 'localhost:8000': 'localhost' is not an IP address"),
+        ("10.0.0.256:8000", "endpoint '10.0.0.256:8000': '10.0.0.256' is not an IP address"),
+        ("[fd00::1:8000", "endpoint '[fd00::1:8000': write an IPv6 address in brackets, as [address]:port"),
+        ("10.0.0.1:0", "endpoint '10.0.0.1:0': port must be 1-65535"),
+        ("10.0.0.1:65536", "endpoint '10.0.0.1:65536': port must be 1-65535"),
+        ("10.0.0.1:", "endpoint '10.0.0.1:': port must be 1-65535"),
+        ("10.0.0.1:http", "endpoint '10.0.0.1:http': port must be 1-65535"),
+        ("10.0.0.1:-1", "endpoint '10.0.0.1:-1': port must be 1-65535"),
+        ("10.0.0.1:+80", "endpoint '10.0.0.1:+80': port must be 1-65535"),
+    ],
+)
+def test_parse_endpoint_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_endpoint(text)
+    assert str(info.value).startswith(message)
+
+
+# str.isdigit() is true for non-ASCII digits ("٣٠٠٠", "²"): ports must be ASCII.
+@pytest.mark.parametrize("text", ["10.0.0.1:٣٠٠٠", "10.0.0.1:²"])
+def test_parse_endpoint_rejects_non_ascii_port_digits(text: str) -> None:
+    with pytest.raises(ValueError, match="port must be 1-65535"):
+        parse_endpoint(text)
+
+
+# "fd00::1:8000" is ambiguous (it is also a whole IPv6 address); Go's net.SplitHostPort rejects it.
+@pytest.mark.parametrize("text", ["fd00::1:8000", "::1:8000"])
+def test_parse_endpoint_rejects_unbracketed_ipv6(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_endpoint(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "hostports"),
+    [
+        ("", []),
+        ("  ,, ", []),
+        ("10.0.0.1:8000", ["10.0.0.1:8000"]),
+        ("10.0.0.1:8000,10.0.0.2:8000", ["10.0.0.1:8000", "10.0.0.2:8000"]),
+        ("10.0.0.2:8000 10.0.0.1:8000", ["10.0.0.2:8000", "10.0.0.1:8000"]),  # order kept
+        ("10.0.0.1:8000,\n\t[fd00::1]:8000", ["10.0.0.1:8000", "[fd00::1]:8000"]),
+        ("10.0.0.1:8000,10.0.0.1:8001", ["10.0.0.1:8000", "10.0.0.1:8001"]),  # same pod, two ports
+    ],
+)
+def test_parse_endpoints(text: str, hostports: list[str]) -> None:
+    assert [e.hostport for e in parse_endpoints(text)] == hostports
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("10.0.0.1:8000,10.0.0.1:8000", "endpoint 10.0.0.1:8000 is listed twice"),
+        ("[fd00::1]:8000 [FD00::0001]:8000", "endpoint [fd00::1]:8000 is listed twice"),
+        ("10.0.0.1:8000,pod:8000", "endpoint 'pod:8000': 'pod' is not an IP address"),
+    ],
+)
+def test_parse_endpoints_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_endpoints(text)
+    assert str(info.value).startswith(message)
+
+
+def test_read_endpoints_file(tmp_path: Path) -> None:
+    path = tmp_path / "pool.txt"
+    path.write_text("# pool for tests\n10.0.0.1:8000 # a\n\n  10.0.0.2:8000, 10.0.0.3:8000\n#10.0.0.9:8000\n")
+    assert [e.hostport for e in read_endpoints_file(path)] == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    assert read_endpoints_file(str(path)) == read_endpoints_file(path)
+
+
+def test_read_endpoints_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        read_endpoints_file(tmp_path / "missing.txt")
+    path = tmp_path / "dup.txt"
+    path.write_text("10.0.0.1:8000\n10.0.0.1:8000 # again\n")
+    with pytest.raises(ValueError, match="listed twice"):
+        read_endpoints_file(path)
+
+
+# -- the datastore ------------------------------------------------------------------------------
+
+A, B, C = _ep("10.0.0.1:8000"), _ep("10.0.0.2:8000"), _ep("10.0.0.3:8000")
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]] = []
+
+    def __call__(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
+        self.calls.append((added, removed))
+
+
+def test_new_datastore() -> None:
+    assert Datastore().endpoints() == ()
+    assert not Datastore().ready
+    store = Datastore([A, B])
+    assert store.endpoints() == (A, B)
+    assert store.ready
+
+
+def test_replace_upsert_remove_notify_listeners() -> None:
+    store = Datastore([A])
+    recorder = _Recorder()
+    store.subscribe(recorder)
+
+    store.replace([A, B, C])
+    assert store.endpoints() == (A, B, C)
+    store.remove(B.name)
+    assert store.endpoints() == (A, C)
+    store.upsert(B)
+    assert store.endpoints() == (A, C, B)
+    store.replace([C])
+    assert store.endpoints() == (C,)
+    store.replace([])
+    assert store.endpoints() == ()
+    assert not store.ready
+
+    assert recorder.calls == [
+        ((B, C), ()),
+        ((), (B,)),
+        ((B,), ()),
+        ((), (A, B)),
+        ((), (C,)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda store: store.replace([A, B]),
+        lambda store: store.replace([B, A]),  # same set, other order
+        lambda store: store.upsert(A),
+        lambda store: store.upsert(_ep("10.0.0.1:8000")),  # equal, not identical
+        lambda store: store.remove("10.0.0.9:8000"),
+    ],
+)
+def test_no_change_notifies_nobody(change) -> None:  # type: ignore[no-untyped-def]
+    store = Datastore([A, B])
+    recorder = _Recorder()
+    store.subscribe(recorder)
+    change(store)
+    assert recorder.calls == []
+    assert set(store.endpoints()) == {A, B}
+
+
+def test_upsert_of_a_changed_endpoint_reports_it_added_and_removed() -> None:
+    store = Datastore([A])
+    recorder = _Recorder()
+    store.subscribe(recorder)
+    relabelled = Endpoint(name=A.name, address=A.address, port=A.port, labels={"zone": "b"})
+    store.upsert(relabelled)
+    assert store.endpoints() == (relabelled,)
+    assert recorder.calls == [((relabelled,), (A,))]
+
+
+def test_every_listener_hears_every_change() -> None:
+    store = Datastore()
+    first, second = _Recorder(), _Recorder()
+    store.subscribe(first)
+    store.subscribe(second)
+    store.upsert(A)
+    assert first.calls == second.calls == [((A,), ())]
+
+
+def test_listener_sees_the_new_state() -> None:
+    store = Datastore()
+    seen: list[tuple[Endpoint, ...]] = []
+    store.subscribe(lambda added, removed: seen.append(store.endpoints()))
+    store.upsert(A)
+    assert seen == [(A,)]
+
+
+def test_snapshots_are_immutable() -> None:
+    store = Datastore([A, B])
+    snapshot = store.endpoints()
+    by_hostport = store.by_hostport()
+    store.upsert(C)
+    store.remove(A.name)
+    store.replace([])
+    assert snapshot == (A, B)
+    assert dict(by_hostport) == {"10.0.0.1:8000": A, "10.0.0.2:8000": B}
+    assert isinstance(snapshot, tuple)
+    with pytest.raises(TypeError):
+        by_hostport["10.0.0.3:8000"] = C  # type: ignore[index]
+
+
+def test_by_hostport() -> None:
+    v6 = _ep("[fd00::1]:8000")
+    store = Datastore([A, v6])
+    assert dict(store.by_hostport()) == {"10.0.0.1:8000": A, "[fd00::1]:8000": v6}
+    store.remove(A.name)
+    assert dict(store.by_hostport()) == {"[fd00::1]:8000": v6}
+    assert dict(Datastore().by_hostport()) == {}
+
+
+def test_ready_follows_the_pool() -> None:
+    store = Datastore()
+    assert store.ready is False
+    store.upsert(A)
+    assert store.ready is True
+    store.remove(A.name)
+    assert store.ready is False
