@@ -95,8 +95,8 @@ class Director:
         if not endpoints:
             raise EppError(Reason.NO_ENDPOINT, f"no endpoint can take this request ({len(candidates)} candidates filtered out)")
         self.metrics.scheduler_e2e.observe(time.perf_counter() - started)
-        self.metrics.running_requests.labels(request.model).inc()
+        self.metrics.for_model(request.model).running.inc()
         return Routing(self, request, endpoints)
 
     def _finished(self, routing: Routing, outcome: str) -> None:
-        self.metrics.running_requests.labels(routing.request.model).dec()
+        self.metrics.for_model(routing.request.model).running.dec()

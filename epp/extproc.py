@@ -145,6 +145,8 @@ def _subset_hint(request: pb.ProcessingRequest) -> list[str] | None:
     The protocol puts a list of ``ip:port`` strings there; a single comma-separated string is
     accepted too.
     """
+    if not request.HasField("metadata_context"):
+        return None
     namespaces = request.metadata_context.filter_metadata
     if SUBSET_HINT_NAMESPACE not in namespaces:
         return None
@@ -284,11 +286,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def _route(self, headers: dict[str, str], body: bytes, subset: list[str] | None) -> Routing:
         request = parse_request(headers, body, base_models=self._director.base_models)
         routing = await self._director.route(request, subset)
-        metrics = self._metrics
-        metrics.request_total.labels(request.model, request.model).inc()
-        metrics.request_outcome_total.labels("routed").inc()
+        per_model = self._metrics.for_model(request.model)
+        per_model.requests.inc()
+        self._metrics.routed.inc()
         if body:
-            metrics.request_sizes.labels(request.model, request.model).observe(len(body))
+            per_model.sizes.observe(len(body))
         return routing
 
     def _request_answer(

@@ -6,9 +6,14 @@ served on ``--metrics-port`` by :func:`start_metrics_server`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-__all__ = ["Metrics", "start_metrics_server"]
+__all__ = ["Metrics", "ModelMetrics", "start_metrics_server"]
+
+# Model names come from clients; past this many, series are still recorded but not cached.
+_MAX_CACHED_MODELS = 1024
 
 # Scheduling takes tens of microseconds to a few milliseconds: resolve that range finely.
 _SCHEDULER_BUCKETS = (
@@ -63,6 +68,28 @@ class Metrics:
         self.ready_pods = Gauge(
             "inference_pool_ready_pods", "Endpoints in the pool that can take requests.", ["name"], registry=r
         )
+        self.routed = self.request_outcome_total.labels("routed")
+        self._per_model: dict[str, ModelMetrics] = {}
+
+    def for_model(self, model: str) -> ModelMetrics:
+        """The per-model series of ``model``, resolved once: ``labels()`` costs microseconds per call."""
+        found = self._per_model.get(model)
+        if found is None:
+            found = ModelMetrics(
+                requests=self.request_total.labels(model, model),
+                sizes=self.request_sizes.labels(model, model),
+                running=self.running_requests.labels(model),
+            )
+            if len(self._per_model) < _MAX_CACHED_MODELS:
+                self._per_model[model] = found
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMetrics:
+    requests: Counter
+    sizes: Histogram
+    running: Gauge
 
 
 def start_metrics_server(metrics: Metrics, port: int, address: str = "0.0.0.0") -> None:
