@@ -100,6 +100,7 @@ __all__ = [
     "BootstrapOptions",
     "main",
     "render",
+    "render_round_robin",
     "render_yaml",
 ]
 
@@ -405,6 +406,43 @@ def render(options: BootstrapOptions) -> dict[str, Any]:
     return {
         "admin": {"address": _socket_address(options.admin_address, options.admin_port)},
         "static_resources": {"listeners": [_listener(options)], "clusters": clusters},
+    }
+
+
+def render_round_robin(options: BootstrapOptions) -> dict[str, Any]:
+    """The same listener with no picker: Envoy alone, round robin over `pool_endpoints`.
+
+    The baseline benchmarks compare against (what the gateway costs without ext_proc, and the
+    routing quality of plain load balancing).
+    """
+    if not options.pool_endpoints:
+        raise ValueError("render_round_robin needs pool_endpoints")
+    connection_manager = _typed(
+        "envoy.filters.network.http_connection_manager",
+        "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        stat_prefix="ingress_http",
+        codec_type="AUTO",
+        stream_idle_timeout="600s",
+        route_config={
+            "name": "round_robin",
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": FALLBACK_CLUSTER, "timeout": "0s"}}],
+                }
+            ],
+        },
+        http_filters=[_typed("envoy.filters.http.router", "extensions.filters.http.router.v3.Router")],
+    )
+    listener = {
+        "name": "ingress",
+        "address": _socket_address(options.listen_address, options.listen_port),
+        "filter_chains": [{"filters": [connection_manager]}],
+    }
+    return {
+        "admin": {"address": _socket_address(options.admin_address, options.admin_port)},
+        "static_resources": {"listeners": [listener], "clusters": [_fallback_cluster(options)]},
     }
 
 
