@@ -1,0 +1,89 @@
+"""``python -m epp.sim``: serve simulated vLLM pods until SIGTERM or SIGINT.
+
+Prints one line per pod, ``pod-<i> http://127.0.0.1:<port>``, once every pod listens; exits 0 on a signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+from epp.sim.config import EngineConfig
+from epp.sim.pool import SimulatedPool
+
+_DEFAULTS = EngineConfig()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m epp.sim", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--pods", type=int, default=1, help="number of simulated pods")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--base-port", type=int, default=0, help="pod i listens on base-port + i; 0 = ephemeral ports")
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of the synthetic outputs")
+    p.add_argument("--time-scale", type=float, default=_DEFAULTS.time_scale,
+                   help="wall seconds per simulated second (0.1 = 10x faster)")
+    p.add_argument("--model", default=_DEFAULTS.model, help="served (base) model name")
+    p.add_argument("--lora-adapters", default="", help="comma-separated adapter names served by every pod")
+    p.add_argument("--enable-lora", action="store_true", help="allow /v1/load_lora_adapter without adapters")
+    p.add_argument("--max-loras", type=int, default=_DEFAULTS.max_loras, help="LoRA adapters in a batch / GPU slots")
+    p.add_argument("--lora-load-time", type=float, default=_DEFAULTS.lora_load_s, help="seconds to load an adapter")
+    p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="running requests per pod")
+    p.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens,
+                   help="tokens per engine step")
+    p.add_argument("--num-gpu-blocks", type=int, default=_DEFAULTS.num_gpu_blocks, help="KV blocks per pod")
+    p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="context length")
+    p.add_argument("--mean-output-tokens", type=int, default=_DEFAULTS.mean_output_tokens,
+                   help="mean output length when max_tokens allows (end-of-sequence probability 1/this)")
+    return p
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        lora_adapters=tuple(a for a in args.lora_adapters.split(",") if a),
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        lora_load_s=args.lora_load_time,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_gpu_blocks=args.num_gpu_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        mean_output_tokens=args.mean_output_tokens,
+        time_scale=args.time_scale,
+        seed=args.seed,
+    )
+
+
+async def _serve(pool: SimulatedPool) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await pool.start()
+    try:
+        for pod in pool:
+            print(f"{pod.name} {pod.url}", flush=True)
+        await stop.wait()
+    finally:
+        await pool.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        pool = SimulatedPool(args.pods, _config(args), base_port=args.base_port, host=args.host)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(pool))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""The OpenAI-compatible HTTP API of one simulated pod: the part of vLLM's server that routers and clients use.
+
+Endpoints
+---------
+* ``POST /v1/completions`` (``prompt``: a string, a list of strings (one choice each) or a list of token ids)
+  and ``POST /v1/chat/completions`` (``messages`` with string content or ``[{"type": "text", "text": ...}]``
+  parts). Both honour ``model``, ``max_tokens`` (chat also ``max_completion_tokens``), ``ignore_eos``,
+  ``stream`` and ``stream_options.include_usage``; ``n`` must be 1; other sampling fields are accepted and
+  ignored. Non-streaming responses are one JSON object with ``usage``; streaming responses are Server-Sent
+  Events, one ``data: {...}`` chunk per generated token as the engine produces it (chat starts with a role
+  chunk), then a usage chunk with empty ``choices`` if asked, then ``data: [DONE]``.
+* ``GET /v1/models`` (base model and served adapters), ``GET /health``, ``GET /metrics``
+  (:mod:`epp.sim.metrics`), and vLLM's runtime adapter endpoints ``POST /v1/load_lora_adapter`` and
+  ``POST /v1/unload_lora_adapter`` (``{"lora_name": ..., "lora_path": ...}``; need LoRA enabled).
+* Errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed body or an
+  invalid request, 404 for an unknown model, 503 when the pod shuts down mid-request.
+
+Headers for tests of a router: every response carries ``x-sim-pod: <pod name>``; every response to a POST
+carries ``x-sim-body-sha256`` (SHA-256 of the body as received) and ``x-sim-prefix-hit-tokens`` (prompt tokens
+found in the prefix cache when the request was admitted; 0 if it never was). Because of the latter, a
+streaming response sends its headers when the request is admitted to the batch, not when it arrives.
+
+A client that disconnects aborts its request (``finished_reason="abort"``), as with vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import numpy as np
+from aiohttp import web
+
+from epp.sim.engine import Engine
+from epp.sim.metrics import CONTENT_TYPE, HttpStats, MetricsPage
+from epp.sim.request import SimRequest, Sink
+from epp.sim.tokens import render_chat, render_completion
+
+__all__ = ["build_app"]
+
+_MAX_BODY = 16 << 20  # bytes; prompts of a few hundred KB are expected, keep headroom
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class _StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _GenerationBody(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    ignore_eos: bool = False
+
+
+class _CompletionBody(_GenerationBody):
+    prompt: str | list[str | int]
+
+
+class _Part(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class _Message(msgspec.Struct):
+    role: str
+    content: str | list[_Part] | None = None
+
+
+class _ChatBody(_GenerationBody):
+    messages: list[_Message]
+    max_completion_tokens: int | None = None
+
+
+class _AdapterBody(msgspec.Struct):
+    lora_name: str
+    lora_path: str = ""
+
+
+class _BadRequest(Exception):
+    pass
+
+
+_ENGINE = web.AppKey("engine", Engine)
+_POD = web.AppKey("pod", str)
+_HTTP = web.AppKey("http", HttpStats)
+_PAGE = web.AppKey("page", MetricsPage)
+_SHA = web.RequestKey("sha", str)
+_HITS = web.RequestKey("prefix_hits", int)
+
+_encode = msgspec.json.encode
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.Response(status=status, body=_encode(body), content_type="application/json")
+
+
+def _json(obj: object) -> web.Response:
+    return web.Response(body=_encode(obj), content_type="application/json")
+
+
+async def _read_body(request: web.Request) -> bytes:
+    body = await request.read()
+    request[_SHA] = hashlib.sha256(body).hexdigest()
+    return body
+
+
+def _completion_prompts(body: _CompletionBody) -> list[np.ndarray]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [render_completion(prompt)]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return [render_completion(p) for p in prompt if isinstance(p, str)]
+    if prompt and all(isinstance(p, int) and 0 <= p < 2**32 for p in prompt):
+        return [np.array(prompt, dtype=np.uint32)]
+    raise _BadRequest("prompt must be a string, a non-empty list of strings or a list of token ids")
+
+
+def _chat_prompt(body: _ChatBody) -> np.ndarray:
+    if not body.messages:
+        raise _BadRequest("messages must not be empty")
+    rendered: list[tuple[str, str]] = []
+    for m in body.messages:
+        if m.content is None or isinstance(m.content, str):
+            rendered.append((m.role, m.content or ""))
+            continue
+        texts = []
+        for part in m.content:
+            if part.type != "text" or part.text is None:
+                raise _BadRequest(f"unsupported content part type {part.type!r}: the simulator takes text only")
+            texts.append(part.text)
+        rendered.append((m.role, "\n".join(texts)))
+    return render_chat(rendered)
+
+
+def _usage(reqs: list[SimRequest]) -> dict[str, int]:
+    prompt = sum(r.prompt_len for r in reqs)
+    completion = sum(r.num_output for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Generation:
+    """One generation HTTP request: its engine requests and how to render them."""
+
+    def __init__(self, request: web.Request, chat: bool) -> None:
+        self.request = request
+        self.chat = chat
+        self.engine = request.app[_ENGINE]
+        self.sink = Sink()
+        self.reqs: list[SimRequest] = []
+        self.created = int(time.time())
+        self.model = ""
+        self.id = ""
+
+    async def handle(self) -> web.StreamResponse:
+        body = await _read_body(self.request)
+        try:
+            parsed = msgspec.json.decode(body, type=_ChatBody if self.chat else _CompletionBody)
+        except msgspec.DecodeError as exc:
+            return _error(400, f"invalid request body: {exc}", "BadRequestError")
+        if not self.engine.serves(parsed.model):
+            return _error(404, f"The model `{parsed.model}` does not exist.", "NotFoundError", "model")
+        max_tokens = parsed.max_tokens
+        try:
+            if parsed.n != 1:
+                raise _BadRequest("the simulator supports n=1 only")
+            if isinstance(parsed, _ChatBody):
+                prompts = [_chat_prompt(parsed)]
+                if parsed.max_completion_tokens is not None:
+                    max_tokens = parsed.max_completion_tokens
+            else:
+                prompts = _completion_prompts(parsed)
+            self.reqs = [
+                self.engine.new_request(parsed.model, ids, max_tokens=max_tokens, ignore_eos=parsed.ignore_eos,
+                                        sink=self.sink)
+                for ids in prompts
+            ]
+        except (_BadRequest, ValueError) as exc:
+            return _error(400, str(exc), "BadRequestError")
+        self.model = parsed.model
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{self.request.app[_POD]}-{self.reqs[0].request_id}"
+        for req in self.reqs:
+            self.engine.submit(req)
+        try:
+            if parsed.stream:
+                options = parsed.stream_options
+                return await self._stream(options is not None and options.include_usage)
+            return await self._complete()
+        finally:
+            for req in self.reqs:
+                if not req.finished:
+                    self.engine.abort(req)
+
+    def _record_hits(self) -> None:
+        self.request[_HITS] = sum(r.prefix_hit_tokens or 0 for r in self.reqs)
+
+    async def _complete(self) -> web.StreamResponse:
+        while not all(r.finished for r in self.reqs):
+            await self.sink.wait()
+        self._record_hits()
+        if any(r.finish_reason == "abort" for r in self.reqs):
+            return _error(503, "the simulated pod shut down before the request finished", "ServiceUnavailableError")
+        if self.chat:
+            choices: list[dict[str, object]] = [
+                {"index": i, "message": {"role": "assistant", "content": r.text()}, "logprobs": None,
+                 "finish_reason": r.finish_reason}
+                for i, r in enumerate(self.reqs)
+            ]
+        else:
+            choices = [
+                {"index": i, "text": r.text(), "logprobs": None, "finish_reason": r.finish_reason, "stop_reason": None}
+                for i, r in enumerate(self.reqs)
+            ]
+        obj = "chat.completion" if self.chat else "text_completion"
+        return _json({"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                      "choices": choices, "usage": _usage(self.reqs)})
+
+    def _chunk(self, choices: list[dict[str, object]], **extra: object) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        chunk.update(extra)
+        return b"data: " + _encode(chunk) + b"\n\n"
+
+    def _token_chunk(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        if self.chat:
+            choice: dict[str, object] = {"index": index, "delta": {"content": text}, "logprobs": None,
+                                         "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": None}
+        return self._chunk([choice])
+
+    async def _stream(self, include_usage: bool) -> web.StreamResponse:
+        # The prefix-hit header is known at admission: wait for it before the headers go out.
+        while not all(r.prefix_hit_tokens is not None or r.finished for r in self.reqs):
+            await self.sink.wait()
+        self._record_hits()
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(self.request)
+        if self.chat:
+            await resp.write(b"".join(
+                self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+                for i in range(len(self.reqs))
+            ))
+        sent = [0] * len(self.reqs)
+        while True:
+            out = []
+            for i, r in enumerate(self.reqs):
+                upto = r.num_output
+                for k in range(sent[i], upto):
+                    last = r.finished and k == upto - 1
+                    out.append(self._token_chunk(i, r.plan.words[k], r.finish_reason if last else None))
+                sent[i] = upto
+            if out:
+                await resp.write(b"".join(out))
+            if all(r.finished for r in self.reqs):
+                break
+            await self.sink.wait()
+        if include_usage:
+            await resp.write(self._chunk([], usage=_usage(self.reqs)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _Generation(request, chat=False).handle()
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _Generation(request, chat=True).handle()
+
+
+async def _models(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    cfg = engine.config
+    created = int(engine.stats.created)
+
+    def card(name: str, parent: str | None) -> dict[str, object]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
+                "parent": parent, "max_model_len": cfg.max_model_len}
+
+    data = [card(cfg.model, None)] + [card(a, cfg.model) for a in engine.adapters]
+    return _json({"object": "list", "data": data})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response()
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[_PAGE].render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _adapter_body(request: web.Request) -> _AdapterBody:
+    try:
+        return msgspec.json.decode(await _read_body(request), type=_AdapterBody)
+    except msgspec.DecodeError as exc:
+        raise _BadRequest(f"invalid request body: {exc}") from exc
+
+
+async def _load_adapter(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE]
+    try:
+        body = await _adapter_body(request)
+    except _BadRequest as exc:
+        return _error(400, str(exc), "BadRequestError")
+    if not engine.config.lora_enabled:
+        return _error(400, "LoRA is not enabled on this pod (start it with LoRA adapters or enable_lora)",
+                      "BadRequestError")
+    if not engine.load_adapter(body.lora_name):
+        return _error(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "InvalidUserInput")
+    return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+async def _unload_adapter(request: web.Request) -> web.Response:
+    try:
+        body = await _adapter_body(request)
+    except _BadRequest as exc:
+        return _error(400, str(exc), "BadRequestError")
+    if not request.app[_ENGINE].unload_adapter(body.lora_name):
+        return _error(404, f"The lora adapter '{body.lora_name}' cannot be found.", "NotFoundError")
+    return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _instrument(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Account the request in the HTTP metrics (as prometheus-fastapi-instrumentator does; not /metrics)."""
+    app = request.app
+    loop_time = app[_ENGINE].now
+    start = loop_time()
+    status, size = 500, 0
+    try:
+        resp = await handler(request)
+        status = resp.status
+        size = resp.content_length if resp.content_length is not None else resp.body_length
+        return resp
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "none"
+        if route != "/metrics":
+            app[_HTTP].record(route, request.method, status, request.content_length or 0, size, loop_time() - start)
+
+
+async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["x-sim-pod"] = request.app[_POD]
+    if request.method == "POST":
+        if _SHA not in request:  # a POST no handler read (unknown route, wrong method)
+            await _read_body(request)
+        response.headers["x-sim-body-sha256"] = request[_SHA]
+        response.headers["x-sim-prefix-hit-tokens"] = str(request.get(_HITS, 0))
+
+
+def build_app(engine: Engine, pod_name: str) -> web.Application:
+    """The aiohttp application of one pod (the engine is started and stopped by its owner)."""
+    app = web.Application(middlewares=[_instrument], client_max_size=_MAX_BODY)
+    http = HttpStats()
+    app[_ENGINE] = engine
+    app[_POD] = pod_name
+    app[_HTTP] = http
+    app[_PAGE] = MetricsPage(engine, http)
+    app.on_response_prepare.append(_on_prepare)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/v1/load_lora_adapter", _load_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", _unload_adapter)
+    return app

@@ -1,0 +1,120 @@
+"""A deterministic stand-in tokeniser, chat template and synthetic output generator.
+
+What is simulated
+-----------------
+* **Tokens.** One token is 4 bytes of UTF-8 text (OpenAI's rule of thumb is ~4 characters of English per
+  token). The id of a token is a 32-bit mix of those 4 bytes, computed for the whole prompt at once with numpy
+  (a 400 KB prompt tokenises in well under a millisecond). Equal text gives equal ids, so two prompts that
+  share a prefix share token ids up to the last whole 4-byte chunk of the common prefix, which is what the
+  prefix cache needs. A completions prompt is ``[BOS] + tokens(prompt)``.
+* **Chat template.** Each message is rendered as ``<start_header> role <end_header> content <eot>`` around
+  ``[BOS]``, followed by the generation prompt ``<start_header> assistant <end_header>`` (the shape of the
+  Llama 3 template). Each message's content is tokenised on its own, as a real tokeniser restarts at the
+  template's special tokens.
+* **Output.** Generated text is a sequence of 4-byte words (three letters and a space, the last word ends
+  with a full stop instead), one word per token. Tokenising that text gives back exactly the generated token
+  ids, so a follow-up chat turn that quotes the assistant's answer hits the KV blocks cached for it, as it does
+  on vLLM. The words and the number of tokens are a pure function of (seed, model, prompt, max_tokens,
+  ignore_eos): the same request gives the same answer on any pod, in any order.
+* **Length.** Unless ``ignore_eos`` is set, the model emits end-of-sequence with a fixed probability
+  ``1 / mean_output_tokens`` per token (a geometric length); the request stops at ``max_tokens`` otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+__all__ = ["BYTES_PER_TOKEN", "OutputPlan", "plan_output", "render_chat", "render_completion", "tokenize"]
+
+BYTES_PER_TOKEN = 4
+"""Bytes of UTF-8 text per token: the ~4 characters per token rule of thumb for English."""
+
+
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    # MurmurHash3's 32-bit finaliser: a cheap bijection with good avalanche, so ids look random.
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
+def tokenize(text: str) -> np.ndarray:
+    """Token ids (``uint32``) of ``text``: one id per 4 bytes of UTF-8, the last chunk zero-padded."""
+    data = text.encode("utf-8")
+    pad = -len(data) % BYTES_PER_TOKEN
+    if pad:
+        data += b"\0" * pad
+    return _fmix32(np.frombuffer(data, dtype="<u4"))
+
+
+def _special(name: str) -> int:
+    return xxhash.xxh32_intdigest(name.encode())
+
+
+_BOS = _special("<|begin_of_text|>")
+_START_HEADER = _special("<|start_header_id|>")
+_END_HEADER = _special("<|end_header_id|>")
+_EOT = _special("<|eot_id|>")
+
+
+def render_completion(prompt: str) -> np.ndarray:
+    """Prompt token ids of a completions request: BOS, then the prompt's tokens."""
+    return np.concatenate((np.array([_BOS], dtype=np.uint32), tokenize(prompt)))
+
+
+def _header(role: str) -> np.ndarray:
+    return np.concatenate(
+        (np.array([_START_HEADER], dtype=np.uint32), tokenize(role), np.array([_END_HEADER], dtype=np.uint32))
+    )
+
+
+def render_chat(messages: Sequence[tuple[str, str]]) -> np.ndarray:
+    """Prompt token ids of a chat request, from ``(role, content)`` pairs, ending in the generation prompt."""
+    parts = [np.array([_BOS], dtype=np.uint32)]
+    eot = np.array([_EOT], dtype=np.uint32)
+    for role, content in messages:
+        parts += (_header(role), tokenize(content), eot)
+    parts.append(_header("assistant"))
+    return np.concatenate(parts)
+
+
+# Every three-letter lowercase word: 26**3 = 17,576 output "tokens", each 4 bytes with its separator.
+_STEMS = tuple("".join(letters) for letters in itertools.product(string.ascii_lowercase, repeat=3))
+_WORDS = tuple(s + " " for s in _STEMS)
+_LAST_WORDS = tuple(s + "." for s in _STEMS)
+_WORD_IDS = tokenize("".join(_WORDS))
+_LAST_WORD_IDS = tokenize("".join(_LAST_WORDS))
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    """What a request will generate: one word and one token id per output token, and why it stops."""
+
+    words: tuple[str, ...]
+    token_ids: np.ndarray
+    finish_reason: str  # "stop" (end-of-sequence) or "length" (max_tokens reached)
+
+
+def plan_output(
+    prompt_ids: np.ndarray, *, model: str, seed: int, max_tokens: int, ignore_eos: bool, mean_output_tokens: int
+) -> OutputPlan:
+    """The deterministic output of a request (see the module docstring for the model)."""
+    key = xxhash.xxh3_64_intdigest(prompt_ids.tobytes(), seed=xxhash.xxh3_64_intdigest(model.encode()))
+    rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, key])
+    natural = max_tokens if ignore_eos else int(rng.geometric(1.0 / max(mean_output_tokens, 1)))
+    n = min(natural, max_tokens)
+    idx = rng.integers(0, len(_STEMS), size=n)
+    last = int(idx[-1])
+    words = [_WORDS[i] for i in idx[:-1].tolist()]
+    words.append(_LAST_WORDS[last])
+    token_ids = _WORD_IDS[idx]
+    token_ids[-1] = _LAST_WORD_IDS[last]
+    stopped = not ignore_eos and natural <= max_tokens
+    return OutputPlan(tuple(words), token_ids, "stop" if stopped else "length")

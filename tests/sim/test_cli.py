@@ -1,0 +1,47 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import epp.sim
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_public_api() -> None:
+    assert epp.sim.__all__ == ["Engine", "EngineConfig", "KVCache", "SimRequest", "SimulatedPod", "SimulatedPool"]
+
+
+def test_cli_serves_pods_until_sigterm() -> None:
+    args = [sys.executable, "-m", "epp.sim", "--pods", "2", "--base-port", "0", "--seed", "1", "--time-scale", "0.1",
+            "--max-num-seqs", "4", "--lora-adapters", "a,b", "--max-loras", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        lines = [proc.stdout.readline().split() for _ in range(2)]
+        assert [name for name, _ in lines] == ["pod-0", "pod-1"]
+        for name, url in lines:
+            assert url.startswith("http://127.0.0.1:")
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                assert r.headers["x-sim-pod"] == name
+                assert [m["id"] for m in json.load(r)["data"]][1:] == ["a", "b"]
+            request = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+                {"model": "a", "prompt": "hi", "max_tokens": 3}).encode(), headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=5) as r:
+                assert json.load(r)["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_rejects_an_impossible_config() -> None:
+    args = [sys.executable, "-m", "epp.sim", "--num-gpu-blocks", "1", "--max-model-len", "1024"]
+    result = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=30,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2 and "cannot hold" in result.stderr

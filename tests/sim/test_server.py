@@ -1,0 +1,317 @@
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epp.sim import EngineConfig, SimulatedPool
+
+MODEL = EngineConfig().model
+FAST = 0.05  # wall seconds per simulated second
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+@pytest.fixture
+async def make_pool() -> AsyncIterator[Callable[..., object]]:
+    pools: list[SimulatedPool] = []
+
+    async def make(n: int = 1, **overrides: object) -> SimulatedPool:
+        pool = SimulatedPool(n, EngineConfig(**{"time_scale": FAST, **overrides}))  # type: ignore[arg-type]
+        await pool.start()
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        await pool.stop()
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/completions"):
+    """POST with stream=true; returns (response headers, [(seconds since send, event payload)])."""
+    t0 = time.perf_counter()
+    events = []
+    async with session.post(url + path, json={**body, "stream": True}) as r:
+        assert r.status == 200, await r.text()
+        assert r.headers["Content-Type"] == "text/event-stream"
+        async for line in r.content:
+            if line.strip():
+                assert line.startswith(b"data: ")
+                events.append((time.perf_counter() - t0, line[6:].strip()))
+        return r.headers, events
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, list]:
+    async with session.get(url + "/metrics") as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = await r.text()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def _value(families: dict[str, list], sample: str, **labels: str) -> float:
+    """The value of the sample named ``sample`` whose labels include ``labels``."""
+    return next(
+        s.value
+        for samples in families.values()
+        for s in samples
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def test_repeated_prefix_has_lower_ttft(make_pool, session) -> None:
+    pool = await make_pool()
+    prefix = "You are a helpful assistant. " * 1100  # ~8k tokens: ~0.33 simulated seconds of prefill
+    cold_headers, cold = await _stream(session, pool.url(0), {"model": MODEL, "prompt": prefix + "first?"})
+    warm_headers, warm = await _stream(session, pool.url(0), {"model": MODEL, "prompt": prefix + "second?"})
+    assert int(cold_headers["x-sim-prefix-hit-tokens"]) == 0
+    assert int(warm_headers["x-sim-prefix-hit-tokens"]) >= 7900
+    cold_ttft, warm_ttft = cold[0][0], warm[0][0]
+    assert cold_ttft > 0.3 * FAST
+    assert warm_ttft < cold_ttft / 2
+
+
+async def test_streaming_is_incremental_with_usage_chunk(make_pool, session) -> None:
+    pool = await make_pool(time_scale=0.5)  # ~6 ms per token: slow enough to see tokens arrive one by one
+    body = {"model": MODEL, "prompt": "count", "max_tokens": 12, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    _, events = await _stream(session, pool.url(0), body)
+    assert events[-1][1] == b"[DONE]"
+    chunks = [json.loads(e) for _, e in events[:-1]]
+    tokens, usage = chunks[:-1], chunks[-1]
+    assert len(tokens) == 12 and all(len(c["choices"]) == 1 for c in tokens)
+    assert [c["choices"][0]["finish_reason"] for c in tokens] == [None] * 11 + ["length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 12
+    spread = events[11][0] - events[0][0]
+    assert spread > 11 * 0.006 * 0.5 * 0.5  # eleven decode steps, at least half their modelled time
+
+
+async def test_chat_stream_and_non_streaming_shapes(make_pool, session) -> None:
+    pool = await make_pool()
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    _, events = await _stream(session, pool.url(0), {"model": MODEL, "messages": messages, "max_tokens": 5},
+                              "/v1/chat/completions")
+    chunks = [json.loads(e) for _, e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["object"] == "chat.completion.chunk" and len(chunks) == 6
+    streamed = "".join(c["choices"][0]["delta"]["content"] for c in chunks[1:])
+    async with session.post(pool.url(0) + "/v1/chat/completions",
+                            json={"model": MODEL, "messages": messages, "max_completion_tokens": 5}) as r:
+        body = await r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": streamed}
+    assert body["usage"]["completion_tokens"] == 5
+    async with session.post(pool.url(0) + "/v1/completions",
+                            json={"model": MODEL, "prompt": ["one", "two"], "max_tokens": 3}) as r:
+        batch = await r.json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert batch["usage"]["completion_tokens"] == 6
+
+
+async def test_multi_turn_chat_reuses_the_cached_answer(make_pool, session) -> None:
+    pool = await make_pool()
+    turn1 = [{"role": "user", "content": "tell me a story " * 20}]
+    async with session.post(pool.url(0) + "/v1/chat/completions",
+                            json={"model": MODEL, "messages": turn1, "max_tokens": 64, "ignore_eos": True}) as r:
+        first = await r.json()
+    answer = first["choices"][0]["message"]["content"]
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+    async with session.post(pool.url(0) + "/v1/chat/completions", json={"model": MODEL, "messages": turn2}) as r:
+        hits = int(r.headers["x-sim-prefix-hit-tokens"])
+    computed = first["usage"]["prompt_tokens"] + 64 - 1  # the last sampled token is never fed back
+    assert hits == computed // 16 * 16
+
+
+async def test_full_batch_queues_and_shows_in_metrics(make_pool, session) -> None:
+    pool = await make_pool(max_num_seqs=2, time_scale=0.1)
+    body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True}
+    tasks = [asyncio.create_task(session.post(pool.url(0) + "/v1/completions", json={**body, "prompt": f"p{i}"}))
+             for i in range(5)]
+    seen = (0.0, 0.0)
+    for _ in range(500):
+        families = await _metrics(session, pool.url(0))
+        seen = (_value(families, "vllm:num_requests_running"), _value(families, "vllm:num_requests_waiting"))
+        if seen[1] > 0:
+            break
+        await asyncio.sleep(0.002)
+    assert seen == (2.0, 3.0)
+    for response in await asyncio.gather(*tasks):
+        assert response.status == 200
+        response.release()
+    families = await _metrics(session, pool.url(0))
+    assert _value(families, "vllm:num_requests_waiting") == 0
+    assert _value(families, "vllm:request_success_total", finished_reason="length") == 5
+    assert _value(families, "vllm:request_queue_time_seconds_sum") > 0
+
+
+async def test_cold_lora_pays_load_delay_warm_does_not(make_pool, session) -> None:
+    load = 0.4  # simulated seconds
+    pool = await make_pool(lora_adapters=("sql", "chat"), max_loras=1, lora_load_s=load)
+    engine = pool[0].engine
+
+    async def ttft(model: str, prompt: str) -> float:
+        _, events = await _stream(session, pool.url(0), {"model": model, "prompt": prompt, "max_tokens": 1})
+        return events[0][0]
+
+    cold = await ttft("sql", "q1")
+    warm = await ttft("sql", "q2")
+    other = await ttft("chat", "q3")  # the only slot holds "sql": evict it, load "chat"
+    assert engine.lora_loads == 2 and engine.resident_loras == ("chat",)
+    assert cold > load * FAST > warm
+    assert other > load * FAST
+    families = await _metrics(session, pool.url(0))
+    info = families["vllm:lora_requests_info"]
+    latest = max(info, key=lambda s: s.value)
+    assert latest.labels == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert {s.labels["running_lora_adapters"] for s in info} >= {"sql", "chat"}
+
+
+async def test_metrics_page_parses_and_has_vllm_names(make_pool, session) -> None:
+    pool = await make_pool(lora_adapters=("a",), num_gpu_blocks=4096, max_model_len=32768)
+    for i in range(3):
+        async with session.post(pool.url(0) + "/v1/completions",
+                                json={"model": MODEL, "prompt": "shared prefix " * 50 + str(i)}) as r:
+            assert r.status == 200
+    async with session.get(pool.url(0) + "/metrics") as r:
+        size = len(await r.read())
+    assert 30_000 < size < 70_000
+    families = await _metrics(session, pool.url(0))
+    for name in (
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc", "vllm:lora_requests_info", "vllm:cache_config_info",
+        "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+        "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens",
+        "vllm:request_success", "python_gc_objects_collected", "process_cpu_seconds", "http_requests",
+    ):
+        assert name in families, name
+    engine = pool[0].engine
+    labels = {"engine": "0", "model_name": MODEL}
+    assert _value(families, "vllm:prefix_cache_hits_total", **labels) == engine.stats.prefix_cache_hits > 0
+    assert _value(families, "vllm:prefix_cache_queries_total", **labels) == engine.stats.prefix_cache_queries
+    assert _value(families, "vllm:generation_tokens_total", **labels) == 48
+    ttft_buckets = [s for s in families["vllm:time_to_first_token_seconds"] if s.name.endswith("_bucket")]
+    assert len(ttft_buckets) >= 20 and ttft_buckets[-1].value == 3
+    config = families["vllm:cache_config_info"][0].labels
+    assert config["block_size"] == "16" and config["num_gpu_blocks"] == "4096"
+    usage = _value(families, "vllm:kv_cache_usage_perc")
+    assert 0.0 <= usage <= 1.0
+
+
+async def test_prefix_hit_header_sums_to_the_counter(make_pool, session) -> None:
+    pool = await make_pool()
+    total_hits = total_prompt = 0
+    for i in range(8):
+        prompt = f"system {i % 2} " + "z" * 300 + f" user {i}"
+        async with session.post(pool.url(0) + "/v1/completions", json={"model": MODEL, "prompt": prompt}) as r:
+            total_hits += int(r.headers["x-sim-prefix-hit-tokens"])
+            total_prompt += (await r.json())["usage"]["prompt_tokens"]
+    families = await _metrics(session, pool.url(0))
+    assert _value(families, "vllm:prefix_cache_hits_total") == total_hits > 0
+    assert _value(families, "vllm:prefix_cache_queries_total") == total_prompt
+
+
+async def test_lru_eviction_of_prefix_blocks_under_pressure(make_pool, session) -> None:
+    # 64 blocks of 16 tokens; every prompt is exactly 20 blocks (BOS + 319 tokens of 4 bytes).
+    pool = await make_pool(num_gpu_blocks=64, max_model_len=1024)
+
+    async def hits(name: str) -> int:
+        prompt = (name * 1276)[:1276]
+        async with session.post(pool.url(0) + "/v1/completions",
+                                json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+            assert (await r.json())["usage"]["prompt_tokens"] == 320
+            return int(r.headers["x-sim-prefix-hit-tokens"])
+
+    assert [await hits(n) for n in "ABCD"] == [0, 0, 0, 0]
+    # D needed 20 blocks: 4 were empty, 16 came from the least recently used prompt, A, tail first.
+    assert pool[0].engine.kv.evictions == 16
+    assert await hits("A") == 4 * 16
+    assert await hits("D") == 19 * 16  # the last block is always recomputed
+
+
+async def test_headers_errors_and_endpoints(make_pool, session) -> None:
+    pool = await make_pool(n=2)
+    url = pool.url(1)
+    raw = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    async with session.post(url + "/v1/completions", data=raw) as r:
+        assert r.status == 200
+        assert r.headers["x-sim-pod"] == "pod-1"
+        assert r.headers["x-sim-body-sha256"] == hashlib.sha256(raw).hexdigest()
+        assert r.headers["x-sim-prefix-hit-tokens"] == "0"
+    cases = [
+        (b"{not json", 400, "BadRequestError"),
+        (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "NotFoundError"),
+        (json.dumps({"model": MODEL}).encode(), 400, "BadRequestError"),
+        (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "BadRequestError"),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 10**6}).encode(), 400, "BadRequestError"),
+    ]
+    for body, status, kind in cases:
+        async with session.post(url + "/v1/completions", data=body) as r:
+            assert r.status == status
+            error = (await r.json())["error"]
+            assert error["type"] == kind and error["code"] == status and error["message"]
+            assert r.headers["x-sim-body-sha256"] == hashlib.sha256(body).hexdigest()
+    async with session.post(url + "/no/such/route", data=b"abc") as r:
+        assert r.status == 404 and r.headers["x-sim-body-sha256"] == hashlib.sha256(b"abc").hexdigest()
+    async with session.get(url + "/health") as r:
+        assert r.status == 200 and r.headers["x-sim-pod"] == "pod-1" and "x-sim-body-sha256" not in r.headers
+    async with session.get(url + "/v1/models") as r:
+        assert [m["id"] for m in (await r.json())["data"]] == [MODEL]
+    assert pool.ports[0] != pool.ports[1] and all(p > 0 for p in pool.ports)
+
+
+async def test_runtime_adapter_loading(make_pool, session) -> None:
+    pool = await make_pool(enable_lora=True)
+    url = pool.url(0)
+    async with session.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/a"}) as r:
+        assert r.status == 200
+    async with session.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/a"}) as r:
+        assert r.status == 400
+    async with session.get(url + "/v1/models") as r:
+        assert [(m["id"], m["parent"]) for m in (await r.json())["data"]] == [(MODEL, None), ("x", MODEL)]
+    async with session.post(url + "/v1/completions", json={"model": "x", "prompt": "hi"}) as r:
+        assert r.status == 200
+    async with session.post(url + "/v1/unload_lora_adapter", json={"lora_name": "x"}) as r:
+        assert r.status == 200
+    async with session.post(url + "/v1/completions", json={"model": "x", "prompt": "hi"}) as r:
+        assert r.status == 404
+
+
+async def test_client_disconnect_aborts_the_request(make_pool, session) -> None:
+    pool = await make_pool()
+    engine = pool[0].engine
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
+    async with session.post(pool.url(0) + "/v1/completions", json=body) as r:
+        await r.content.readline()
+    for _ in range(200):
+        if engine.stats.request_success["abort"] == 1:
+            break
+        await asyncio.sleep(0.005)
+    assert engine.stats.request_success["abort"] == 1
+    assert engine.num_running == 0 and engine.kv.num_used == 0
+
+
+async def test_same_seed_same_answers_over_http(make_pool, session) -> None:
+    async def answers(seed: int) -> list[tuple[str, int]]:
+        pool = await make_pool(seed=seed, mean_output_tokens=10)
+        out = []
+        for i in range(4):
+            async with session.post(pool.url(0) + "/v1/completions",
+                                    json={"model": MODEL, "prompt": f"question {i}", "max_tokens": 30}) as r:
+                body = await r.json()
+            out.append((body["choices"][0]["text"], body["usage"]["completion_tokens"]))
+        return out
+
+    assert await answers(1) == await answers(1)
+    assert await answers(1) != await answers(2)
