@@ -62,7 +62,10 @@ class EchoServer:
             self._runner = None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        try:
+            body = await request.read()
+        except ConnectionResetError:  # the client left mid-upload (a load generator stopping)
+            return web.Response(status=499)
         seen = Received(
             method=request.method,
             path=request.path_qs,

@@ -1,0 +1,20 @@
+# syntax=docker/dockerfile:1
+# The endpoint picker image: `docker build -t epp .` (see README, "Container").
+
+# --- build: wheels for the package and its dependencies -----------------------------------------
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY epp ./epp
+COPY plugins ./plugins
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+# --- run: a slim interpreter, the wheels, and nothing else --------------------------------------
+FROM python:3.11-slim
+RUN useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin epp
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir --no-index --find-links=/wheels epp && rm -rf /wheels
+USER 65532:65532
+# gRPC ext_proc, gRPC health, Prometheus /metrics (the upstream picker's ports).
+EXPOSE 9002 9003 9090
+ENTRYPOINT ["epp", "serve"]
