@@ -17,12 +17,21 @@ from pathlib import Path
 from typing import Any
 
 from epp.datastore import check_unique, parse_endpoints, read_endpoints_file
-from epp.goflags import FlagError, FlagSet, make_flag
+from epp.goflags import Duration, FlagError, FlagSet, make_flag
 from epp.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 
 __all__ = ["SERVE_FLAGS", "main", "settings_from_args"]
 
 log = logging.getLogger("epp")
+
+# Upstream's metric-name flags -> (default selector, what it measures).
+_METRIC_FLAGS = {
+    "total-queued-requests-metric": ("vllm:num_requests_waiting", "requests waiting"),
+    "total-running-requests-metric": ("vllm:num_requests_running", "requests running"),
+    "kv-cache-usage-percentage-metric": ("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1"),
+    "lora-info-metric": ("vllm:lora_requests_info", "LoRA adapters (running/waiting/max labels)"),
+    "cache-info-metric": ("vllm:cache_config_info", "KV-cache block size and count (labels)"),
+}
 
 SERVE_FLAGS = FlagSet(
     "epp serve",
@@ -43,16 +52,24 @@ SERVE_FLAGS = FlagSet(
         make_flag("endpoints-file", "", "static pool from a file: ip:port per line, # comments"),
         make_flag("max-request-body-bytes", DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413"),
         make_flag("bind-address", "0.0.0.0", "address the gRPC, health and metrics servers listen on"),
-        make_flag("shutdown-grace-period", 20.0, "seconds in-flight streams get to finish after SIGTERM"),
+        make_flag("shutdown-grace-period", Duration(20.0), "how long in-flight streams get to finish after SIGTERM"),
         # Accepted for drop-in compatibility with the upstream chart; no effect yet.
         make_flag("tracing", False, "export OpenTelemetry traces", implemented=False),
         make_flag("ha-enable-leader-election", False, "leader election between replicas", implemented=False),
         make_flag("health-checking", False, "upstream flag: enable health checking", implemented=False),
         make_flag("enable-pprof", True, "upstream profiling endpoint", implemented=False),
         make_flag("metrics-endpoint-auth", True, "authenticate /metrics scrapes", implemented=False),
-        make_flag("kv-cache-usage-percentage-metric", "", "upstream metric-name override", implemented=False),
-        make_flag("total-queued-requests-metric", "", "upstream metric-name override", implemented=False),
-        make_flag("lora-info-metric", "", "upstream metric-name override", implemented=False),
+        make_flag("refresh-prometheus-metrics-interval", Duration(5.0), "upstream: flush interval of its own metrics (ours are live)", implemented=False),
+        # Model-server telemetry.
+        make_flag("refresh-metrics-interval", Duration(0.05), "interval between scrapes of each endpoint's metrics"),
+        make_flag("metrics-staleness-threshold", Duration(2.0), "metrics older than this mark an endpoint stale (treated as fully loaded)"),
+        make_flag("model-server-metrics-path", "/metrics", "path of the model servers' Prometheus metrics"),
+        make_flag("model-server-metrics-scheme", "http", "http or https"),
+        make_flag("model-server-metrics-port", 0, "port of the model servers' metrics; 0: the endpoint's own port"),
+        make_flag("model-server-metrics-https-insecure-skip-verify", True, "do not verify model servers' certificates"),
+        make_flag("scrape-metrics", True, "scrape model-server metrics (false: route without telemetry, e.g. benchmarks)"),
+        # vLLM metric-name overrides (upstream flags); the config file's core-metrics-extractor is the general form.
+        *(make_flag(name, default, f"vLLM metric selector: {what}") for name, (default, what) in _METRIC_FLAGS.items()),
     ],
 )
 
@@ -83,6 +100,14 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         raise FlagError(f"--zap-encoder must be console or json, got {values['zap-encoder']!r}")
     if values["max-request-body-bytes"] < 1:
         raise FlagError("--max-request-body-bytes must be positive")
+    if values["refresh-metrics-interval"] <= 0:
+        raise FlagError("--refresh-metrics-interval must be positive (use --scrape-metrics=false to turn scraping off)")
+    if values["metrics-staleness-threshold"] <= 0:
+        raise FlagError("--metrics-staleness-threshold must be positive")
+    if values["model-server-metrics-scheme"] not in ("http", "https"):
+        raise FlagError(f"--model-server-metrics-scheme must be http or https, got {values['model-server-metrics-scheme']!r}")
+    if not values["model-server-metrics-path"].startswith("/"):
+        raise FlagError("--model-server-metrics-path must start with /")
     settings = Settings(
         endpoints=tuple(endpoints),
         grpc_port=values["grpc-port"],
@@ -97,7 +122,15 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         pool_namespace=values["pool-namespace"] or os.environ.get("NAMESPACE") or "default",
         verbosity=values["v"],
         log_format=values["zap-encoder"],
-        shutdown_grace_seconds=values["shutdown-grace-period"],
+        shutdown_grace_seconds=float(values["shutdown-grace-period"]),
+        scrape_metrics=values["scrape-metrics"],
+        refresh_metrics_interval=float(values["refresh-metrics-interval"]),
+        metrics_staleness_threshold=float(values["metrics-staleness-threshold"]),
+        model_server_metrics_path=values["model-server-metrics-path"],
+        model_server_metrics_scheme=values["model-server-metrics-scheme"],
+        model_server_metrics_port=values["model-server-metrics-port"],
+        model_server_metrics_insecure_skip_verify=values["model-server-metrics-https-insecure-skip-verify"],
+        metric_overrides=tuple((name, values[name]) for name in _METRIC_FLAGS if name in given),
     )
     not_yet = sorted(name for name in given if not SERVE_FLAGS.flags[name].implemented)
     return settings, not_yet

@@ -14,10 +14,11 @@ replacement must accept exactly those forms:
 from __future__ import annotations
 
 from collections.abc import Sequence
+import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Flag", "FlagError", "FlagSet"]
+__all__ = ["Duration", "Flag", "FlagError", "FlagSet", "parse_duration"]
 
 _TRUE = {"1", "t", "T", "TRUE", "true", "True"}
 _FALSE = {"0", "f", "F", "FALSE", "false", "False"}
@@ -25,6 +26,44 @@ _FALSE = {"0", "f", "F", "FALSE", "false", "False"}
 
 class FlagError(ValueError):
     pass
+
+
+class Duration(float):
+    """Seconds, given on the command line as a Go duration ("50ms", "2s", "1m30s")."""
+
+    def __repr__(self) -> str:
+        return format_duration(self)
+
+
+# Go's time.ParseDuration units, in seconds.
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+def parse_duration(text: str) -> Duration:
+    """Go's time.ParseDuration: a signed sequence of decimal numbers with units; "0" alone is allowed."""
+    body = text[1:] if text[:1] in "+-" else text
+    if body == "0":
+        return Duration(0.0)
+    position, total = 0, 0.0
+    while position < len(body):
+        match = _DURATION_PART.match(body, position)
+        if match is None:
+            raise ValueError(f"time: invalid duration {text!r}")
+        total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        position = match.end()
+    if not body:
+        raise ValueError(f"time: invalid duration {text!r}")
+    return Duration(-total if text.startswith("-") else total)
+
+
+def format_duration(seconds: float) -> str:
+    """A short Go-style spelling: 50ms, 2s, 1.5s, 300us."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(seconds) >= size or unit == "us":
+            value = seconds / size
+            return f"{value:g}{unit}"
+    return "0s"
 
 
 @dataclass(frozen=True)
@@ -52,6 +91,8 @@ def _go_int(text: str) -> int | None:
 
 
 def _go_default(flag: Flag) -> str:
+    if flag.kind is Duration:
+        return format_duration(flag.default)
     if flag.kind is bool:
         return "true" if flag.default else "false"
     if flag.kind is str:
@@ -71,6 +112,11 @@ def _convert(flag: Flag, text: str) -> Any:
         if value is None:
             raise FlagError(f'invalid value "{text}" for flag -{flag.name}: parse error')
         return value
+    if flag.kind is Duration:
+        try:
+            return parse_duration(text)
+        except ValueError:
+            raise FlagError(f'invalid value "{text}" for flag -{flag.name}: parse error') from None
     if flag.kind is float:
         try:
             return float(text)
@@ -123,7 +169,7 @@ class FlagSet:
         lines = [f"Usage of {self.program}:"]
         for name in sorted(self.flags):
             flag = self.flags[name]
-            kind = "" if flag.kind is bool else f" {flag.kind.__name__}"
+            kind = "" if flag.kind is bool else f" {flag.kind.__name__.lower()}"
             note = "" if flag.implemented else " (accepted for compatibility; no effect yet)"
             lines.append(f"  -{name}{kind}\n    \t{flag.help}{note} (default {_go_default(flag)})")
         return "\n".join(lines)

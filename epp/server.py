@@ -13,7 +13,7 @@ Shutdown, in order:
  1. every health service but liveness goes NOT_SERVING (load balancers stop sending new streams);
  2. the ext_proc server stops accepting streams and in-flight ones get ``shutdown_grace_seconds``
     to finish; any still open after that are cancelled;
- 3. the health server and the metrics server stop; the process exits 0.
+ 3. the health server stops, the scrape loops are cancelled and awaited; the process exits 0.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
@@ -30,10 +30,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from epp.config import load_scheduler
 from epp.datastore import Datastore, Endpoint
 from epp.director import Director
+from epp.engine_metrics import EngineMapping, builtin_engines, engine_from_config
 from epp.extproc import ExternalProcessor
 from epp.metrics import Metrics, start_metrics_server
 from epp.registry import Handle, default_registry
 from epp.scheduling import Scheduler
+from epp.scraper import ScrapeSettings, Scraper
 from epp.settings import Settings
 from epp.tls import server_credentials
 
@@ -50,10 +52,35 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _MESSAGE_HEADROOM = 1024 * 1024
 
 
+# Upstream's vLLM metric-name flags -> the core-metrics-extractor engineConfigs key they set.
+_FLAG_KEYS = {
+    "total-queued-requests-metric": "queuedRequestsSpec",
+    "total-running-requests-metric": "runningRequestsSpec",
+    "kv-cache-usage-percentage-metric": "kvUsageSpec",
+    "lora-info-metric": "loraSpec",
+    "cache-info-metric": "cacheInfoSpec",
+}
+
+
+def engines_from_flags(overrides: tuple[tuple[str, str], ...]) -> dict[str, EngineMapping]:
+    """The built-in engine mappings, with vLLM's metric names changed by the upstream flags given."""
+    engines = builtin_engines()
+    if overrides:
+        changes = {_FLAG_KEYS[flag]: value for flag, value in overrides}
+        engines["vllm"] = engine_from_config("vllm", changes, base=engines["vllm"])
+    return engines
+
+
 class EndpointPicker:
     """One picker: build it, ``await start()``, ``await stop()``."""
 
-    def __init__(self, settings: Settings, *, scheduler: Scheduler | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        scheduler: Scheduler | None = None,
+        engines: Mapping[str, EngineMapping] | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = Metrics(pool_name=settings.pool_name)
         self.datastore = Datastore(settings.endpoints)
@@ -62,6 +89,21 @@ class EndpointPicker:
         self.processor = ExternalProcessor(
             self.director, self.metrics, max_request_body_bytes=settings.max_request_body_bytes
         )
+        self.scraper: Scraper | None = None
+        if settings.scrape_metrics:
+            self.scraper = Scraper(
+                self.datastore,
+                engines or engines_from_flags(settings.metric_overrides),
+                ScrapeSettings(
+                    interval=settings.refresh_metrics_interval,
+                    staleness=settings.metrics_staleness_threshold,
+                    path=settings.model_server_metrics_path,
+                    scheme=settings.model_server_metrics_scheme,
+                    port=settings.model_server_metrics_port,
+                    insecure_skip_verify=settings.model_server_metrics_insecure_skip_verify,
+                ),
+                self.metrics,
+            )
         self.health = health.aio.HealthServicer()
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -89,6 +131,8 @@ class EndpointPicker:
             f"{settings.bind_address}:{settings.grpc_health_port}"
         )
 
+        if self.scraper is not None:
+            self.scraper.start()
         await self.health.set("liveness", _SERVING)
         self.datastore.subscribe(self._pool_changed)
         await self._update_readiness()
@@ -114,6 +158,8 @@ class EndpointPicker:
             await self._server.stop(grace)  # 2. drain in-flight streams
         if self._health_server is not None:
             await self._health_server.stop(0)  # 3.
+        if self.scraper is not None:
+            await self.scraper.stop()
         log.info("stopped")
 
     def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:

@@ -31,3 +31,13 @@ class Settings:
     verbosity: int = 1
     log_format: str = "console"  # or json (--zap-encoder)
     shutdown_grace_seconds: float = 20.0
+    # Model-server telemetry (epp.scraper).
+    scrape_metrics: bool = True
+    refresh_metrics_interval: float = 0.05
+    metrics_staleness_threshold: float = 2.0
+    model_server_metrics_path: str = "/metrics"
+    model_server_metrics_scheme: str = "http"
+    model_server_metrics_port: int = 0  # 0: each endpoint's own port
+    model_server_metrics_insecure_skip_verify: bool = True
+    # vLLM metric-name overrides from the upstream flags (empty: the engine's default).
+    metric_overrides: tuple[tuple[str, str], ...] = ()

@@ -110,9 +110,22 @@ def test_parse_endpoints_errors(text: str, message: str) -> None:
 
 def test_read_endpoints_file(tmp_path: Path) -> None:
     path = tmp_path / "pool.txt"
-    path.write_text("# pool for tests\n10.0.0.1:8000 # a\n\n  10.0.0.2:8000, 10.0.0.3:8000\n#10.0.0.9:8000\n")
-    assert [e.hostport for e in read_endpoints_file(path)] == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    path.write_text(
+        "# pool for tests\n10.0.0.1:8000 # a\n\n  10.0.0.2:8000\n"
+        "10.0.0.3:8000 inference.networking.k8s.io/engine-type=sglang zone=a\n#10.0.0.9:8000\n"
+    )
+    endpoints = read_endpoints_file(path)
+    assert [e.hostport for e in endpoints] == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    assert endpoints[2].labels == {"inference.networking.k8s.io/engine-type": "sglang", "zone": "a"}
+    assert endpoints[0].labels == {}
     assert read_endpoints_file(str(path)) == read_endpoints_file(path)
+
+
+def test_read_endpoints_file_rejects_a_word_that_is_not_a_label(tmp_path: Path) -> None:
+    path = tmp_path / "pool.txt"
+    path.write_text("10.0.0.1:8000\n10.0.0.2:8000 10.0.0.3:8000\n")
+    with pytest.raises(ValueError, match=r"pool.txt:2: '10.0.0.3:8000' is not a key=value label"):
+        read_endpoints_file(path)
 
 
 def test_read_endpoints_file_errors(tmp_path: Path) -> None:

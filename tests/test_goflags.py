@@ -196,7 +196,12 @@ def test_upstream_helm_chart_arguments_are_accepted(tmp_path: Path) -> None:
         (["-cert-path", "/certs"], "cert_path", "/certs"),
         (["-config-text", "kind: x"], "config_text", "kind: x"),
         (["-max-request-body-bytes", "1024"], "max_request_body_bytes", 1024),
-        (["-shutdown-grace-period", "2.5"], "shutdown_grace_seconds", 2.5),
+        (["-shutdown-grace-period", "2.5s"], "shutdown_grace_seconds", 2.5),
+        (["-refresh-metrics-interval=100ms"], "refresh_metrics_interval", 0.1),
+        (["-metrics-staleness-threshold", "1m"], "metrics_staleness_threshold", 60.0),
+        (["-scrape-metrics=false"], "scrape_metrics", False),
+        (["-model-server-metrics-path", "/m"], "model_server_metrics_path", "/m"),
+        (["-total-queued-requests-metric", "q"], "metric_overrides", (("total-queued-requests-metric", "q"),)),
         (["-v", "4"], "verbosity", 4),
         (["-zap-encoder=console"], "log_format", "console"),
         (["-pool-namespace", "prod"], "pool_namespace", "prod"),
@@ -267,7 +272,7 @@ def test_endpoints_flag_errors(endpoints: str, message: str) -> None:
 
 def test_endpoints_file_with_comments(tmp_path: Path) -> None:
     path = tmp_path / "pool.txt"
-    path.write_text("# the pool\n10.0.0.1:8000  # pod a\n\n10.0.0.2:8000 10.0.0.3:8000\n   # done\n")
+    path.write_text("# the pool\n10.0.0.1:8000  # pod a\n\n10.0.0.2:8000\n10.0.0.3:8000\n   # done\n")
     settings, _ = settings_from_args([f"--endpoints-file={path}"])
     assert [e.hostport for e in settings.endpoints] == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
 

@@ -1,6 +1,6 @@
 """Echo model servers: the simplest honest upstreams for protocol tests and overhead benchmarks.
 
-Each :class:`EchoServer` answers every request with JSON that proves what it received (its own
+Each :class:`EchoServer` answers every request (but ``GET /metrics``, a minimal vLLM page for the picker's scraper) with JSON that proves what it received (its own
 name and port, the body's length and SHA-256, the headers) and records it, so a test can assert
 that a request reached the endpoint the picker chose with its body byte-identical. A body with
 ``"stream": true`` is answered as an OpenAI-style SSE stream of ``max_tokens`` events spaced
@@ -62,6 +62,9 @@ class EchoServer:
             self._runner = None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/metrics" and request.method == "GET":
+            # Enough of a vLLM page for the picker's scraper; not recorded as a received request.
+            return web.Response(body=_METRICS_PAGE, content_type="text/plain")
         try:
             body = await request.read()
         except ConnectionResetError:  # the client left mid-upload (a load generator stopping)
@@ -96,6 +99,19 @@ class EchoServer:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+_METRICS_PAGE = b"""# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="echo"} 0.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="echo"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="echo"} 0.0
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""} 1.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="1024"} 1.0
+"""
 
 
 def _stream_request(body: bytes) -> tuple[bool, int]:

@@ -31,7 +31,7 @@ CHART_ARGS = [
 
 async def test_sigterm_drains_in_flight_streams_and_exits_zero() -> None:
     backends = await start_echo_servers(2, token_interval=0.1)
-    picker = PickerProcess([b.hostport for b in backends], extra_args=["--shutdown-grace-period", "10"])
+    picker = PickerProcess([b.hostport for b in backends], extra_args=["--shutdown-grace-period", "10s"])
     envoy = None
     try:
         await asyncio.to_thread(picker.start)

@@ -1,0 +1,157 @@
+"""A farm of cheap stand-in model servers: many ports, full-size vLLM /metrics pages, almost no CPU.
+
+The scrape-cost benchmark needs 100 pods serving realistic ~55 KB vLLM metrics pages 20 times a
+second each, on the same two cores as the picker it measures. Simulated pods (:mod:`epp.sim`) behind
+aiohttp would spend more CPU serving those pages than the picker spends reading them, and that
+noise would land on the measurement. Here each port is a bare ``asyncio.Protocol``: ``GET /metrics``
+answers one of a few pre-rendered page variants (taken from a simulated pod that served real
+traffic, then given different gauge values, so consecutive scrapes differ as they do on a busy
+server), and any other request gets a small JSON completion, so the farm can also be the pool
+behind Envoy for request-path latency.
+
+``python -m epp.testing.farm --pods 100`` prints ``pod-i ip:port`` lines and serves until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import re
+import signal
+import sys
+
+__all__ = ["MetricsFarm", "realistic_pages"]
+
+_COMPLETION = json.dumps(
+    {"id": "cmpl-farm", "object": "text_completion", "choices": [{"index": 0, "text": " ok", "finish_reason": "stop"}],
+     "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}}
+).encode()  # fmt: skip
+
+
+async def _sample_page() -> bytes:
+    """A /metrics page of a simulated vLLM pod after it served some traffic (histograms filled)."""
+    import aiohttp
+
+    from epp.sim import EngineConfig, SimulatedPool
+
+    config = EngineConfig(time_scale=0.01, max_model_len=8192, num_gpu_blocks=8192, lora_adapters=("sql-lora", "chat-lora"), max_loras=2, seed=7)
+    async with SimulatedPool(1, config) as pool, aiohttp.ClientSession() as session:
+        url = pool.url(0)
+        bodies = [
+            {"model": model, "prompt": f"request {i} " + "context " * (50 * (i % 7 + 1)), "max_tokens": 4 + i % 9}
+            for i, model in zip(range(24), itertools.cycle([config.model, "sql-lora", "chat-lora"]))
+        ]
+
+        async def send(body: dict[str, object]) -> None:
+            async with session.post(url + "/v1/completions", json=body) as response:
+                await response.read()
+
+        await asyncio.gather(*(send(body) for body in bodies))
+        async with session.get(url + "/metrics") as response:
+            return await response.read()
+
+
+def realistic_pages(variants: int = 4) -> list[bytes]:
+    """``variants`` full-size vLLM pages that differ in their scheduler gauges."""
+    page = asyncio.run(_sample_page())
+    pages = []
+    for i in range(variants):
+        varied = re.sub(rb"(\nvllm:num_requests_waiting\{[^}]*\}) \S+", rb"\1 %d.0" % (i * 3), page)
+        varied = re.sub(rb"(\nvllm:num_requests_running\{[^}]*\}) \S+", rb"\1 %d.0" % (i + 1), varied)
+        varied = re.sub(rb"(\nvllm:kv_cache_usage_perc\{[^}]*\}) \S+", rb"\1 %.2f" % (0.1 * i), varied)
+        pages.append(varied)
+    return pages
+
+
+class _Pod(asyncio.Protocol):
+    def __init__(self, responses: list[bytes]) -> None:
+        self._responses = itertools.cycle(responses)
+        self._buffer = b""
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while True:
+            end = self._buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self._buffer[:end]
+            length = 0
+            match = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
+            if match:
+                length = int(match.group(1))
+            if len(self._buffer) < end + 4 + length:
+                return
+            self._buffer = self._buffer[end + 4 + length :]
+            assert self._transport is not None
+            if head.startswith(b"GET /metrics"):
+                self._transport.write(next(self._responses))
+            else:
+                self._transport.write(_COMPLETION_RESPONSE)
+
+
+_COMPLETION_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(_COMPLETION) + _COMPLETION
+)
+
+
+class MetricsFarm:
+    """``pods`` listeners on 127.0.0.1 answering /metrics with ``pages`` in turn."""
+
+    def __init__(self, pods: int, pages: list[bytes]) -> None:
+        self.pods = pods
+        self._responses = [
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n" % len(p) + p
+            for p in pages
+        ]
+        self._servers: list[asyncio.Server] = []
+        self.hostports: list[str] = []
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for i in range(self.pods):
+            rotated = self._responses[i % len(self._responses) :] + self._responses[: i % len(self._responses)]
+            server = await loop.create_server(lambda r=rotated: _Pod(r), "127.0.0.1", 0)
+            self._servers.append(server)
+            self.hostports.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            server.close()
+            await server.wait_closed()
+
+
+async def _main(pods: int) -> None:
+    pages = await asyncio.to_thread(realistic_pages)
+    farm = MetricsFarm(pods, pages)
+    await farm.start()
+    print(f"page-bytes {len(pages[0])}", flush=True)
+    for i, hostport in enumerate(farm.hostports):
+        print(f"pod-{i} {hostport}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await farm.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m epp.testing.farm", description=__doc__.splitlines()[0])
+    parser.add_argument("--pods", type=int, default=100)
+    args = parser.parse_args(argv)
+    try:
+        import uvloop
+
+        uvloop.run(_main(args.pods))
+    except ImportError:
+        asyncio.run(_main(args.pods))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The scraper against the simulator and against hand-made model servers that misbehave."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from epp.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, parse_endpoint
+from epp.engine_metrics import builtin_engines
+from epp.metrics import Metrics as ServiceMetrics
+from epp.scraper import ScrapeSettings, Scraper
+from epp.sim import EngineConfig, SimulatedPool
+from epp.sim.request import Sink
+
+FAST = ScrapeSettings(interval=0.02, staleness=0.3, timeout=0.15)
+
+VLLM_PAGE = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="a1",waiting_lora_adapters="a2"} 1.7e9
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0
+"""
+
+SGLANG_PAGE = b"""sglang:num_queue_reqs{model_name="m"} 4
+sglang:num_running_reqs{model_name="m"} 2
+sglang:token_usage{model_name="m"} 0.5
+"""
+
+
+@dataclass
+class FakeServer:
+    """A model server whose /metrics behaviour a test changes on the fly."""
+
+    respond: Callable[[], web.StreamResponse] = lambda: web.Response(body=VLLM_PAGE)
+    delay: float = 0.0
+    connections: set[object] = field(default_factory=set)
+    requests: int = 0
+    port: int = 0
+    runner: web.AppRunner | None = None
+
+    async def handler(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        self.connections.add(request.transport)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return self.respond()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return parse_endpoint(f"127.0.0.1:{self.port}")
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeServer]:
+    server = FakeServer()
+    app = web.Application()
+    app.router.add_get("/metrics", server.handler)
+    server.runner = web.AppRunner(app, access_log=None)
+    await server.runner.setup()
+    site = web.TCPSite(server.runner, "127.0.0.1", 0)
+    await site.start()
+    server.port = server.runner.addresses[0][1]
+    yield server
+    await server.runner.cleanup()
+
+
+@pytest.fixture
+def service_metrics() -> ServiceMetrics:
+    return ServiceMetrics()
+
+
+async def _running(datastore: Datastore, service_metrics: ServiceMetrics, settings: ScrapeSettings = FAST) -> Scraper:
+    scraper = Scraper(datastore, builtin_engines(), settings, service_metrics)
+    scraper.start()
+    return scraper
+
+
+async def _until(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+def _errors(service_metrics: ServiceMetrics, endpoint: str, reason: str) -> float:
+    value = service_metrics.registry.get_sample_value(
+        "epp_endpoint_scrape_errors_total", {"endpoint": endpoint, "reason": reason}
+    )
+    return value or 0.0
+
+
+async def test_reads_the_vllm_page_into_the_endpoint_metrics(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+    datastore = Datastore([fake.endpoint])
+    scraper = await _running(datastore, service_metrics)
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        metrics = datastore.endpoints()[0].metrics
+        assert (metrics.waiting_queue_size, metrics.running_requests, metrics.kv_cache_usage) == (7, 3, 0.25)
+        assert metrics.running_adapters == {"a1"} and metrics.waiting_adapters == {"a2"} and metrics.max_adapters == 2
+        assert (metrics.block_size, metrics.num_gpu_blocks) == (16, 1000)
+        assert metrics.error is None
+        await _until(lambda: fake.requests >= 5)
+        assert len(fake.connections) == 1  # keep-alive: every scrape on one connection
+    finally:
+        await scraper.stop()
+
+
+async def test_engine_label_selects_the_sglang_names(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+    fake.respond = lambda: web.Response(body=SGLANG_PAGE)
+    endpoint = Endpoint(fake.endpoint.name, "127.0.0.1", fake.port, labels={ENGINE_TYPE_LABEL: "sglang"})
+    datastore = Datastore([endpoint])
+    scraper = await _running(datastore, service_metrics)
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        metrics = datastore.endpoints()[0].metrics
+        assert (metrics.waiting_queue_size, metrics.running_requests, metrics.kv_cache_usage) == (4, 2, 0.5)
+    finally:
+        await scraper.stop()
+
+
+async def test_chunked_pages_are_read(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+    def chunked() -> web.StreamResponse:
+        response = web.Response(body=VLLM_PAGE)
+        response.enable_chunked_encoding()
+        return response
+
+    fake.respond = chunked
+    datastore = Datastore([fake.endpoint])
+    scraper = await _running(datastore, service_metrics)
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
+    finally:
+        await scraper.stop()
+
+
+@pytest.mark.parametrize(
+    ("respond", "reason", "message"),
+    [
+        (lambda: web.Response(status=500, text="boom"), "http_status", "HTTP 500"),
+        (lambda: web.Response(body=b"<html>not metrics</html>"), "missing_metrics", "missing from the page"),
+        (lambda: web.Response(body=bytes(range(256)) * 20), "missing_metrics", "vllm:num_requests_waiting"),
+    ],
+)
+async def test_bad_answers_are_survived_recorded_and_counted(
+    fake: FakeServer, service_metrics: ServiceMetrics, respond: Callable[[], web.StreamResponse], reason: str, message: str
+) -> None:
+    datastore = Datastore([fake.endpoint])
+    scraper = await _running(datastore, service_metrics)
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        fake.respond = respond
+        name = fake.endpoint.name
+        await _until(lambda: _errors(service_metrics, name, reason) >= 3)
+        assert message in (datastore.endpoints()[0].metrics.error or "")
+        fake.respond = lambda: web.Response(body=VLLM_PAGE)  # recovers
+        await _until(lambda: datastore.endpoints()[0].metrics.error is None)
+        assert scraper.tasks[name].done() is False
+    finally:
+        await scraper.stop()
+
+
+async def test_a_slow_pod_times_out_then_goes_stale_and_counts_as_such(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+    datastore = Datastore([fake.endpoint])
+    scraper = await _running(datastore, service_metrics)
+    name = fake.endpoint.name
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        fake.delay = 1.0  # far over the 0.15 s timeout
+        await _until(lambda: _errors(service_metrics, name, "timeout") >= 1)
+        metrics = datastore.endpoints()[0].metrics
+        assert "no answer within" in (metrics.error or "")
+        assert metrics.waiting_queue_size == 7  # last good numbers kept...
+        await _until(lambda: datastore.endpoints()[0].metrics.stale)  # ...until the staleness threshold
+        assert service_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": name}) == 1.0
+        fake.delay = 0.0
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+    finally:
+        await scraper.stop()
+
+
+async def test_a_pod_that_refuses_connections_is_stale_from_the_start(service_metrics: ServiceMetrics) -> None:
+    from epp.testing.envoy import free_port
+
+    endpoint = parse_endpoint(f"127.0.0.1:{free_port()}")
+    datastore = Datastore([endpoint])
+    scraper = await _running(datastore, service_metrics)
+    try:
+        await _until(lambda: _errors(service_metrics, endpoint.name, "connection") >= 3)
+        metrics = datastore.endpoints()[0].metrics
+        assert metrics.stale and "Error" in (metrics.error or "")
+    finally:
+        await scraper.stop()
+
+
+async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+    datastore = Datastore()
+    scraper = await _running(datastore, service_metrics)
+    try:
+        baseline = len(asyncio.all_tasks())
+        datastore.upsert(fake.endpoint)
+        assert set(scraper.tasks) == {fake.endpoint.name}
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        task = scraper.tasks[fake.endpoint.name]
+        datastore.remove(fake.endpoint.name)
+        assert scraper.tasks == {}
+        await asyncio.sleep(0.05)
+        assert task.done()
+        assert len(asyncio.all_tasks()) == baseline  # nothing leaked
+        for _ in range(20):  # churn
+            datastore.upsert(fake.endpoint)
+            datastore.remove(fake.endpoint.name)
+        await asyncio.sleep(0.05)
+        assert len(asyncio.all_tasks()) == baseline
+        assert service_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": fake.endpoint.name}) is None
+    finally:
+        await scraper.stop()
+
+
+async def test_against_the_simulator_metrics_follow_the_load(service_metrics: ServiceMetrics) -> None:
+    config = EngineConfig(max_num_seqs=1, time_scale=0.05, num_gpu_blocks=4096, max_model_len=8192, seed=3)
+    async with SimulatedPool(2, config) as pool:
+        datastore = Datastore([parse_endpoint(f"127.0.0.1:{port}") for port in pool.ports])
+        scraper = await _running(datastore, service_metrics)
+        try:
+            await _until(lambda: all(not e.metrics.stale for e in datastore.endpoints()))
+            assert {e.metrics.num_gpu_blocks for e in datastore.endpoints()} == {4096}
+            assert {e.metrics.block_size for e in datastore.endpoints()} == {16}
+            # Three long requests on a pod that runs one at a time: two wait.
+            engine = pool[0].engine
+            for _ in range(3):
+                engine.submit(engine.new_request(config.model, np.arange(64), max_tokens=2000, ignore_eos=True, sink=Sink()))
+            first = datastore.endpoints()[0].name
+            await _until(lambda: datastore.get(first).metrics.waiting_queue_size == 2)
+            assert datastore.get(first).metrics.running_requests == 1
+            assert datastore.endpoints()[1].metrics.waiting_queue_size == 0
+        finally:
+            await scraper.stop()
