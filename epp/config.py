@@ -15,10 +15,11 @@ from typing import Any
 
 import yaml
 
+from epp.datalayer import CoreMetricsExtractor, MetricsDataSource
 from epp.registry import Handle, Registry
 from epp.scheduling import Filter, Picker, Profile, Scheduler, Scorer, WeightedScorer
 
-__all__ = ["API_VERSIONS", "ConfigError", "DEFAULT_CONFIG", "load_scheduler"]
+__all__ = ["API_VERSIONS", "ConfigError", "DEFAULT_CONFIG", "PickerConfig", "load_config", "load_scheduler"]
 
 API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1", "llm-d.ai/v1alpha1")
 
@@ -34,9 +35,9 @@ schedulingProfiles:
   - pluginRef: random-picker
 """
 
-_TOP_KEYS = {"apiVersion", "kind", "plugins", "schedulingProfiles"}
+_TOP_KEYS = {"apiVersion", "kind", "plugins", "schedulingProfiles", "data", "dataLayer"}
 # Upstream keys this version understands but does not implement yet: named, never ignored.
-_NOT_YET = {"featureGates", "saturationDetector", "data", "flowControl", "requestControl", "parser"}
+_NOT_YET = {"featureGates", "saturationDetector", "flowControl", "requestControl", "parser"}
 
 
 class ConfigError(ValueError):
@@ -50,8 +51,22 @@ class _PluginSpec:
     parameters: Mapping[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class PickerConfig:
+    """What an EndpointPickerConfig configures: scheduling, and where/how metrics are read."""
+
+    scheduler: Scheduler
+    metrics_source: MetricsDataSource | None = None
+    metrics_extractor: CoreMetricsExtractor | None = None
+
+
 def load_scheduler(text: str | None, registry: Registry, handle: Handle) -> Scheduler:
     """Decode ``text`` (None: the default config) and build the scheduler it describes."""
+    return load_config(text, registry, handle).scheduler
+
+
+def load_config(text: str | None, registry: Registry, handle: Handle) -> PickerConfig:
+    """Decode ``text`` (None: the default config) strictly and build what it describes."""
     doc = _load_yaml(DEFAULT_CONFIG if text is None else text)
     _check_keys(doc, _TOP_KEYS, "the config")
     if doc.get("apiVersion") not in API_VERSIONS:
@@ -78,7 +93,41 @@ def load_scheduler(text: str | None, registry: Registry, handle: Handle) -> Sche
         raise ConfigError(
             f"schedulingProfiles: exactly one profile is supported until profile handlers land, got {len(profiles)}"
         )
-    return Scheduler(profiles[0])
+    sources = [p for p in plugins.values() if isinstance(p, MetricsDataSource)]
+    extractors = [p for p in plugins.values() if isinstance(p, CoreMetricsExtractor)]
+    for kind, found in (("metrics-data-source", sources), ("core-metrics-extractor", extractors)):
+        if len(found) > 1:
+            raise ConfigError(f"plugins: at most one {kind} is supported, got {len(found)}")
+    data_key = "dataLayer" if "dataLayer" in doc else "data"
+    if data_key in doc:
+        _check_data_layer(doc[data_key], data_key, plugins)
+    return PickerConfig(
+        scheduler=Scheduler(profiles[0]),
+        metrics_source=sources[0] if sources else None,
+        metrics_extractor=extractors[0] if extractors else None,
+    )
+
+
+def _check_data_layer(raw: Any, where: str, plugins: Mapping[str, object]) -> None:
+    """``data``/``dataLayer``: sources and their extractors, by reference; the wiring is implied
+    (one metrics source, one extractor), so this only checks that the section is well formed."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping with sources")
+    _check_keys(raw, {"sources"}, where)
+    for index, source in enumerate(_as_list(raw.get("sources"), f"{where}.sources")):
+        at = f"{where}.sources[{index}]"
+        if not isinstance(source, dict):
+            raise ConfigError(f"{at} must be a mapping with pluginRef and extractors")
+        _check_keys(source, {"pluginRef", "extractors"}, at)
+        if not isinstance(plugins.get(source.get("pluginRef")), MetricsDataSource):
+            raise ConfigError(f"{at}: pluginRef {source.get('pluginRef')!r} names no metrics-data-source plugin")
+        for ext_index, extractor in enumerate(_as_list(source.get("extractors"), f"{at}.extractors")):
+            ext_at = f"{at}.extractors[{ext_index}]"
+            if not isinstance(extractor, dict):
+                raise ConfigError(f"{ext_at} must be a mapping with pluginRef")
+            _check_keys(extractor, {"pluginRef"}, ext_at)
+            if not isinstance(plugins.get(extractor.get("pluginRef")), CoreMetricsExtractor):
+                raise ConfigError(f"{ext_at}: pluginRef {extractor.get('pluginRef')!r} names no core-metrics-extractor plugin")
 
 
 def _load_yaml(text: str) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from epp.registry import Registry
 
+from epp.datalayer import CoreMetricsExtractor, MetricsDataSource
+
 from .random_picker import RandomPicker
 
 __all__ = ["RandomPicker", "register"]
@@ -16,3 +18,5 @@ def register(registry: Registry) -> None:
     """Register every built-in plugin type."""
     source = "epp (built-in)"
     registry.register("random-picker", RandomPicker.from_config, source=source)
+    registry.register("metrics-data-source", MetricsDataSource.from_config, source=source)
+    registry.register("core-metrics-extractor", CoreMetricsExtractor.from_config, source=source)

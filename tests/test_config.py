@@ -187,7 +187,7 @@ _BAD_CONFIGS = [
     ),
     pytest.param(
         _config(_PICKER, _ONE_PROFILE) + "scheduling: {}\n",
-        "the config: unknown key 'scheduling'; valid keys: apiVersion, kind, plugins, schedulingProfiles",
+        "the config: unknown key 'scheduling'; valid keys: apiVersion, data, dataLayer, kind, plugins, schedulingProfiles",
         id="unknown-top-key",
     ),
     pytest.param(
@@ -225,7 +225,8 @@ _BAD_CONFIGS = [
     ),
     pytest.param(
         _config("- type: max-score-picker", _ONE_PROFILE),
-        "plugins[0] (max-score-picker): unknown plugin type 'max-score-picker'; known types: random-picker",
+        "plugins[0] (max-score-picker): unknown plugin type 'max-score-picker'; known types: "
+        "core-metrics-extractor, metrics-data-source, random-picker",
         id="unknown-plugin-type",
     ),
     pytest.param(
@@ -353,7 +354,8 @@ def test_unknown_type_lists_every_registered_type() -> None:
     with pytest.raises(ConfigError) as info:
         load_scheduler(_config("- type: nope", _ONE_PROFILE), _registry_with_fakes(), HANDLE)
     assert str(info.value) == (
-        "plugins[0] (nope): unknown plugin type 'nope'; known types: fixed-scorer, keep-filter, not-a-plugin, random-picker"
+        "plugins[0] (nope): unknown plugin type 'nope'; known types: core-metrics-extractor, fixed-scorer, "
+        "keep-filter, metrics-data-source, not-a-plugin, random-picker"
     )
 
 
@@ -381,7 +383,7 @@ def test_non_finite_weight_is_a_config_error(weight: str) -> None:
 
 def test_default_registry() -> None:
     registry = default_registry()
-    assert registry.types() == ["random-picker"]
+    assert registry.types() == ["core-metrics-extractor", "metrics-data-source", "random-picker"]
     assert registry.source("random-picker") == "epp (built-in)"
     picker = registry.create("random-picker", "rp", {"maxNumOfEndpoints": 2}, HANDLE)
     assert isinstance(picker, RandomPicker)
