@@ -68,6 +68,7 @@ SERVE_FLAGS = FlagSet(
         make_flag("model-server-metrics-port", 0, "port of the model servers' metrics; 0: the endpoint's own port"),
         make_flag("model-server-metrics-https-insecure-skip-verify", True, "do not verify model servers' certificates"),
         make_flag("scrape-metrics", True, "scrape model-server metrics (false: route without telemetry, e.g. benchmarks)"),
+        make_flag("metrics-scraper-process", True, "scrape in a child process, off the request path's event loop"),
         # vLLM metric-name overrides (upstream flags); the config file's core-metrics-extractor is the general form.
         *(make_flag(name, default, f"vLLM metric selector: {what}") for name, (default, what) in _METRIC_FLAGS.items()),
     ],
@@ -124,6 +125,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         log_format=values["zap-encoder"],
         shutdown_grace_seconds=float(values["shutdown-grace-period"]),
         scrape_metrics=values["scrape-metrics"],
+        metrics_scraper_process=values["metrics-scraper-process"],
         refresh_metrics_interval=float(values["refresh-metrics-interval"]),
         metrics_staleness_threshold=float(values["metrics-staleness-threshold"]),
         model_server_metrics_path=values["model-server-metrics-path"],

@@ -108,8 +108,11 @@ class _Response(asyncio.Protocol):
     def _read_sized(self) -> bool:
         if len(self._buffer) < self._length:
             return False
-        self._body += self._buffer[: self._length]
-        del self._buffer[: self._length]
+        if len(self._buffer) == self._length:  # the usual case: no copy but the final one
+            self._body, self._buffer = self._buffer, self._body
+        else:
+            self._body += self._buffer[: self._length]
+            del self._buffer[: self._length]
         return True
 
     def _read_chunks(self) -> bool:

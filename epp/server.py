@@ -21,20 +21,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epp.config import load_scheduler
-from epp.datastore import Datastore, Endpoint
+from epp.config import PickerConfig, load_config
+from epp.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint
 from epp.director import Director
 from epp.engine_metrics import EngineMapping, builtin_engines, engine_from_config
 from epp.extproc import ExternalProcessor
 from epp.metrics import Metrics, start_metrics_server
 from epp.registry import Handle, default_registry
-from epp.scheduling import Scheduler
 from epp.scraper import ScrapeSettings, Scraper
 from epp.settings import Settings
 from epp.tls import server_credentials
@@ -71,39 +70,44 @@ def engines_from_flags(overrides: tuple[tuple[str, str], ...]) -> dict[str, Engi
     return engines
 
 
+def _scraper(settings: Settings, config: PickerConfig, datastore: Datastore, metrics: Metrics) -> Scraper:
+    """The scraper the flags and the config file's data layer describe (the config file wins)."""
+    source, extractor = config.metrics_source, config.metrics_extractor
+    scrape = ScrapeSettings(
+        interval=settings.refresh_metrics_interval,
+        staleness=settings.metrics_staleness_threshold,
+        path=source.path if source else settings.model_server_metrics_path,
+        scheme=source.scheme if source else settings.model_server_metrics_scheme,
+        port=settings.model_server_metrics_port,
+        insecure_skip_verify=source.insecure_skip_verify if source else settings.model_server_metrics_insecure_skip_verify,
+    )
+    return Scraper(
+        datastore,
+        extractor.engines if extractor else engines_from_flags(settings.metric_overrides),
+        scrape,
+        metrics,
+        default_engine=extractor.default_engine if extractor else "vllm",
+        engine_label=extractor.engine_label_key if extractor else ENGINE_TYPE_LABEL,
+        in_process=not settings.metrics_scraper_process,
+    )
+
+
 class EndpointPicker:
     """One picker: build it, ``await start()``, ``await stop()``."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        *,
-        scheduler: Scheduler | None = None,
-        engines: Mapping[str, EngineMapping] | None = None,
-    ) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics(pool_name=settings.pool_name)
         self.datastore = Datastore(settings.endpoints)
-        self.scheduler = scheduler or load_scheduler(settings.config_text, default_registry(), Handle(self.datastore))
+        config = load_config(settings.config_text, default_registry(), Handle(self.datastore))
+        self.scheduler = config.scheduler
         self.director = Director(self.datastore, self.scheduler, self.metrics)
         self.processor = ExternalProcessor(
             self.director, self.metrics, max_request_body_bytes=settings.max_request_body_bytes
         )
         self.scraper: Scraper | None = None
         if settings.scrape_metrics:
-            self.scraper = Scraper(
-                self.datastore,
-                engines or engines_from_flags(settings.metric_overrides),
-                ScrapeSettings(
-                    interval=settings.refresh_metrics_interval,
-                    staleness=settings.metrics_staleness_threshold,
-                    path=settings.model_server_metrics_path,
-                    scheme=settings.model_server_metrics_scheme,
-                    port=settings.model_server_metrics_port,
-                    insecure_skip_verify=settings.model_server_metrics_insecure_skip_verify,
-                ),
-                self.metrics,
-            )
+            self.scraper = _scraper(settings, config, self.datastore, self.metrics)
         self.health = health.aio.HealthServicer()
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -132,7 +136,7 @@ class EndpointPicker:
         )
 
         if self.scraper is not None:
-            self.scraper.start()
+            await self.scraper.start()
         await self.health.set("liveness", _SERVING)
         self.datastore.subscribe(self._pool_changed)
         await self._update_readiness()

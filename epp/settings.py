@@ -33,6 +33,7 @@ class Settings:
     shutdown_grace_seconds: float = 20.0
     # Model-server telemetry (epp.scraper).
     scrape_metrics: bool = True
+    metrics_scraper_process: bool = True  # scrape in a child process, off the request loop
     refresh_metrics_interval: float = 0.05
     metrics_staleness_threshold: float = 2.0
     model_server_metrics_path: str = "/metrics"

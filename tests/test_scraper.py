@@ -81,9 +81,11 @@ def service_metrics() -> ServiceMetrics:
     return ServiceMetrics()
 
 
-async def _running(datastore: Datastore, service_metrics: ServiceMetrics, settings: ScrapeSettings = FAST) -> Scraper:
-    scraper = Scraper(datastore, builtin_engines(), settings, service_metrics)
-    scraper.start()
+async def _running(
+    datastore: Datastore, service_metrics: ServiceMetrics, settings: ScrapeSettings = FAST, *, in_process: bool = True
+) -> Scraper:
+    scraper = Scraper(datastore, builtin_engines(), settings, service_metrics, in_process=in_process)
+    await scraper.start()
     return scraper
 
 
@@ -168,7 +170,7 @@ async def test_bad_answers_are_survived_recorded_and_counted(
         assert message in (datastore.endpoints()[0].metrics.error or "")
         fake.respond = lambda: web.Response(body=VLLM_PAGE)  # recovers
         await _until(lambda: datastore.endpoints()[0].metrics.error is None)
-        assert scraper.tasks[name].done() is False
+        assert scraper.loops.tasks[name].done() is False
     finally:
         await scraper.stop()
 
@@ -212,11 +214,11 @@ async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: Fake
     try:
         baseline = len(asyncio.all_tasks())
         datastore.upsert(fake.endpoint)
-        assert set(scraper.tasks) == {fake.endpoint.name}
+        assert set(scraper.loops.tasks) == {fake.endpoint.name}
         await _until(lambda: not datastore.endpoints()[0].metrics.stale)
-        task = scraper.tasks[fake.endpoint.name]
+        task = scraper.loops.tasks[fake.endpoint.name]
         datastore.remove(fake.endpoint.name)
-        assert scraper.tasks == {}
+        assert scraper.loops.tasks == {}
         await asyncio.sleep(0.05)
         assert task.done()
         assert len(asyncio.all_tasks()) == baseline  # nothing leaked
@@ -249,3 +251,45 @@ async def test_against_the_simulator_metrics_follow_the_load(service_metrics: Se
             assert datastore.endpoints()[1].metrics.waiting_queue_size == 0
         finally:
             await scraper.stop()
+
+
+async def test_worker_process_scrapes_follows_the_pool_and_exits_with_its_parent(
+    fake: FakeServer, service_metrics: ServiceMetrics
+) -> None:
+    datastore = Datastore([fake.endpoint])
+    scraper = await _running(datastore, service_metrics, in_process=False)
+    worker = scraper.loops
+    pid = worker.pid
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
+        assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
+        datastore.remove(fake.endpoint.name)
+        await asyncio.sleep(0.2)
+        served = fake.requests
+        await asyncio.sleep(0.3)
+        assert fake.requests == served  # the worker stopped scraping the removed endpoint
+        datastore.upsert(fake.endpoint)
+        await _until(lambda: fake.requests > served + 3)
+    finally:
+        await scraper.stop()
+    assert worker._process.poll() is not None  # exited, not orphaned
+    assert pid is not None
+
+
+async def test_a_dead_worker_marks_endpoints_stale_and_is_restarted(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+    import os
+    import signal
+
+    datastore = Datastore([fake.endpoint])
+    scraper = await _running(datastore, service_metrics, in_process=False)
+    worker = scraper.loops
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
+        first = worker.pid
+        os.kill(first, signal.SIGKILL)
+        await _until(lambda: datastore.endpoints()[0].metrics.stale)
+        assert "scrape worker stopped" in (datastore.endpoints()[0].metrics.error or "")
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
+        assert worker.pid != first
+    finally:
+        await scraper.stop()

@@ -101,9 +101,18 @@ _COMPLETION_RESPONSE = (
 
 
 class MetricsFarm:
-    """``pods`` listeners on 127.0.0.1 answering /metrics with ``pages`` in turn."""
+    """``pods`` listeners answering /metrics with ``pages`` in turn.
 
-    def __init__(self, pods: int, pages: list[bytes]) -> None:
+    With ``host_prefix`` (e.g. ``127.0.1.``) pod i listens on ``<prefix><i+1>:port`` - its own
+    loopback address, the same port for every pod, as pods in a cluster have - so one process can
+    serve the pods' metrics port and another their serving port.
+    """
+
+    def __init__(self, pods: int, pages: list[bytes], *, host_prefix: str | None = None, port: int = 0) -> None:
+        if host_prefix is not None and not 0 < pods < 255:
+            raise ValueError("one loopback address per pod: at most 254 pods")
+        self.host_prefix = host_prefix
+        self.port = port
         self.pods = pods
         self._responses = [
             b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n" % len(p) + p
@@ -116,9 +125,10 @@ class MetricsFarm:
         loop = asyncio.get_running_loop()
         for i in range(self.pods):
             rotated = self._responses[i % len(self._responses) :] + self._responses[: i % len(self._responses)]
-            server = await loop.create_server(lambda r=rotated: _Pod(r), "127.0.0.1", 0)
+            host = "127.0.0.1" if self.host_prefix is None else f"{self.host_prefix}{i + 1}"
+            server = await loop.create_server(lambda r=rotated: _Pod(r), host, self.port)
             self._servers.append(server)
-            self.hostports.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+            self.hostports.append(f"{host}:{server.sockets[0].getsockname()[1]}")
 
     async def stop(self) -> None:
         for server in self._servers:
@@ -126,9 +136,9 @@ class MetricsFarm:
             await server.wait_closed()
 
 
-async def _main(pods: int) -> None:
+async def _main(pods: int, host_prefix: str | None, port: int) -> None:
     pages = await asyncio.to_thread(realistic_pages)
-    farm = MetricsFarm(pods, pages)
+    farm = MetricsFarm(pods, pages, host_prefix=host_prefix, port=port)
     await farm.start()
     print(f"page-bytes {len(pages[0])}", flush=True)
     for i, hostport in enumerate(farm.hostports):
@@ -143,13 +153,15 @@ async def _main(pods: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m epp.testing.farm", description=__doc__.splitlines()[0])
     parser.add_argument("--pods", type=int, default=100)
+    parser.add_argument("--host-prefix", help="give pod i the loopback address PREFIX<i+1> (e.g. 127.0.1.)")
+    parser.add_argument("--port", type=int, default=0, help="the port of every pod (with --host-prefix)")
     args = parser.parse_args(argv)
     try:
         import uvloop
 
-        uvloop.run(_main(args.pods))
+        uvloop.run(_main(args.pods, args.host_prefix, args.port))
     except ImportError:
-        asyncio.run(_main(args.pods))
+        asyncio.run(_main(args.pods, args.host_prefix, args.port))
     return 0
 
 

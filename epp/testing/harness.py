@@ -41,10 +41,22 @@ def wait_for_picker(envoy: EnvoyProcess, *, healthy: bool = True, timeout: float
         time.sleep(0.05)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds used so far by process ``pid`` and its threads (from /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int, *, children: bool = True) -> float:
+    """User + system CPU seconds used so far by process ``pid``, its threads and (unless
+    ``children=False``) its live child processes (the picker's scrape worker), from /proc."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rpartition(")")[2].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if children:
+            for listing in Path(f"/proc/{current}/task").glob("*/children"):
+                pending += [int(child) for child in listing.read_text().split()]
+    return total
 
 
 class PickerProcess:
