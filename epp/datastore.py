@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
+from epp.engine_metrics import ENGINE_TYPE_LABEL  # the pod label naming a pod's engine
+
 __all__ = [
     "ENGINE_TYPE_LABEL",
     "Datastore",
@@ -36,8 +38,6 @@ __all__ = [
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 
-# The pod label that names a model server's engine (and so its metric names), as upstream reads it.
-ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
 
 
 @dataclass(frozen=True, slots=True)

@@ -288,7 +288,8 @@ def _routes(options: BootstrapOptions) -> list[dict[str, Any]]:
     return [picked, unpicked]
 
 
-def _listener(options: BootstrapOptions) -> dict[str, Any]:
+def _ingress(options: BootstrapOptions, routes_name: str, routes: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The HTTP listener: one connection manager with ``routes`` and ``extra`` settings (filters...)."""
     connection_manager = _typed(
         "envoy.filters.network.http_connection_manager",
         "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -296,19 +297,25 @@ def _listener(options: BootstrapOptions) -> dict[str, Any]:
         codec_type="AUTO",
         # Envoy's default of 5 minutes can cut a stream that waits in a model server's queue.
         stream_idle_timeout="600s",
-        # Runs before route selection and before any HTTP filter; see the module docstring.
-        early_header_mutation_extensions=[_strip_client_destination()],
-        route_config={
-            "name": "epp_routes",
-            "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": _routes(options)}],
-        },
-        http_filters=_http_filters(options),
+        route_config={"name": routes_name, "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
+        **extra,
     )
     return {
         "name": "ingress",
         "address": _socket_address(options.listen_address, options.listen_port),
         "filter_chains": [{"filters": [connection_manager]}],
     }
+
+
+def _listener(options: BootstrapOptions) -> dict[str, Any]:
+    return _ingress(
+        options,
+        "epp_routes",
+        _routes(options),
+        # Runs before route selection and before any HTTP filter; see the module docstring.
+        early_header_mutation_extensions=[_strip_client_destination()],
+        http_filters=_http_filters(options),
+    )
 
 
 def _epp_cluster(options: BootstrapOptions) -> dict[str, Any]:
@@ -417,29 +424,12 @@ def render_round_robin(options: BootstrapOptions) -> dict[str, Any]:
     """
     if not options.pool_endpoints:
         raise ValueError("render_round_robin needs pool_endpoints")
-    connection_manager = _typed(
-        "envoy.filters.network.http_connection_manager",
-        "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        stat_prefix="ingress_http",
-        codec_type="AUTO",
-        stream_idle_timeout="600s",
-        route_config={
-            "name": "round_robin",
-            "virtual_hosts": [
-                {
-                    "name": "all",
-                    "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": FALLBACK_CLUSTER, "timeout": "0s"}}],
-                }
-            ],
-        },
+    listener = _ingress(
+        options,
+        "round_robin",
+        [{"match": {"prefix": "/"}, "route": {"cluster": FALLBACK_CLUSTER, "timeout": "0s"}}],
         http_filters=[_typed("envoy.filters.http.router", "extensions.filters.http.router.v3.Router")],
     )
-    listener = {
-        "name": "ingress",
-        "address": _socket_address(options.listen_address, options.listen_port),
-        "filter_chains": [{"filters": [connection_manager]}],
-    }
     return {
         "admin": {"address": _socket_address(options.admin_address, options.admin_port)},
         "static_resources": {"listeners": [listener], "clusters": [_fallback_cluster(options)]},
