@@ -70,6 +70,7 @@ class _Response(asyncio.Protocol):
             waiter, self.waiter = self.waiter, None
             waiter.set_result((self._status, bytes(self._body)))
             if self._close_after and self.transport is not None:
+                self.closed = True  # now, not at connection_lost: the next get() must reconnect
                 self.transport.close()
 
     def _read_head(self) -> bool:
