@@ -80,6 +80,7 @@ def start_farm(pods: int, port: int, *, background: bool) -> tuple[subprocess.Po
 
 
 _EXTRA_ARGS: list[str] = []
+_WRK_PREFIX: list[str] = []  # ["taskset", "-c", "1"] with --pin
 
 
 def _picker(pods: int, scraping: bool) -> PickerProcess:
@@ -126,9 +127,23 @@ def measure_cost(pods: int, window: float) -> dict[str, float]:
         farm.wait(10)
 
 
-def measure_latency(pods: int, rate: int, connections: int, duration: int, rounds: int) -> dict[str, list[dict[str, float]]]:
+def _pin(pids: list[int], cpus: set[int]) -> None:
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():  # every thread, not only the main one
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for listing in Path(f"/proc/{pid}/task").glob("*/children") for c in listing.read_text().split()]
+
+
+def measure_latency(
+    pods: int, rate: int, connections: int, duration: int, rounds: int, *, pin: bool = False
+) -> dict[str, list[dict[str, float]]]:
     farm, _, _ = start_farm(pods, _METRICS_PORT, background=True)
     serving, _, _ = start_farm(pods, _SERVING_PORT, background=False)
+    if pin:
+        _pin([farm.pid, serving.pid], {1})
     work = Path(tempfile.mkdtemp(prefix="epp-scrape-bench-"))
     script = work / "rate.lua"
     script.write_text(_RATE_SCRIPT)
@@ -144,6 +159,10 @@ def measure_latency(pods: int, rate: int, connections: int, duration: int, round
                 )
                 try:
                     envoy.start()
+                    if pin:
+                        # The request-path process gets CPU 0 to itself; everything else shares CPU 1.
+                        _pin([picker.pid], {0})
+                        _pin([envoy.pid, *_children(picker.pid)], {1})
                     wait_for_picker(envoy)
                     time.sleep(1.0)
                     # Each connection sends, waits for the answer, then pauses: pause = connections/rate
@@ -164,7 +183,7 @@ def measure_latency(pods: int, rate: int, connections: int, duration: int, round
 
 def _run_rate(url: str, script: Path, connections: int, duration: int, delay_ms: float) -> dict[str, float]:
     output = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url],
+        [*_WRK_PREFIX, "wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url],
         env={"EPP_BENCH_DELAY_MS": f"{delay_ms:.2f}", "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
@@ -199,15 +218,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--in-process", action="store_true", help="scrape on the request path's event loop (--metrics-scraper-process=false)"
     )
+    parser.add_argument(
+        "--whole-pages", action="store_true", help="scrape whole pages (--model-server-metrics-name-filter=false)"
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="latency part: the picker's request process alone on CPU 0; scrape worker, Envoy, wrk and pods on CPU 1",
+    )
     args = parser.parse_args(argv)
     if args.in_process:
         _EXTRA_ARGS.append("--metrics-scraper-process=false")
+    if args.whole_pages:
+        _EXTRA_ARGS.append("--model-server-metrics-name-filter=false")
     if not args.skip_latency and shutil.which("wrk") is None:
         print("wrk is needed: apt-get install wrk", file=sys.stderr)
         return 2
 
     print("Scrape cost: picker CPU (cores) with every pod scraped every 50 ms, vs the same picker with scraping off")
-    print("(total = the picker process and its scrape worker; main = the request-path process alone)\n")
+    print("(total = the picker process and its scrape worker; main = the request-path process alone)")
+    print(f"(options: {' '.join(_EXTRA_ARGS) or 'defaults: scrape worker process, ?name[]= filter'})\n")
     print(
         f"{'pods':>5} | {'page':>7} | {'total, scraping':>15} {'main, scraping':>14} {'total, off':>10} "
         f"{'scraping cost':>13} | {'scrapes/s':>9} {'target/s':>8}"
@@ -223,8 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     pods = max(int(p) for p in args.pods.split(","))
-    print(f"\nRequest path through Envoy at ~{args.rate} req/s offered, {pods} pods, {args.rounds} alternating rounds x {args.duration}s\n")
-    results = measure_latency(pods, args.rate, args.connections, args.duration, args.rounds)
+    print(
+        f"\nRequest path through Envoy at ~{args.rate} req/s offered, {pods} pods, {args.rounds} alternating rounds "
+        f"x {args.duration}s{', pinned (request process alone on CPU 0)' if args.pin else ', no pinning'}\n"
+    )
+    if args.pin:
+        _WRK_PREFIX.extend(["taskset", "-c", "1"])
+    results = measure_latency(pods, args.rate, args.connections, args.duration, args.rounds, pin=args.pin)
     summary = {}
     for mode, runs in results.items():
         summary[mode] = {key: statistics.median(run[key] for run in runs) for key in ("rps", "p50_ms", "p99_ms")}

@@ -67,6 +67,11 @@ SERVE_FLAGS = FlagSet(
         make_flag("model-server-metrics-scheme", "http", "http or https"),
         make_flag("model-server-metrics-port", 0, "port of the model servers' metrics; 0: the endpoint's own port"),
         make_flag("model-server-metrics-https-insecure-skip-verify", True, "do not verify model servers' certificates"),
+        make_flag(
+            "model-server-metrics-name-filter",
+            True,
+            "ask model servers for only the metrics in use (?name[]=..., honoured by prometheus_client: vLLM, SGLang)",
+        ),
         make_flag("scrape-metrics", True, "scrape model-server metrics (false: route without telemetry, e.g. benchmarks)"),
         make_flag("metrics-scraper-process", True, "scrape in a child process, off the request path's event loop"),
         # vLLM metric-name overrides (upstream flags); the config file's core-metrics-extractor is the general form.
@@ -132,6 +137,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         model_server_metrics_scheme=values["model-server-metrics-scheme"],
         model_server_metrics_port=values["model-server-metrics-port"],
         model_server_metrics_insecure_skip_verify=values["model-server-metrics-https-insecure-skip-verify"],
+        model_server_metrics_name_filter=values["model-server-metrics-name-filter"],
         metric_overrides=tuple((name, values[name]) for name in _METRIC_FLAGS if name in given),
     )
     not_yet = sorted(name for name in given if not SERVE_FLAGS.flags[name].implemented)

@@ -290,6 +290,19 @@ class EngineMapping:
         )
         object.__setattr__(self, "_plan", plan)
 
+    def metric_names(self) -> tuple[str, ...]:
+        """Every metric name this mapping may read, in a stable order, without duplicates.
+
+        A scraper can ask a prometheus_client-based server (vLLM, SGLang) for just these
+        (``?name[]=...``) instead of the whole page.
+        """
+        selectors = [
+            *self.queued_requests, *self.running_requests, *self.kv_usage,
+            *(s for s in (self.lora, self.cache_info) if s is not None),
+            *self.cache_block_size, *self.cache_num_blocks,
+        ]  # fmt: skip
+        return tuple(dict.fromkeys(selector.name for selector in selectors))
+
     def parse(self, page: bytes) -> EngineMetrics:
         """Extract this engine's values from one ``/metrics`` page (any bytes-like object).
 

@@ -12,6 +12,11 @@ Design
    metric names overridable) - a targeted parser, not a general one (:mod:`epp.engine_metrics`);
 3. hands a new :class:`epp.datastore.Metrics` (and why the scrape failed, if it did) to its sink.
 
+The GET asks for only the metrics the engine mapping reads (``?name[]=vllm:num_requests_waiting&...``),
+which prometheus_client - the exposition library of vLLM and SGLang - honours: the answer is about
+1 KB instead of ~50 KB, which is most of what a scrape costs. A server that refuses the query or
+answers it with nothing usable is asked for the whole page from then on.
+
 Failures never end a loop: an HTTP error, a timeout, a refused connection or a page that lacks a
 metric is recorded in the snapshot (``Metrics.error``); the last good numbers stay, and once no
 scrape has succeeded for ``--metrics-staleness-threshold`` (2 s) the endpoint is marked stale,
@@ -38,6 +43,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from epp.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, Metrics
 from epp.engine_metrics import EngineMapping, EngineMetrics
@@ -64,6 +70,7 @@ class ScrapeSettings:
     scheme: str = "http"  # --model-server-metrics-scheme
     port: int = 0  # --model-server-metrics-port; 0: the endpoint's own port
     insecure_skip_verify: bool = True  # --model-server-metrics-https-insecure-skip-verify
+    name_filter: bool = True  # ask for only the metrics in use (?name[]=...); whole page if refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +141,10 @@ class ScrapeLoops:
 
     async def _loop(self, target: Target, engine: EngineMapping) -> None:
         settings = self._settings
-        client = PersistentGet(target.address, settings.port or target.port, settings.path, tls=self._tls)
+        port = settings.port or target.port
+        filtered = settings.name_filter
+        path = _filtered_path(settings.path, engine) if filtered else settings.path
+        client = PersistentGet(target.address, port, path, tls=self._tls)
         loop = asyncio.get_running_loop()
         sink = self._sink
         current = Metrics()
@@ -161,6 +171,14 @@ class ScrapeLoops:
                     reason, detail = "connection", f"{type(exc).__name__}: {exc}"
                 # time.monotonic(), not loop.time(): snapshots may cross to another process.
                 now = time.monotonic()
+                if filtered and (reason == "http_status" or reason is None and _nothing_read(engine.parse(page))):
+                    # This server refuses or misreads ``?name[]=``: ask for the whole page from now on.
+                    log.info("endpoint %s: metrics name filter not supported; scraping the whole page", target.name)
+                    filtered = False
+                    client.close()
+                    client = PersistentGet(target.address, port, settings.path, tls=self._tls)
+                    deadline = loop.time()
+                    continue
                 if reason is None:
                     parsed = engine.parse(page)
                     current = _snapshot(parsed, now)
@@ -172,6 +190,17 @@ class ScrapeLoops:
                 sink(target.name, current, reason)
         finally:
             client.close()
+
+
+def _filtered_path(path: str, engine: EngineMapping) -> str:
+    """``path`` asking for only ``engine``'s metrics: prometheus_client (vLLM's and SGLang's
+    exposition) answers ``?name[]=a&name[]=b`` with those samples alone, ~1 KB instead of ~50 KB."""
+    query = "&".join(f"name[]={quote(name, safe=':')}" for name in engine.metric_names())
+    return f"{path}{'&' if '?' in path else '?'}{query}" if query else path
+
+
+def _nothing_read(parsed: EngineMetrics) -> bool:
+    return parsed.waiting_queue_size is None and parsed.running_requests is None and parsed.kv_cache_usage is None
 
 
 def _snapshot(parsed: EngineMetrics, now: float) -> Metrics:

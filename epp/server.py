@@ -80,6 +80,7 @@ def _scraper(settings: Settings, config: PickerConfig, datastore: Datastore, met
         scheme=source.scheme if source else settings.model_server_metrics_scheme,
         port=settings.model_server_metrics_port,
         insecure_skip_verify=source.insecure_skip_verify if source else settings.model_server_metrics_insecure_skip_verify,
+        name_filter=settings.model_server_metrics_name_filter,
     )
     return Scraper(
         datastore,

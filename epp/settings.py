@@ -40,5 +40,6 @@ class Settings:
     model_server_metrics_scheme: str = "http"
     model_server_metrics_port: int = 0  # 0: each endpoint's own port
     model_server_metrics_insecure_skip_verify: bool = True
+    model_server_metrics_name_filter: bool = True  # ?name[]=... for only the metrics in use
     # vLLM metric-name overrides from the upstream flags (empty: the engine's default).
     metric_overrides: tuple[tuple[str, str], ...] = ()

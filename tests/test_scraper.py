@@ -45,6 +45,8 @@ class FakeServer:
 
     respond: Callable[[], web.StreamResponse] = lambda: web.Response(body=VLLM_PAGE)
     delay: float = 0.0
+    reject_query: bool = False  # answer 400 to ?name[]=..., as a server that does not know it might
+    queries: list[str] = field(default_factory=list)
     connections: set[object] = field(default_factory=set)
     requests: int = 0
     port: int = 0
@@ -52,7 +54,10 @@ class FakeServer:
 
     async def handler(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
+        self.queries.append(request.query_string)
         self.connections.add(request.transport)
+        if self.reject_query and request.query_string:
+            return web.Response(status=400, text="unknown parameter")
         if self.delay:
             await asyncio.sleep(self.delay)
         return self.respond()
@@ -291,5 +296,54 @@ async def test_a_dead_worker_marks_endpoints_stale_and_is_restarted(fake: FakeSe
         assert "scrape worker stopped" in (datastore.endpoints()[0].metrics.error or "")
         await _until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
         assert worker.pid != first
+    finally:
+        await scraper.stop()
+
+
+async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_them(service_metrics: ServiceMetrics) -> None:
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_waiting", "", ["model_name"], registry=registry).labels("m").set(5)
+    Gauge("vllm:num_requests_running", "", ["model_name"], registry=registry).labels("m").set(1)
+    Gauge("vllm:kv_cache_usage_perc", "", ["model_name"], registry=registry).labels("m").set(0.5)
+    Gauge("vllm:time_to_first_token_seconds_sum", "", registry=registry).set(9)  # not needed: not sent
+    queries: list[list[str]] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        names = request.query.getall("name[]", [])
+        queries.append(names)
+        # What prometheus_client's exposition apps do with ?name[]=.
+        body = generate_latest(registry.restricted_registry(names) if names else registry)
+        return web.Response(body=body)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    endpoint = parse_endpoint(f"127.0.0.1:{runner.addresses[0][1]}")
+    datastore = Datastore([endpoint])
+    scraper = await _running(datastore, service_metrics)
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        assert (datastore.endpoints()[0].metrics.waiting_queue_size, datastore.endpoints()[0].metrics.kv_cache_usage) == (5, 0.5)
+        assert queries[0] == list(builtin_engines()["vllm"].metric_names())
+    finally:
+        await scraper.stop()
+        await runner.cleanup()
+
+
+async def test_a_server_that_refuses_the_name_filter_gets_whole_page_requests(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+    fake.reject_query = True
+    datastore = Datastore([fake.endpoint])
+    scraper = await _running(datastore, service_metrics)
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
+        await _until(lambda: len(fake.queries) >= 4)
+        assert fake.queries[0] != "" and set(fake.queries[1:]) == {""}  # asked once with the filter, then whole pages
+        assert _errors(service_metrics, fake.endpoint.name, "http_status") == 0  # a fallback, not an error
     finally:
         await scraper.stop()

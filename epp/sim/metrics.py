@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -410,3 +410,18 @@ class LoraInfoHistory(OrderedDict[tuple[str, str], float]):
         self.move_to_end(key)
         if len(self) > _LORA_HISTORY:
             self.popitem(last=False)
+
+
+def restrict_page(page: bytes, names: Iterable[bytes]) -> bytes:
+    """``page`` with only the families and samples named in ``names`` (their ``# HELP``/``# TYPE``
+    lines kept), as prometheus_client's exposition answers ``/metrics?name[]=a&name[]=b``."""
+    wanted = set(names)
+    kept = []
+    for line in page.split(b"\n"):
+        if line.startswith((b"# HELP ", b"# TYPE ")):
+            name = line.split(b" ", 3)[2]
+        else:
+            name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+        if line and name in wanted:
+            kept.append(line)
+    return b"\n".join(kept) + b"\n" if kept else b""

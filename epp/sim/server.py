@@ -34,7 +34,7 @@ import numpy as np
 from aiohttp import web
 
 from epp.sim.engine import Engine
-from epp.sim.metrics import CONTENT_TYPE, HttpStats, MetricsPage
+from epp.sim.metrics import CONTENT_TYPE, HttpStats, MetricsPage, restrict_page
 from epp.sim.request import SimRequest, Sink
 from epp.sim.tokens import render_chat, render_completion
 
@@ -295,7 +295,11 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[_PAGE].render(), headers={"Content-Type": CONTENT_TYPE})
+    page = request.app[_PAGE].render()
+    names = request.query.getall("name[]", [])
+    if names:  # vLLM's prometheus_client serves only the samples asked for
+        page = restrict_page(page, [name.encode() for name in names])
+    return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def _adapter_body(request: web.Request) -> _AdapterBody:

@@ -6,7 +6,8 @@ aiohttp would spend more CPU serving those pages than the picker spends reading 
 noise would land on the measurement. Here each port is a bare ``asyncio.Protocol``: ``GET /metrics``
 answers one of a few pre-rendered page variants (taken from a simulated pod that served real
 traffic, then given different gauge values, so consecutive scrapes differ as they do on a busy
-server), and any other request gets a small JSON completion, so the farm can also be the pool
+server; ``?name[]=`` restricts it to those samples, as prometheus_client does for vLLM), and any
+other request gets a small JSON completion, so the farm can also be the pool
 behind Envoy for request-path latency.
 
 ``python -m epp.testing.farm --pods 100`` prints ``pod-i ip:port`` lines and serves until SIGTERM.
@@ -21,6 +22,9 @@ import json
 import re
 import signal
 import sys
+from urllib.parse import unquote_to_bytes
+
+from epp.sim.metrics import restrict_page
 
 __all__ = ["MetricsFarm", "realistic_pages"]
 
@@ -65,9 +69,18 @@ def realistic_pages(variants: int = 4) -> list[bytes]:
     return pages
 
 
+def _http(page: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n" % len(page) + page
+
+
 class _Pod(asyncio.Protocol):
-    def __init__(self, responses: list[bytes]) -> None:
-        self._responses = itertools.cycle(responses)
+    """One pod: its pages in turn for ``GET /metrics`` (restricted by ``name[]`` like
+    prometheus_client), a small completion for anything else."""
+
+    def __init__(self, pages: list[bytes]) -> None:
+        self._pages = pages
+        self._turn = itertools.count()
+        self._cache: dict[bytes, list[bytes]] = {}
         self._buffer = b""
         self._transport: asyncio.Transport | None = None
 
@@ -90,7 +103,14 @@ class _Pod(asyncio.Protocol):
             self._buffer = self._buffer[end + 4 + length :]
             assert self._transport is not None
             if head.startswith(b"GET /metrics"):
-                self._transport.write(next(self._responses))
+                target = head.split(b" ", 2)[1]
+                responses = self._cache.get(target)
+                if responses is None:
+                    query = target.partition(b"?")[2]
+                    names = {unquote_to_bytes(v) for k, _, v in (p.partition(b"=") for p in query.split(b"&")) if k == b"name[]"}
+                    responses = [_http(restrict_page(p, names) if names else p) for p in self._pages]
+                    self._cache[target] = responses
+                self._transport.write(responses[next(self._turn) % len(responses)])
             else:
                 self._transport.write(_COMPLETION_RESPONSE)
 
@@ -114,17 +134,14 @@ class MetricsFarm:
         self.host_prefix = host_prefix
         self.port = port
         self.pods = pods
-        self._responses = [
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n" % len(p) + p
-            for p in pages
-        ]
+        self._pages = pages
         self._servers: list[asyncio.Server] = []
         self.hostports: list[str] = []
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         for i in range(self.pods):
-            rotated = self._responses[i % len(self._responses) :] + self._responses[: i % len(self._responses)]
+            rotated = self._pages[i % len(self._pages) :] + self._pages[: i % len(self._pages)]
             host = "127.0.0.1" if self.host_prefix is None else f"{self.host_prefix}{i + 1}"
             server = await loop.create_server(lambda r=rotated: _Pod(r), host, self.port)
             self._servers.append(server)
