@@ -269,7 +269,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             outcome = "error"
             if request_done:
                 raise  # too late for an HTTP answer: fail the stream
-            self._count_error(headers, error)
+            self._count_error(error)
             yield _immediate(error)
         except Exception:
             outcome = "error"
@@ -277,7 +277,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 raise
             log.exception("unexpected error while processing request %s", headers.get("x-request-id", "?"))
             error = EppError(Reason.INTERNAL, "internal error in the endpoint picker")
-            self._count_error(headers, error)
+            self._count_error(error)
             yield _immediate(error)
         finally:
             if routing is not None:
@@ -314,7 +314,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             end = start + MAX_STREAMED_CHUNK
             yield _streamed_request_body(bytes(view[start:end]), end_of_stream and end >= size)
 
-    def _count_error(self, headers: dict[str, str], error: EppError) -> None:
+    def _count_error(self, error: EppError) -> None:
         self._metrics.request_outcome_total.labels(error.reason.value).inc()
-        model = ""  # the body may be what is wrong: no model label from it
-        self._metrics.request_error_total.labels(model, model, error.reason.value).inc()
+        # No model label: the body, where the model is named, may be what is wrong.
+        self._metrics.request_error_total.labels("", "", error.reason.value).inc()

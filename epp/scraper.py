@@ -42,16 +42,13 @@ import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from epp.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, Metrics
 from epp.engine_metrics import EngineMapping, EngineMetrics
 from epp.httpget import HttpGetError, PersistentGet
 from epp.metrics import Metrics as ServiceMetrics
-
-if TYPE_CHECKING:
-    from epp.scrape_worker import WorkerClient
+from epp.scrape_worker import WorkerClient
 
 __all__ = ["ScrapeLoops", "ScrapeSettings", "Scraper", "Target"]
 
@@ -242,8 +239,6 @@ class Scraper:
         self._errors: dict[str, str | None] = {}
         self._stale: dict[str, bool] = {}
         self._started = False
-        from epp.scrape_worker import WorkerClient  # noqa: F811 - the worker module imports this one
-
         self._loops: ScrapeLoops | WorkerClient
         if in_process:
             self._loops = ScrapeLoops(engines, settings, self._apply, default_engine=default_engine)
