@@ -224,9 +224,10 @@ _BAD_CONFIGS = [
         id="parameters-not-a-mapping",
     ),
     pytest.param(
-        _config("- type: max-score-picker", _ONE_PROFILE),
-        "plugins[0] (max-score-picker): unknown plugin type 'max-score-picker'; known types: "
-        "core-metrics-extractor, metrics-data-source, random-picker",
+        _config("- type: no-such-picker", _ONE_PROFILE),
+        "plugins[0] (no-such-picker): unknown plugin type 'no-such-picker'; known types: "
+        "core-metrics-extractor, kv-cache-utilization-scorer, max-score-picker, metrics-data-source, "
+        "queue-scorer, random-picker",
         id="unknown-plugin-type",
     ),
     pytest.param(
@@ -355,7 +356,8 @@ def test_unknown_type_lists_every_registered_type() -> None:
         load_scheduler(_config("- type: nope", _ONE_PROFILE), _registry_with_fakes(), HANDLE)
     assert str(info.value) == (
         "plugins[0] (nope): unknown plugin type 'nope'; known types: core-metrics-extractor, fixed-scorer, "
-        "keep-filter, metrics-data-source, not-a-plugin, random-picker"
+        "keep-filter, kv-cache-utilization-scorer, max-score-picker, metrics-data-source, not-a-plugin, "
+        "queue-scorer, random-picker"
     )
 
 
@@ -383,7 +385,14 @@ def test_non_finite_weight_is_a_config_error(weight: str) -> None:
 
 def test_default_registry() -> None:
     registry = default_registry()
-    assert registry.types() == ["core-metrics-extractor", "metrics-data-source", "random-picker"]
+    assert registry.types() == [
+        "core-metrics-extractor",
+        "kv-cache-utilization-scorer",
+        "max-score-picker",
+        "metrics-data-source",
+        "queue-scorer",
+        "random-picker",
+    ]
     assert registry.source("random-picker") == "epp (built-in)"
     picker = registry.create("random-picker", "rp", {"maxNumOfEndpoints": 2}, HANDLE)
     assert isinstance(picker, RandomPicker)

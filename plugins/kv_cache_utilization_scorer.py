@@ -1,0 +1,30 @@
+"""``kv-cache-utilization-scorer``: prefer the endpoint with the most free KV-cache.
+
+Upstream semantics: score = 1 - KV-cache usage (usage in 0..1). An endpoint whose metrics are
+stale counts as fully loaded: it scores 0.0.
+
+No parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from epp.datastore import Endpoint
+from epp.registry import Handle
+from epp.request import InferenceRequest
+
+
+class KVCacheUtilizationScorer:
+    def __init__(self, name: str = "kv-cache-utilization-scorer") -> None:
+        self.name = name
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> KVCacheUtilizationScorer:
+        if parameters:
+            raise ValueError(f"{name}: takes no parameters, got {sorted(parameters)}")
+        return cls(name)
+
+    def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float]:
+        return [0.0 if e.metrics.stale else 1.0 - e.metrics.kv_cache_usage for e in candidates]
