@@ -40,7 +40,6 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
 from epp.director import Director, Routing
 from epp.errors import EppError, Reason, http_answer
@@ -107,6 +106,13 @@ def _streamed_response_body(chunk: bytes, end_of_stream: bool) -> pb.ProcessingR
     )
 
 
+_END_OF_REQUEST_BODY = _streamed_request_body(b"", True)
+_END_OF_RESPONSE_BODY = _streamed_response_body(b"", True)
+# (phase, destination) -> the routing answer; bounded, since fallback lists make combinations.
+_ANSWERS: dict[tuple[str, str], pb.ProcessingResponse] = {}
+_MAX_CACHED_ANSWERS = 4096
+
+
 def _immediate(error: EppError) -> pb.ProcessingResponse:
     status, body = http_answer(error)
     return pb.ProcessingResponse(
@@ -119,9 +125,20 @@ def _immediate(error: EppError) -> pb.ProcessingResponse:
     )
 
 
-def _destination_mutation(routing: Routing, client_headers: Iterable[str]) -> tuple[pb.CommonResponse, struct_pb2.Struct]:
-    """The header mutation and ``envoy.lb`` metadata that send the request to ``routing``'s pick."""
+def _routing_answer(routing: Routing, client_headers: Iterable[str], phase: str) -> pb.ProcessingResponse:
+    """The answer (to ``phase``: request_headers, or request_body in BUFFERED mode) that sends the
+    request to ``routing``'s pick: the destination header, the same value as ``envoy.lb`` metadata,
+    clear_route_cache, and the removal of forged control headers.
+
+    Without forged headers the answer depends only on the destination, and a pool has few of those:
+    such answers are built once and reused.
+    """
+    forged = [name for name in client_headers if name.startswith(DESTINATION_HEADER) and name != DESTINATION_HEADER]
     destination = routing.destination
+    if not forged:
+        cached = _ANSWERS.get((phase, destination))
+        if cached is not None:
+            return cached
     mutation = pb.HeaderMutation(
         set_headers=[
             base_pb2.HeaderValueOption(
@@ -130,13 +147,16 @@ def _destination_mutation(routing: Routing, client_headers: Iterable[str]) -> tu
             )
         ],
         # Forged control headers (…-subset, …-served, …-fallback): only the picker speaks them.
-        remove_headers=[
-            name for name in client_headers if name.startswith(DESTINATION_HEADER) and name != DESTINATION_HEADER
-        ],
+        remove_headers=forged,
     )
-    metadata = struct_pb2.Struct()
-    metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = destination
-    return pb.CommonResponse(header_mutation=mutation, clear_route_cache=True), metadata
+    answer = pb.ProcessingResponse()
+    getattr(answer, phase).response.CopyFrom(pb.CommonResponse(header_mutation=mutation, clear_route_cache=True))
+    answer.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = destination
+    if not forged:
+        if len(_ANSWERS) >= _MAX_CACHED_ANSWERS:
+            _ANSWERS.clear()
+        _ANSWERS[(phase, destination)] = answer
+    return answer
 
 
 def _subset_hint(request: pb.ProcessingRequest) -> list[str] | None:
@@ -201,10 +221,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     if message.request_headers.end_of_stream or request_mode == _NONE:
                         routing = await self._route(headers, b"", subset)
                         request_done = True
-                        common, metadata = _destination_mutation(routing, headers)
-                        yield pb.ProcessingResponse(
-                            request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
-                        )
+                        yield _routing_answer(routing, headers, "request_headers")
                     elif request_mode == _BUFFERED:
                         yield _CONTINUE_REQUEST_HEADERS
                     elif request_mode != _FULL_DUPLEX:
@@ -254,7 +271,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 elif kind == "response_body":
                     body = message.response_body
                     if response_mode == _FULL_DUPLEX:
-                        yield _streamed_response_body(body.body, body.end_of_stream)
+                        chunk = body.body
+                        if chunk or not body.end_of_stream:
+                            yield _streamed_response_body(chunk, body.end_of_stream)
+                        else:  # the usual last message: nothing but end_of_stream
+                            yield _END_OF_RESPONSE_BODY
                     else:
                         yield _CONTINUE_RESPONSE_BODY
                     if body.end_of_stream:
@@ -297,17 +318,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self, routing: Routing, headers: dict[str, str], mode: int, body: bytes, end_of_stream: bool
     ) -> Iterable[pb.ProcessingResponse]:
         """The answers that release a complete request body to ``routing``'s pick."""
-        common, metadata = _destination_mutation(routing, headers)
         if mode == _BUFFERED:
             # Envoy already has its headers answer; in BUFFERED mode the body answer may still
             # mutate the request headers, and the body itself goes on unchanged.
-            yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
+            yield _routing_answer(routing, headers, "request_body")
             return
-        yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+        yield _routing_answer(routing, headers, "request_headers")
         size = len(body)
         if size <= MAX_STREAMED_CHUNK:
-            if size or end_of_stream:
+            if size:
                 yield _streamed_request_body(body, end_of_stream)
+            elif end_of_stream:
+                yield _END_OF_REQUEST_BODY
             return
         view = memoryview(body)
         for start in range(0, size, MAX_STREAMED_CHUNK):
