@@ -57,14 +57,27 @@ async def _sample_page() -> bytes:
             return await response.read()
 
 
-def realistic_pages(variants: int = 4) -> list[bytes]:
-    """``variants`` full-size vLLM pages that differ in their scheduler gauges."""
+def realistic_pages(variants: int = 64, seed: int = 1) -> list[bytes]:
+    """``variants`` full-size vLLM pages whose scheduler gauges vary as on a busy server.
+
+    Each variant draws its waiting and running counts, its KV-cache usage (four decimals, like a
+    real ratio) and the timestamp of the newest ``vllm:lora_requests_info`` series at random, so
+    that consecutive scrapes of a pod rarely see the same page (a parser cannot coast on
+    repeats that a loaded server would not give it).
+    """
+    import random
+
     page = asyncio.run(_sample_page())
+    rng = random.Random(seed)
+    newest = max(re.findall(rb"\nvllm:lora_requests_info\{[^}]*\} (\S+)", page), key=float, default=None)
     pages = []
-    for i in range(variants):
-        varied = re.sub(rb"(\nvllm:num_requests_waiting\{[^}]*\}) \S+", rb"\1 %d.0" % (i * 3), page)
-        varied = re.sub(rb"(\nvllm:num_requests_running\{[^}]*\}) \S+", rb"\1 %d.0" % (i + 1), varied)
-        varied = re.sub(rb"(\nvllm:kv_cache_usage_perc\{[^}]*\}) \S+", rb"\1 %.2f" % (0.1 * i), varied)
+    for _ in range(variants):
+        varied = re.sub(rb"(\nvllm:num_requests_waiting\{[^}]*\}) \S+", rb"\1 %d.0" % rng.randint(0, 40), page)
+        varied = re.sub(rb"(\nvllm:num_requests_running\{[^}]*\}) \S+", rb"\1 %d.0" % rng.randint(0, 64), varied)
+        usage = rb"\1 %.4f" % rng.random()
+        varied = re.sub(rb"(\nvllm:(?:kv|gpu)_cache_usage_perc\{[^}]*\}) \S+", usage, varied)
+        if newest is not None:
+            varied = varied.replace(b"} " + newest + b"\n", b"} %.7f\n" % (float(newest) + rng.random() * 100), 1)
         pages.append(varied)
     return pages
 
