@@ -15,6 +15,8 @@ from epp.datastore import Endpoint
 from epp.registry import Handle
 from epp.request import InferenceRequest
 
+from ._common import no_parameters
+
 
 class KVCacheUtilizationScorer:
     def __init__(self, name: str = "kv-cache-utilization-scorer") -> None:
@@ -22,8 +24,7 @@ class KVCacheUtilizationScorer:
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> KVCacheUtilizationScorer:
-        if parameters:
-            raise ValueError(f"{name}: takes no parameters, got {sorted(parameters)}")
+        no_parameters(name, parameters)
         return cls(name)
 
     def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float]:

@@ -10,29 +10,18 @@ Candidates are shuffled before a stable sort by score, so equal scores come out 
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from epp.datastore import Endpoint
-from epp.registry import Handle
 from epp.request import InferenceRequest
 from epp.scheduling import ScoredEndpoint
 
-from .random_picker import max_num_of_endpoints
+from ._common import CountedPicker
 
 
-class MaxScorePicker:
+class MaxScorePicker(CountedPicker):
     def __init__(self, name: str = "max-score-picker", *, max_num_of_endpoints: int = 1, seed: int | None = None) -> None:
-        if max_num_of_endpoints < 1:
-            raise ValueError(f"{name}: maxNumOfEndpoints must be at least 1, got {max_num_of_endpoints}")
-        self.name = name
-        self.max_num_of_endpoints = max_num_of_endpoints
-        self._random = random.Random(seed)
-
-    @classmethod
-    def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> MaxScorePicker:
-        return cls(name, max_num_of_endpoints=max_num_of_endpoints(name, parameters))
+        super().__init__(name, max_num_of_endpoints=max_num_of_endpoints, seed=seed)
 
     def pick(self, request: InferenceRequest, scored: Sequence[ScoredEndpoint]) -> list[Endpoint]:
         shuffled = list(scored)

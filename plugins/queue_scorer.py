@@ -17,6 +17,8 @@ from epp.datastore import Endpoint
 from epp.registry import Handle
 from epp.request import InferenceRequest
 
+from ._common import no_parameters
+
 
 class QueueScorer:
     def __init__(self, name: str = "queue-scorer") -> None:
@@ -24,8 +26,7 @@ class QueueScorer:
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> QueueScorer:
-        if parameters:
-            raise ValueError(f"{name}: takes no parameters, got {sorted(parameters)}")
+        no_parameters(name, parameters)
         return cls(name)
 
     def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float]:
