@@ -30,15 +30,10 @@ from typing import Any
 
 from epp.datastore import ENGINE_TYPE_LABEL
 from epp.engine_metrics import EngineMapping, builtin_engines, engine_from_config
-from epp.registry import Handle
+from epp.registry import Handle, check_parameters
 
 __all__ = ["CoreMetricsExtractor", "MetricsDataSource"]
 
-
-def _check(name: str, parameters: Mapping[str, Any], valid: tuple[str, ...]) -> None:
-    unknown = sorted(set(parameters) - set(valid))
-    if unknown:
-        raise ValueError(f"{name}: unknown parameter(s) {unknown}; valid: {list(valid)}")
 
 
 @dataclass(frozen=True)
@@ -50,7 +45,7 @@ class MetricsDataSource:
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> MetricsDataSource:
-        _check(name, parameters, ("scheme", "path", "insecureSkipVerify"))
+        check_parameters(name, parameters, ("scheme", "path", "insecureSkipVerify"))
         scheme = parameters.get("scheme", "http")
         path = parameters.get("path", "/metrics")
         insecure = parameters.get("insecureSkipVerify", True)
@@ -72,7 +67,7 @@ class CoreMetricsExtractor:
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> CoreMetricsExtractor:
-        _check(name, parameters, ("defaultEngine", "engineLabelKey", "engineConfigs"))
+        check_parameters(name, parameters, ("defaultEngine", "engineLabelKey", "engineConfigs"))
         engines = builtin_engines()
         configs = parameters.get("engineConfigs") or []
         if not isinstance(configs, list):

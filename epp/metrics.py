@@ -24,9 +24,8 @@ _SIZE_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16
 
 
 class Metrics:
-    def __init__(self, pool_name: str = "") -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.pool_name = pool_name
         r = self.registry
         self.request_total = Counter(
             "inference_objective_request_total",

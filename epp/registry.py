@@ -12,7 +12,7 @@ from typing import Any
 
 from epp.datastore import Datastore
 
-__all__ = ["Handle", "PluginFactory", "Registry", "default_registry"]
+__all__ = ["Handle", "PluginFactory", "Registry", "check_parameters", "default_registry"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +23,15 @@ class Handle:
 
 
 PluginFactory = Callable[[str, Mapping[str, Any], Handle], object]
+
+
+def check_parameters(name: str, parameters: Mapping[str, Any], valid: tuple[str, ...] = ()) -> None:
+    """For plugin factories: ValueError naming any parameter not in ``valid``, and listing those that are."""
+    unknown = sorted(set(parameters) - set(valid))
+    if unknown and not valid:
+        raise ValueError(f"{name}: takes no parameters, got {unknown}")
+    if unknown:
+        raise ValueError(f"{name}: unknown parameter(s) {unknown}; valid: {list(valid)}")
 
 
 class Registry:

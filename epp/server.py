@@ -98,7 +98,7 @@ class EndpointPicker:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.metrics = Metrics(pool_name=settings.pool_name)
+        self.metrics = Metrics()
         self.datastore = Datastore(settings.endpoints)
         config = load_config(settings.config_text, default_registry(), Handle(self.datastore))
         self.scheduler = config.scheduler

@@ -1,4 +1,4 @@
-"""What the built-in plugins share: parameter checks and the pickers' common shape."""
+"""What the built-in pickers share: their parameter and their shape."""
 
 from __future__ import annotations
 
@@ -6,19 +6,12 @@ import random
 from collections.abc import Mapping
 from typing import Any, Self
 
-from epp.registry import Handle
-
-
-def no_parameters(name: str, parameters: Mapping[str, Any]) -> None:
-    if parameters:
-        raise ValueError(f"{name}: takes no parameters, got {sorted(parameters)}")
+from epp.registry import Handle, check_parameters
 
 
 def max_num_of_endpoints(name: str, parameters: Mapping[str, Any]) -> int:
     """The pickers' one parameter, checked: ``maxNumOfEndpoints`` (default 1)."""
-    unknown = set(parameters) - {"maxNumOfEndpoints"}
-    if unknown:
-        raise ValueError(f"{name}: unknown parameter(s) {sorted(unknown)}; valid: ['maxNumOfEndpoints']")
+    check_parameters(name, parameters, ("maxNumOfEndpoints",))
     count = parameters.get("maxNumOfEndpoints", 1)
     if not isinstance(count, int) or isinstance(count, bool):
         raise ValueError(f"{name}: maxNumOfEndpoints must be an integer, got {count!r}")

@@ -12,10 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epp.datastore import Endpoint
-from epp.registry import Handle
+from epp.registry import Handle, check_parameters
 from epp.request import InferenceRequest
-
-from ._common import no_parameters
 
 
 class KVCacheUtilizationScorer:
@@ -24,7 +22,7 @@ class KVCacheUtilizationScorer:
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> KVCacheUtilizationScorer:
-        no_parameters(name, parameters)
+        check_parameters(name, parameters)
         return cls(name)
 
     def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float]:
