@@ -18,6 +18,7 @@ from typing import Any
 
 from epp.datastore import check_unique, parse_endpoints, read_endpoints_file
 from epp.goflags import Duration, FlagError, FlagSet, make_flag
+from epp.registry import disabled_from_env
 from epp.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 
 __all__ = ["SERVE_FLAGS", "main", "settings_from_args"]
@@ -43,6 +44,7 @@ SERVE_FLAGS = FlagSet(
         make_flag("cert-path", "", "directory with tls.crt and tls.key; empty: a self-signed certificate"),
         make_flag("config-file", "", "EndpointPickerConfig YAML file"),
         make_flag("config-text", "", "EndpointPickerConfig YAML, inline (instead of --config-file)"),
+        make_flag("disable-plugin", [], "plugin type to turn off (repeatable, or comma-separated; also $EPP_DISABLE_PLUGINS)"),
         make_flag("v", 1, "log verbosity: 0-2 info, 3 and up debug"),
         make_flag("zap-encoder", "console", "log format: console or json"),
         make_flag("pool-name", "", "InferencePool to serve (Kubernetes discovery)"),
@@ -123,6 +125,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         secure_serving=values["secure-serving"],
         cert_path=values["cert-path"],
         config_text=config_text,
+        disabled_plugins=tuple(sorted({*values["disable-plugin"], *disabled_from_env()})),
         max_request_body_bytes=values["max-request-body-bytes"],
         pool_name=values["pool-name"],
         pool_namespace=values["pool-namespace"] or os.environ.get("NAMESPACE") or "default",
@@ -193,12 +196,16 @@ def _serve(argv: Sequence[str]) -> int:
         log.warning("--pool-name: Kubernetes discovery is not implemented yet; give the pool with --endpoints")
 
     from epp.config import ConfigError
+    from epp.registry import PluginLoadError
     from epp.server import serve
 
     try:
         _run(serve(settings))
     except ConfigError as exc:
         log.error("invalid configuration: %s", exc)
+        return 2
+    except PluginLoadError as exc:
+        log.error("plugins: %s", exc)
         return 2
     return 0
 

@@ -10,6 +10,14 @@ returns an immutable tuple (rebuilt at most once per change, on the first read a
 request that reads it once holds one consistent view of every endpoint and its metrics for its
 whole scheduling cycle, with no lock.
 
+In-flight accounting: scraped metrics lag the requests this picker has just sent (a scrape every
+50 ms; a burst arrives in one). Each endpoint carries an :class:`InFlight` record, one mutable
+object for the endpoint's whole life in the pool (carried across metrics updates and re-labels):
+the director adds each request it routes there and releases it when the response ends, errors or
+is cancelled. :attr:`Endpoint.queue_depth` and :attr:`Endpoint.kv_usage` are what scorers read:
+the scraped numbers plus the requests (and their prompt tokens) sent after that scrape was taken,
+so a burst spreads instead of herding onto the endpoint that looked idle at the last scrape.
+
 Readiness (gRPC health) follows "the pool has an endpoint". Listeners hear about membership
 changes (an endpoint added, removed or re-labelled), not about metrics updates: the scraper starts
 and stops its per-endpoint loops from them.
@@ -17,7 +25,9 @@ and stops its per-endpoint loops from them.
 
 from __future__ import annotations
 
+import bisect
 import ipaddress
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +39,7 @@ __all__ = [
     "ENGINE_TYPE_LABEL",
     "Datastore",
     "Endpoint",
+    "InFlight",
     "Metrics",
     "check_unique",
     "parse_endpoint",
@@ -65,6 +76,70 @@ class Metrics:
 
 NEVER_SCRAPED = Metrics(error="not scraped yet")
 
+class InFlight:
+    """Requests this picker sent to one endpoint whose responses have not ended.
+
+    ``requests`` and ``tokens`` (estimated prompt tokens) count all of them; :meth:`since` counts
+    those sent after a given ``time.monotonic()`` instant (the last scrape's). Several scorers ask
+    the same question of the same endpoint in one scheduling cycle, so the last answer is kept
+    until the record changes.
+    """
+
+    __slots__ = ("_times", "_tokens", "requests", "tokens", "_memo_key", "_memo")
+
+    def __init__(self) -> None:
+        self._times: list[float] = []  # send times, ascending (time.monotonic() only grows)
+        self._tokens: list[int] = []  # tokens of the request sent at the same index
+        self.requests = 0
+        self.tokens = 0
+        self._memo_key: float | None = None
+        self._memo = (0, 0)
+
+    def add(self, tokens: int = 0, now: float | None = None) -> tuple[float, int]:
+        """Count one request; the returned ticket releases it."""
+        sent = time.monotonic() if now is None else now
+        times = self._times
+        if times and sent < times[-1]:  # only an explicit ``now`` can go back: keep the order
+            index = bisect.bisect_right(times, sent)
+            times.insert(index, sent)
+            self._tokens.insert(index, tokens)
+        else:
+            times.append(sent)
+            self._tokens.append(tokens)
+        self.requests += 1
+        self.tokens += tokens
+        self._memo_key = None
+        return sent, tokens
+
+    def release(self, ticket: tuple[float, int]) -> None:
+        """Stop counting the request ``ticket`` stands for (a second release is a no-op)."""
+        sent, tokens = ticket
+        times, token_list = self._times, self._tokens
+        index = bisect.bisect_left(times, sent)
+        while index < len(times) and times[index] == sent:
+            if token_list[index] == tokens:  # equal tickets are interchangeable
+                del times[index]
+                del token_list[index]
+                self.requests -= 1
+                self.tokens -= tokens
+                self._memo_key = None
+                return
+            index += 1
+
+    def since(self, instant: float) -> tuple[int, int]:
+        """(requests, tokens) still in flight that were sent after ``instant``."""
+        if instant == self._memo_key:
+            return self._memo
+        times = self._times
+        if not times or times[-1] <= instant:
+            result = (0, 0)
+        else:
+            first = bisect.bisect_right(times, instant)
+            result = (len(times) - first, sum(self._tokens[first:]) if first else self.tokens)
+        self._memo_key = instant
+        self._memo = result
+        return result
+
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
@@ -80,10 +155,30 @@ class Endpoint:
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
     # Not part of the endpoint's identity: a metrics update is not a membership change.
     metrics: Metrics = field(default=NEVER_SCRAPED, compare=False, hash=False, repr=False)
+    inflight: InFlight = field(default_factory=InFlight, compare=False, hash=False, repr=False)
 
     @property
     def hostport(self) -> str:
         return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+
+    @property
+    def queue_depth(self) -> int:
+        """Waiting requests as last scraped, plus the requests sent since that scrape (which the
+        picker cannot know the pod has started: counting them is what stops a burst herding)."""
+        metrics = self.metrics
+        return metrics.waiting_queue_size + self.inflight.since(metrics.updated_at)[0]
+
+    @property
+    def kv_usage(self) -> float:
+        """KV-cache usage (0..1) as last scraped, plus the prompt tokens sent since, when the pod's
+        cache size is known (``vllm:cache_config_info``); never above 1."""
+        metrics = self.metrics
+        usage = metrics.kv_cache_usage
+        if metrics.num_gpu_blocks and metrics.block_size:
+            tokens = self.inflight.since(metrics.updated_at)[1]
+            if tokens:
+                usage = min(1.0, usage + tokens / (metrics.num_gpu_blocks * metrics.block_size))
+        return usage
 
 
 def parse_endpoint(text: str) -> Endpoint:
@@ -207,9 +302,10 @@ class Datastore:
         old = self._by_name
         for name, endpoint in by_name.items():
             previous = old.get(name)
-            if previous is not None and endpoint.metrics is NEVER_SCRAPED:
-                # A re-listed or re-labelled endpoint keeps what it last reported.
-                by_name[name] = replace(endpoint, metrics=previous.metrics)
+            if previous is not None and previous is not endpoint:
+                # A re-listed or re-labelled endpoint keeps what it last reported and its in-flight count.
+                metrics = previous.metrics if endpoint.metrics is NEVER_SCRAPED else endpoint.metrics
+                by_name[name] = replace(endpoint, metrics=metrics, inflight=previous.inflight)
         added = tuple(e for name, e in by_name.items() if old.get(name) != e)
         removed = tuple(e for name, e in old.items() if by_name.get(name) != e)
         self._by_name = by_name

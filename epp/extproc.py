@@ -32,7 +32,7 @@ Envoy configs in deploy/ also strip the header before ext_proc, for when the pic
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -111,6 +111,19 @@ _END_OF_RESPONSE_BODY = _streamed_response_body(b"", True)
 # (phase, destination) -> the routing answer; bounded, since fallback lists make combinations.
 _ANSWERS: dict[tuple[str, str], pb.ProcessingResponse] = {}
 _MAX_CACHED_ANSWERS = 4096
+
+
+def _response_headers_answer(added: Mapping[str, str]) -> pb.ProcessingResponse:
+    """Continue the response with the headers plugins asked to set on it."""
+    mutation = pb.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+            )
+            for key, value in added.items()
+        ]
+    )
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation)))
 
 
 def _immediate(error: EppError) -> pb.ProcessingResponse:
@@ -262,9 +275,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     yield _CONTINUE_REQUEST_TRAILERS
 
                 elif kind == "response_headers":
-                    if routing is not None:
-                        routing.response_headers(_headers(message.response_headers))
-                    yield _CONTINUE_RESPONSE_HEADERS
+                    added = routing.response_headers(_headers(message.response_headers)) if routing is not None else None
+                    yield _response_headers_answer(added) if added else _CONTINUE_RESPONSE_HEADERS
                     if message.response_headers.end_of_stream:
                         outcome = "complete"
 

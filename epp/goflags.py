@@ -160,7 +160,10 @@ class FlagSet:
                     value = args[i]
                 else:
                     raise FlagError(f"flag needs an argument: -{name}")
-            values[name] = _convert(flag, value)
+            if flag.kind is list:  # a repeatable flag: every use adds its comma-separated items
+                values[name] = [*values[name], *(item.strip() for item in value.split(",") if item.strip())]
+            else:
+                values[name] = _convert(flag, value)
             given.add(name)
             i += 1
         return values, args[i:], given

@@ -6,6 +6,7 @@ served on ``--metrics-port`` by :func:`start_metrics_server`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -64,6 +65,19 @@ class Metrics:
             buckets=_SCHEDULER_BUCKETS,
             registry=r,
         )
+        self.scheduler_attempts = Counter(
+            "inference_extension_scheduler_attempts_total",
+            "Scheduling attempts by result: success (an endpoint was picked) or failure.",
+            ["status"],
+            registry=r,
+        )
+        self.plugin_duration = Histogram(
+            "inference_extension_plugin_duration_seconds",
+            "Time spent in each plugin call, by extension point, plugin type and plugin name.",
+            ["extension_point", "plugin_type", "plugin_name"],
+            buckets=_SCHEDULER_BUCKETS,
+            registry=r,
+        )
         self.ready_pods = Gauge(
             "inference_pool_ready_pods", "Endpoints in the pool that can take requests.", ["name"], registry=r
         )
@@ -85,6 +99,10 @@ class Metrics:
         )
         self.routed = self.request_outcome_total.labels("routed")
         self._per_model: dict[str, ModelMetrics] = {}
+
+    def plugin_timer(self, extension_point: str, plugin_type: str, plugin_name: str) -> Callable[[float], None]:
+        """The ``observe`` of one plugin's duration series (bound once, at configuration time)."""
+        return self.plugin_duration.labels(extension_point, plugin_type, plugin_name).observe
 
     def for_model(self, model: str) -> ModelMetrics:
         """The per-model series of ``model``, resolved once: ``labels()`` costs microseconds per call."""

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -58,6 +59,8 @@ class InferenceRequest:
         cache_salt: vLLM's ``cache_salt``; prefix hashes must be salted with it.
         max_tokens: the requested output budget, when given.
         body_size: bytes of request body received.
+        state: per-request data that plugins share during the request's life, keyed by the data
+            names plugins declare in ``produces``/``consumes`` (see :mod:`epp.scheduling`).
     """
 
     request_id: str
@@ -72,6 +75,12 @@ class InferenceRequest:
     cache_salt: str | None = None
     max_tokens: int | None = None
     body_size: int = 0
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens, estimated at 4 characters per token (no tokenizer here)."""
+        return (len(self.prompt) + 3) // 4
 
 
 # --- the typed views of each API's body: only what routing reads --------------------------------

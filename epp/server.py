@@ -33,7 +33,7 @@ from epp.director import Director
 from epp.engine_metrics import EngineMapping, builtin_engines, engine_from_config
 from epp.extproc import ExternalProcessor
 from epp.metrics import Metrics, start_metrics_server
-from epp.registry import Handle, default_registry
+from epp.registry import Handle, load_registry
 from epp.scraper import ScrapeSettings, Scraper
 from epp.settings import Settings
 from epp.tls import server_credentials
@@ -100,7 +100,15 @@ class EndpointPicker:
         self.settings = settings
         self.metrics = Metrics()
         self.datastore = Datastore(settings.endpoints)
-        config = load_config(settings.config_text, default_registry(), Handle(self.datastore))
+        registry = load_registry(settings.disabled_plugins, log_sources=True)
+        config = load_config(
+            settings.config_text,
+            registry,
+            Handle(self.datastore, registry=self.metrics.registry),
+            timer=self.metrics.plugin_timer,
+        )
+        for name, (type_name, _) in config.plugins.items():
+            log.info("plugin %s: type %s from %s", name, type_name, registry.source(type_name))
         self.scheduler = config.scheduler
         self.director = Director(self.datastore, self.scheduler, self.metrics)
         self.processor = ExternalProcessor(

@@ -25,6 +25,7 @@ class Settings:
     secure_serving: bool = True
     cert_path: str = ""  # a directory holding tls.crt and tls.key; empty: self-signed at start
     config_text: str | None = None
+    disabled_plugins: tuple[str, ...] = ()  # plugin types turned off (--disable-plugin, $EPP_DISABLE_PLUGINS)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     pool_name: str = ""
     pool_namespace: str = "default"

@@ -1,7 +1,12 @@
 """``kv-cache-utilization-scorer``: prefer the endpoint with the most free KV-cache.
 
-Upstream semantics: score = 1 - KV-cache usage (usage in 0..1). An endpoint whose metrics are
-stale counts as fully loaded: it scores 0.0.
+Upstream semantics: score = 1 - KV-cache usage (usage in 0..1).
+
+The usage read is :attr:`epp.datastore.Endpoint.kv_usage`: the scraped usage plus the prompt
+tokens this picker sent to the endpoint after that scrape was taken (when the endpoint reports its
+cache size), so a burst of long prompts between two scrapes spreads.
+
+An endpoint whose metrics are stale counts as fully loaded: it scores 0.0.
 
 No parameters.
 """
@@ -26,4 +31,4 @@ class KVCacheUtilizationScorer:
         return cls(name)
 
     def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float]:
-        return [0.0 if e.metrics.stale else 1.0 - e.metrics.kv_cache_usage for e in candidates]
+        return [0.0 if e.metrics.stale else 1.0 - e.kv_usage for e in candidates]

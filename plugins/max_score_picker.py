@@ -4,8 +4,9 @@ Parameters (upstream names):
     maxNumOfEndpoints (int, default 1): how many endpoints to return, best first; the extra ones
         are fallbacks Envoy may try in order.
 
-Candidates are shuffled before a stable sort by score, so equal scores come out in random order
-(a deterministic tie-break would send every tie to the same endpoint).
+Ties are broken at random (a deterministic tie-break would send every tie to the same endpoint):
+with one endpoint to return, a uniform choice among the best; with more, a shuffle before a
+stable sort by score.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 from epp.datastore import Endpoint
 from epp.request import InferenceRequest
-from epp.scheduling import ScoredEndpoint
+from epp.scheduling import ScoredCandidates, ScoredEndpoint
 
 from ._common import CountedPicker
 
@@ -24,7 +25,14 @@ class MaxScorePicker(CountedPicker):
         super().__init__(name, max_num_of_endpoints=max_num_of_endpoints, seed=seed)
 
     def pick(self, request: InferenceRequest, scored: Sequence[ScoredEndpoint]) -> list[Endpoint]:
-        shuffled = list(scored)
-        self._random.shuffle(shuffled)
-        shuffled.sort(key=lambda item: item.score, reverse=True)
-        return [item.endpoint for item in shuffled[: self.max_num_of_endpoints]]
+        endpoints, scores = ScoredCandidates.columns(scored)
+        if not endpoints:
+            return []
+        if self.max_num_of_endpoints == 1:  # one pass, no sort: the common case
+            best = max(scores)
+            ties = [i for i, score in enumerate(scores) if score == best]
+            return [endpoints[ties[0] if len(ties) == 1 else self._random.choice(ties)]]
+        order = list(range(len(endpoints)))
+        self._random.shuffle(order)
+        order.sort(key=scores.__getitem__, reverse=True)
+        return [endpoints[i] for i in order[: self.max_num_of_endpoints]]

@@ -2,8 +2,14 @@
 
 Upstream semantics: min-max normalisation over the candidates' waiting-queue lengths,
 ``(max - queue) / (max - min)``: the shortest queue scores 1.0, the longest 0.0, and when every
-candidate has the same queue all score 1.0 (nothing to tell them apart). An endpoint whose metrics
-are stale counts as fully loaded: it scores 0.0 and does not take part in the normalisation.
+candidate has the same queue all score 1.0 (nothing to tell them apart).
+
+The queue read is :attr:`epp.datastore.Endpoint.queue_depth`: the scraped waiting-queue length plus
+the requests this picker sent to the endpoint after that scrape was taken, so a burst between two
+scrapes spreads instead of herding onto the endpoint that looked idle.
+
+An endpoint whose metrics are stale counts as fully loaded: it scores 0.0 and takes no part in the
+normalisation.
 
 No parameters.
 """
@@ -17,6 +23,8 @@ from epp.datastore import Endpoint
 from epp.registry import Handle, check_parameters
 from epp.request import InferenceRequest
 
+from ._common import lower_is_better
+
 
 class QueueScorer:
     def __init__(self, name: str = "queue-scorer") -> None:
@@ -28,12 +36,4 @@ class QueueScorer:
         return cls(name)
 
     def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float]:
-        queues = [None if e.metrics.stale else e.metrics.waiting_queue_size for e in candidates]
-        fresh = [q for q in queues if q is not None]
-        if not fresh:
-            return [0.0] * len(candidates)
-        low, high = min(fresh), max(fresh)
-        if low == high:
-            return [0.0 if q is None else 1.0 for q in queues]
-        span = high - low
-        return [0.0 if q is None else (high - q) / span for q in queues]
+        return lower_is_better([None if e.metrics.stale else e.queue_depth for e in candidates])

@@ -11,8 +11,9 @@ import pytest
 
 from epp.config import API_VERSIONS, DEFAULT_CONFIG, ConfigError, load_scheduler
 from epp.datastore import Datastore, Endpoint, parse_endpoint
-from epp.plugins import RandomPicker
-from epp.registry import Handle, Registry, default_registry
+from epp.plugins.max_score_picker import MaxScorePicker
+from epp.plugins.random_picker import RandomPicker
+from epp.registry import Handle, Registry, default_registry, load_registry
 from epp.request import InferenceRequest
 from epp.scheduling import Filter, Picker, Profile, ScoredEndpoint, Scheduler, Scorer, WeightedScorer
 
@@ -97,19 +98,28 @@ def test_fakes_satisfy_the_protocols() -> None:
 # -- configs that load --------------------------------------------------------------------------
 
 
-def test_default_config() -> None:
+def test_default_config_is_upstreams() -> None:
     for text in (None, DEFAULT_CONFIG):
         scheduler = load_scheduler(text, default_registry(), HANDLE)
-        picker = scheduler.profile.picker
-        assert isinstance(picker, RandomPicker)
-        assert picker.name == "random-picker"
-        assert picker.max_num_of_endpoints == 1
-        assert scheduler.profile.name == "default"
-        assert scheduler.profile.filters == ()
-        assert scheduler.profile.scorers == ()
+        profile = scheduler.profile
+        assert profile.name == "default"
+        assert isinstance(profile.picker, MaxScorePicker)
+        assert profile.picker.max_num_of_endpoints == 1
+        assert profile.filters == ()
+        assert [(w.scorer.name, w.weight) for w in profile.scorers] == [
+            ("queue-scorer", 2.0),
+            ("kv-cache-utilization-scorer", 2.0),
+            ("prefix-cache-scorer", 3.0),
+        ]
         picked = scheduler.schedule(REQUEST, ENDPOINTS)
         assert len(picked) == 1
         assert picked[0] in ENDPOINTS
+
+
+def test_default_config_leaves_out_disabled_types() -> None:
+    registry = load_registry(disabled={"prefix-cache-scorer", "approx-prefix-cache-producer"})
+    profile = load_scheduler(None, registry, HANDLE).profile
+    assert [w.scorer.name for w in profile.scorers] == ["queue-scorer", "kv-cache-utilization-scorer"]
 
 
 @pytest.mark.parametrize("api_version", API_VERSIONS)
@@ -154,11 +164,9 @@ def test_config_wires_filters_scorers_and_weights() -> None:
     assert isinstance(profile.picker, RandomPicker)
 
 
-def test_plugin_name_defaults_to_its_type_and_profile_name_to_its_index() -> None:
-    text = _config("- type: random-picker", "- plugins:\n  - pluginRef: random-picker")
-    profile = load_scheduler(text, default_registry(), HANDLE).profile
-    assert profile.picker.name == "random-picker"
-    assert profile.name == "profile-0"
+def test_plugin_name_defaults_to_its_type() -> None:
+    text = _config("- type: random-picker", "- name: p\n  plugins:\n  - pluginRef: random-picker")
+    assert load_scheduler(text, default_registry(), HANDLE).profile.picker.name == "random-picker"
 
 
 # -- configs that do not load -------------------------------------------------------------------
@@ -225,9 +233,7 @@ _BAD_CONFIGS = [
     ),
     pytest.param(
         _config("- type: no-such-picker", _ONE_PROFILE),
-        "plugins[0] (no-such-picker): unknown plugin type 'no-such-picker'; known types: "
-        "core-metrics-extractor, kv-cache-utilization-scorer, max-score-picker, metrics-data-source, "
-        "queue-scorer, random-picker",
+        "plugins[0] (no-such-picker): unknown plugin type 'no-such-picker'; known types: active-request-scorer, ",
         id="unknown-plugin-type",
     ),
     pytest.param(
@@ -297,21 +303,11 @@ _BAD_CONFIGS = [
         id="bool-weight",
     ),
     pytest.param(
-        _config(_PICKER, "- name: default\n  plugins: []"),
-        "schedulingProfiles[0]: a profile needs exactly one picker, got 0",
-        id="profile-without-picker",
-    ),
-    pytest.param(
-        _config(_PICKER, "- name: default"),
-        "schedulingProfiles[0]: a profile needs exactly one picker, got 0",
-        id="profile-without-plugins",
-    ),
-    pytest.param(
         _config(
             "- name: a\n  type: random-picker\n- name: b\n  type: random-picker",
             "- name: default\n  plugins:\n  - pluginRef: a\n  - pluginRef: b",
         ),
-        "schedulingProfiles[0]: a profile needs exactly one picker, got 2",
+        "schedulingProfiles[0]: a profile takes one picker, got 2: ['a', 'b']",
         id="profile-with-two-pickers",
     ),
     pytest.param(
@@ -325,14 +321,29 @@ _BAD_CONFIGS = [
         id="profile-not-a-mapping",
     ),
     pytest.param(
-        _config(_PICKER, _ONE_PROFILE + "- name: other\n  plugins:\n  - pluginRef: random-picker\n"),
-        "schedulingProfiles: exactly one profile is supported until profile handlers land, got 2",
-        id="two-profiles",
+        _config(_PICKER, _ONE_PROFILE + _ONE_PROFILE.replace("default", "second")),
+        "schedulingProfiles: 2 profiles need a profile handler plugin to choose between them",
+        id="two-profiles-no-handler",
     ),
     pytest.param(
-        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: random-picker\n",
-        "schedulingProfiles: exactly one profile is supported until profile handlers land, got 0",
-        id="no-profile",
+        _config(_PICKER, _ONE_PROFILE + _ONE_PROFILE),
+        "schedulingProfiles: profile names must be unique, got ['default', 'default']",
+        id="same-profile-name",
+    ),
+    pytest.param(
+        _config(_PICKER, "- plugins:\n  - pluginRef: random-picker"),
+        "schedulingProfiles[0]: name is required",
+        id="profile-without-name",
+    ),
+    pytest.param(
+        _config(_PICKER + "\n- name: other\n  type: random-picker", _ONE_PROFILE + "  - pluginRef: other\n"),
+        "schedulingProfiles[0]: a profile takes one picker, got 2: ['random-picker', 'other']",
+        id="two-pickers",
+    ),
+    pytest.param(
+        _config("- type: single-profile-handler\n- name: h2\n  type: single-profile-handler\n" + _PICKER, _ONE_PROFILE),
+        "plugins: at most one profile handler, got ['single-profile-handler', 'h2']",
+        id="two-handlers",
     ),
 ]
 
@@ -348,17 +359,15 @@ def test_plugin_that_is_no_filter_scorer_or_picker() -> None:
     text = _config(_PICKER + "\n- name: odd\n  type: not-a-plugin", _ONE_PROFILE.rstrip() + "\n  - pluginRef: odd")
     with pytest.raises(ConfigError) as info:
         load_scheduler(text, _registry_with_fakes(), HANDLE)
-    assert str(info.value) == "schedulingProfiles[0].plugins[1]: plugin 'odd' is not a filter, scorer or picker"
+    assert str(info.value) == "schedulingProfiles[0].plugins[1]: plugin 'odd' (not-a-plugin) is not a filter, scorer or picker"
 
 
 def test_unknown_type_lists_every_registered_type() -> None:
+    registry = _registry_with_fakes()
     with pytest.raises(ConfigError) as info:
-        load_scheduler(_config("- type: nope", _ONE_PROFILE), _registry_with_fakes(), HANDLE)
-    assert str(info.value) == (
-        "plugins[0] (nope): unknown plugin type 'nope'; known types: core-metrics-extractor, fixed-scorer, "
-        "keep-filter, kv-cache-utilization-scorer, max-score-picker, metrics-data-source, not-a-plugin, "
-        "queue-scorer, random-picker"
-    )
+        load_scheduler(_config("- type: nope", _ONE_PROFILE), registry, HANDLE)
+    assert str(info.value) == f"plugins[0] (nope): unknown plugin type 'nope'; known types: {', '.join(registry.types())}"
+    assert "fixed-scorer, " in str(info.value) and "queue-scorer, " in str(info.value)
 
 
 @pytest.mark.parametrize("ref", ["[random-picker]", "{name: random-picker}"])
@@ -383,17 +392,34 @@ def test_non_finite_weight_is_a_config_error(weight: str) -> None:
 # -- registry -----------------------------------------------------------------------------------
 
 
-def test_default_registry() -> None:
+BUILT_IN_TYPES = [
+    "active-request-scorer",
+    "approx-prefix-cache-producer",
+    "core-metrics-extractor",
+    "kv-cache-utilization-scorer",
+    "label-selector-filter",
+    "least-kv-cache-filter",
+    "least-queue-filter",
+    "load-aware-scorer",
+    "lora-affinity-filter",
+    "lora-affinity-scorer",
+    "low-queue-filter",
+    "max-score-picker",
+    "metrics-data-source",
+    "prefix-cache-scorer",
+    "queue-scorer",
+    "random-picker",
+    "running-requests-size-scorer",
+    "session-affinity-scorer",
+    "single-profile-handler",
+    "weighted-random-picker",
+]
+
+
+def test_default_registry_holds_the_built_ins_from_entry_points() -> None:
     registry = default_registry()
-    assert registry.types() == [
-        "core-metrics-extractor",
-        "kv-cache-utilization-scorer",
-        "max-score-picker",
-        "metrics-data-source",
-        "queue-scorer",
-        "random-picker",
-    ]
-    assert registry.source("random-picker") == "epp (built-in)"
+    assert set(BUILT_IN_TYPES) <= set(registry.types())
+    assert registry.source("random-picker").startswith("epp ")
     picker = registry.create("random-picker", "rp", {"maxNumOfEndpoints": 2}, HANDLE)
     assert isinstance(picker, RandomPicker)
     assert (picker.name, picker.max_num_of_endpoints) == ("rp", 2)
@@ -404,9 +430,9 @@ def test_registering_a_type_twice_names_both_sources() -> None:
     with pytest.raises(ValueError) as info:
         registry.register("random-picker", RandomPicker.from_config, source="acme-plugins 1.0")
     assert str(info.value) == (
-        "plugin type 'random-picker' is registered twice: by epp (built-in) and by acme-plugins 1.0"
+        f"plugin type 'random-picker' is registered twice: by {registry.source('random-picker')} and by acme-plugins 1.0"
     )
-    assert registry.source("random-picker") == "epp (built-in)"  # the first registration stays
+    assert registry.source("random-picker").startswith("epp ")  # the first registration stays
 
 
 def test_create_unknown_type() -> None:

@@ -260,3 +260,59 @@ def test_ready_follows_the_pool() -> None:
     assert store.ready is True
     store.remove(A.name)
     assert store.ready is False
+
+
+# -- in-flight accounting -----------------------------------------------------------------------------
+
+
+def test_in_flight_counts_requests_sent_after_an_instant() -> None:
+    from epp.datastore import InFlight
+
+    inflight = InFlight()
+    a = inflight.add(100, now=1.0)
+    b = inflight.add(50, now=2.0)
+    c = inflight.add(10, now=3.0)
+    assert (inflight.requests, inflight.tokens) == (3, 160)
+    assert inflight.since(0.5) == (3, 160)
+    assert inflight.since(1.0) == (2, 60)  # sent at the scrape's own instant: the scrape saw it
+    assert inflight.since(3.0) == (0, 0)
+    inflight.release(b)
+    inflight.release(b)  # twice: no effect
+    assert (inflight.requests, inflight.tokens) == (2, 110)
+    assert inflight.since(1.5) == (1, 10)
+    inflight.release(a)
+    inflight.release(c)
+    assert (inflight.requests, inflight.tokens, inflight.since(0.0)) == (0, 0, (0, 0))
+
+
+def test_queue_depth_and_kv_usage_add_what_was_sent_since_the_scrape() -> None:
+    from epp.datastore import Metrics
+
+    scraped = Metrics(waiting_queue_size=2, kv_cache_usage=0.5, num_gpu_blocks=100, block_size=16, updated_at=10.0, stale=False)
+    endpoint = Endpoint("e", "10.0.0.1", 8000, metrics=scraped)
+    endpoint.inflight.add(800, now=9.0)  # before the scrape: already in its numbers
+    assert (endpoint.queue_depth, endpoint.kv_usage) == (2, 0.5)
+    endpoint.inflight.add(400, now=11.0)  # after: 400 of 1600 cache tokens
+    assert endpoint.queue_depth == 3
+    assert endpoint.kv_usage == pytest.approx(0.75)
+    endpoint.inflight.add(10_000, now=12.0)
+    assert endpoint.kv_usage == 1.0  # never above full
+    no_cache_info = Endpoint("f", "10.0.0.2", 8000, metrics=Metrics(kv_cache_usage=0.3, updated_at=10.0))
+    no_cache_info.inflight.add(400, now=11.0)
+    assert no_cache_info.kv_usage == 0.3  # cache size unknown: tokens cannot be turned into a share
+
+
+def test_in_flight_record_survives_metrics_updates_and_relabels() -> None:
+    from epp.datastore import Metrics
+
+    datastore = Datastore([Endpoint("e", "10.0.0.1", 8000)])
+    record = datastore.get("e").inflight
+    record.add(1)
+    datastore.update_metrics("e", Metrics(waiting_queue_size=1, stale=False))
+    assert datastore.get("e").inflight is record
+    datastore.upsert(Endpoint("e", "10.0.0.1", 8000, labels={"k": "v"}))
+    assert datastore.get("e").inflight is record
+    assert datastore.get("e").metrics.waiting_queue_size == 1
+    datastore.remove("e")
+    datastore.upsert(Endpoint("e", "10.0.0.1", 8000))
+    assert datastore.get("e").inflight is not record  # a new pod under an old name starts at zero

@@ -15,6 +15,7 @@ from epp.datastore import Endpoint, parse_endpoints
 from epp.envoy_bootstrap import BootstrapOptions, render
 from epp.registry import Handle, default_registry
 from epp.request import InferenceRequest
+from epp.scheduling import SchedulingResult
 from epp.server import EndpointPicker
 from epp.settings import Settings
 from epp.testing.backends import EchoServer, start_echo_servers
@@ -29,10 +30,13 @@ class RecordingScheduler:
         self.inner = inner
         self.picks: dict[str, list[Endpoint]] = {}
 
-    def schedule(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[Endpoint]:
-        endpoints = self.inner.schedule(request, candidates)
-        self.picks[request.request_id] = endpoints
-        return endpoints
+    def run(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> SchedulingResult:
+        result = self.inner.run(request, candidates)
+        self.picks[request.request_id] = result.endpoints
+        return result
+
+    def __getattr__(self, name: str) -> Any:  # the lifecycle hooks
+        return getattr(self.inner, name)
 
 
 @dataclass

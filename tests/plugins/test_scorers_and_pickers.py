@@ -1,4 +1,5 @@
-"""Table-driven tests of the built-in scorers and pickers, against upstream's semantics."""
+"""Table-driven tests of queue-scorer, kv-cache-utilization-scorer and the pickers, against
+upstream's semantics, and of the in-flight accounting the load scorers read."""
 
 from __future__ import annotations
 
@@ -6,16 +7,17 @@ from collections import Counter
 
 import pytest
 
-from epp.datastore import Endpoint, Metrics
-from epp.plugins import KVCacheUtilizationScorer, MaxScorePicker, QueueScorer
-from epp.request import InferenceRequest
-from epp.scheduling import ScoredEndpoint
+from epp.datastore import Datastore
+from epp.plugins.kv_cache_utilization_scorer import KVCacheUtilizationScorer
+from epp.plugins.max_score_picker import MaxScorePicker
+from epp.plugins.queue_scorer import QueueScorer
+from epp.plugins.random_picker import RandomPicker
+from epp.registry import Handle, default_registry
+from epp.scheduling import Profile, Scheduler, ScoredEndpoint, WeightedScorer
 
-REQUEST = InferenceRequest(request_id="r", method="POST", path="/v1/completions", headers={})
+from ._helpers import SCRAPED_AT, names, pod, request, send
 
-
-def pod(i: int, *, queue: int = 0, kv: float = 0.0, stale: bool = False) -> Endpoint:
-    return Endpoint(f"pod-{i}", f"10.0.0.{i}", 8000, metrics=Metrics(waiting_queue_size=queue, kv_cache_usage=kv, stale=stale))
+REQUEST = request()
 
 
 @pytest.mark.parametrize(
@@ -36,6 +38,33 @@ def test_queue_scorer(queues: list[int], stale: set[int], expected: list[float])
 
 
 @pytest.mark.parametrize(
+    ("queues", "sent", "expected"),
+    [
+        ([0, 0], {1: 3}, [1.0, 0.0]),  # two idle pods; 3 sent to pod-1 since its scrape
+        ([0, 0, 0], {1: 2, 2: 4}, [1.0, 0.5, 0.0]),
+        ([4, 0], {1: 4}, [1.0, 1.0]),  # the sent requests even the queues out
+        ([6, 0], {1: 2}, [0.0, 1.0]),  # 6 vs 0 + 2
+    ],
+)
+def test_queue_scorer_counts_requests_sent_since_the_scrape(
+    queues: list[int], sent: dict[int, int], expected: list[float]
+) -> None:
+    candidates = [pod(i, queue=q) for i, q in enumerate(queues)]
+    for i, count in sent.items():
+        send(candidates[i], count)
+    assert QueueScorer().score(REQUEST, candidates) == pytest.approx(expected)
+
+
+def test_queue_scorer_ignores_requests_sent_before_the_scrape() -> None:
+    # Those are already in the scraped queue; counting them again would double them.
+    candidates = [pod(0), pod(1)]
+    send(candidates[1], 5, at=SCRAPED_AT - 1.0)
+    assert QueueScorer().score(REQUEST, candidates) == [1.0, 1.0]
+    send(candidates[1], 1)
+    assert QueueScorer().score(REQUEST, candidates) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
     ("usages", "stale", "expected"),
     [
         ([0.0, 0.25, 1.0], set(), [1.0, 0.75, 0.0]),
@@ -45,6 +74,23 @@ def test_queue_scorer(queues: list[int], stale: set[int], expected: list[float])
 def test_kv_cache_utilization_scorer(usages: list[float], stale: set[int], expected: list[float]) -> None:
     candidates = [pod(i, kv=u, stale=i in stale) for i, u in enumerate(usages)]
     assert KVCacheUtilizationScorer().score(REQUEST, candidates) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("usage", "cache_tokens", "sent_tokens", "expected"),
+    [
+        (0.0, 1600, 400, 0.75),  # 400 of 1600 tokens sent since the scrape
+        (0.5, 1600, 400, 0.25),
+        (0.5, 1600, 4000, 0.0),  # never below 0
+        (0.5, None, 400, 0.5),  # cache size unknown: the scraped usage alone
+    ],
+)
+def test_kv_cache_utilization_scorer_counts_prompt_tokens_sent_since_the_scrape(
+    usage: float, cache_tokens: int | None, sent_tokens: int, expected: float
+) -> None:
+    idle, busy = pod(0, kv=usage, cache_tokens=cache_tokens), pod(1, kv=usage, cache_tokens=cache_tokens)
+    send(busy, 1, tokens=sent_tokens)
+    assert KVCacheUtilizationScorer().score(REQUEST, [idle, busy]) == pytest.approx([1.0 - usage, expected])
 
 
 @pytest.mark.parametrize(
@@ -58,7 +104,7 @@ def test_kv_cache_utilization_scorer(usages: list[float], stale: set[int], expec
 def test_max_score_picker_orders_by_score(scores: list[float], count: int, expected: list[int]) -> None:
     scored = [ScoredEndpoint(pod(i), s) for i, s in enumerate(scores)]
     picked = MaxScorePicker(max_num_of_endpoints=count, seed=1).pick(REQUEST, scored)
-    assert [e.name for e in picked] == [f"pod-{i}" for i in expected]
+    assert names(picked) == [f"pod-{i}" for i in expected]
 
 
 def test_max_score_picker_breaks_ties_at_random() -> None:
@@ -69,28 +115,41 @@ def test_max_score_picker_breaks_ties_at_random() -> None:
     assert min(wins.values()) > 50
 
 
-def test_an_upstream_profile_of_these_plugins_prefers_the_least_loaded_pod() -> None:
-    from epp.config import load_scheduler
-    from epp.datastore import Datastore
-    from epp.registry import Handle, default_registry
+def test_random_picker_ignores_scores_and_returns_distinct_endpoints() -> None:
+    scored = [ScoredEndpoint(pod(0), 1.0), ScoredEndpoint(pod(1), 0.0), ScoredEndpoint(pod(2), 0.0)]
+    picker = RandomPicker(max_num_of_endpoints=2, seed=3)
+    firsts = Counter()
+    for _ in range(300):
+        picked = names(picker.pick(REQUEST, scored))
+        assert len(picked) == len(set(picked)) == 2
+        firsts[picked[0]] += 1
+    assert set(firsts) == {"pod-0", "pod-1", "pod-2"} and min(firsts.values()) > 60
 
-    text = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: max-score-picker
-"""
-    scheduler = load_scheduler(text, default_registry(), Handle(Datastore()))
+
+def test_a_burst_spreads_over_equal_pods_through_in_flight_accounting() -> None:
+    # Between two scrapes every pod reports an empty queue; what this picker sent must spread the burst.
+    scheduler = Scheduler(
+        Profile("default", MaxScorePicker(), scorers=(WeightedScorer(QueueScorer(), 1.0),))
+    )
+    pods = [pod(i) for i in range(4)]
+    for _ in range(40):
+        send(scheduler.schedule(REQUEST, pods)[0])
+    assert [p.inflight.requests for p in pods] == [10, 10, 10, 10]
+
+
+def test_an_upstream_profile_of_these_plugins_prefers_the_least_loaded_pod() -> None:
+    registry, handle = default_registry(), Handle(Datastore())
+    create = lambda type_name: registry.create(type_name, type_name, {}, handle)  # noqa: E731
+    scheduler = Scheduler(
+        Profile(
+            "default",
+            create("max-score-picker"),  # type: ignore[arg-type]
+            scorers=(
+                WeightedScorer(create("queue-scorer"), 2.0),  # type: ignore[arg-type]
+                WeightedScorer(create("kv-cache-utilization-scorer"), 2.0),  # type: ignore[arg-type]
+            ),
+        )
+    )
     pods = [pod(0, queue=10, kv=0.9), pod(1, queue=0, kv=0.1), pod(2, queue=3, kv=0.5), pod(3, queue=0, kv=0.0, stale=True)]
     for _ in range(20):
         assert scheduler.schedule(REQUEST, pods)[0].name == "pod-1"

@@ -1,0 +1,203 @@
+"""``approx-prefix-cache-producer`` and ``prefix-cache-scorer``: send a prompt where its prefix is cached.
+
+The producer predicts, without asking the pods, which pod holds a prompt's prefix in its KV-cache:
+it remembers which prompt blocks it sent where. The prompt is cut into blocks of
+``blockSizeTokens`` × 4 characters; each block's 64-bit hash chains the previous block's, seeded
+by the model name and the request's ``cache_salt``, so equal hashes at block *i* mean an equal
+prefix through block *i*. Each pod has an LRU of ``lruCapacityPerServer`` block hashes (with
+``autoTune``, the pod's own ``num_gpu_blocks`` from ``vllm:cache_config_info`` once scraped).
+Before scheduling, the producer puts each candidate's longest consecutive matched prefix into
+``request.state["prefix-cache-match"]``; after the pick (``pre_request``) it records the prompt's
+blocks on the chosen pod, before the response arrives, so a burst of one prefix sticks to one pod.
+Pods that leave the pool are dropped from the index.
+
+The scorer gives each candidate matched blocks / prompt blocks (0 for a prompt shorter than a
+block). Configured alone, as upstream configs do, it brings its own producer built from its own
+parameters.
+
+Parameters (both plugins; upstream names):
+    blockSizeTokens (int, default 16): tokens per block (4 characters per token).
+    blockSize (int): upstream's older spelling, in characters (64 = 16 tokens); hashBlockSize is llm-d's.
+    maxPrefixTokensToMatch (int, default 131072): tokens of prompt considered.
+    maxPrefixBlocksToMatch (int): the same, in blocks (upstream's older spelling).
+    lruCapacityPerServer (int, default 31250): blocks remembered per pod.
+    autoTune (bool, default true): use each pod's num_gpu_blocks as its capacity when known.
+
+Metrics: ``inference_extension_prefix_indexer_size`` (blocks indexed over all pods) and
+``inference_extension_prefix_indexer_hit_ratio`` (histogram of the picked pod's matched share).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+from epp.datastore import Endpoint
+from ._simple_prefix_index import PrefixIndex, prompt_hashes
+from epp.registry import Handle, check_parameters
+from epp.request import InferenceRequest
+from epp.scheduling import SchedulingResult
+
+__all__ = ["ApproxPrefixCacheProducer", "PrefixCacheScorer", "PrefixMatch", "PrefixParameters"]
+
+MATCH = "prefix-cache-match"
+
+_PARAMETERS = (
+    "blockSizeTokens",
+    "blockSize",
+    "hashBlockSize",
+    "maxPrefixTokensToMatch",
+    "maxPrefixBlocksToMatch",
+    "lruCapacityPerServer",
+    "autoTune",
+)
+_CHARS_PER_TOKEN = 4
+
+
+_DEFAULT_BLOCK_TOKENS = 16
+_DEFAULT_MAX_PREFIX_TOKENS = 131072
+_DEFAULT_LRU_CAPACITY = 31250
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixParameters:
+    block_size_tokens: int = _DEFAULT_BLOCK_TOKENS
+    max_prefix_tokens: int = _DEFAULT_MAX_PREFIX_TOKENS
+    lru_capacity_per_server: int = _DEFAULT_LRU_CAPACITY
+    auto_tune: bool = True
+
+    @property
+    def block_chars(self) -> int:
+        return self.block_size_tokens * _CHARS_PER_TOKEN
+
+    @property
+    def max_blocks(self) -> int:
+        return max(1, self.max_prefix_tokens // self.block_size_tokens)
+
+    @classmethod
+    def parse(cls, name: str, parameters: Mapping[str, Any]) -> Self:
+        check_parameters(name, parameters, _PARAMETERS)
+
+        def integer(key: str, minimum: int = 1) -> int | None:
+            if key not in parameters:
+                return None
+            value = parameters[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name}: {key} must be an integer ≥ {minimum}, got {value!r}")
+            return value
+
+        block_tokens = integer("blockSizeTokens")
+        for key in ("blockSize", "hashBlockSize"):
+            chars = integer(key)
+            if chars is not None:
+                if block_tokens is not None:
+                    raise ValueError(f"{name}: give one of blockSizeTokens, blockSize, hashBlockSize")
+                block_tokens = max(1, chars // _CHARS_PER_TOKEN)
+        block_tokens = block_tokens or _DEFAULT_BLOCK_TOKENS
+        max_tokens = integer("maxPrefixTokensToMatch")
+        max_blocks = integer("maxPrefixBlocksToMatch")
+        if max_tokens is not None and max_blocks is not None:
+            raise ValueError(f"{name}: give one of maxPrefixTokensToMatch, maxPrefixBlocksToMatch")
+        if max_blocks is not None:
+            max_tokens = max_blocks * block_tokens
+        auto_tune = parameters.get("autoTune", True)
+        if not isinstance(auto_tune, bool):
+            raise ValueError(f"{name}: autoTune must be true or false, got {auto_tune!r}")
+        return cls(
+            block_size_tokens=block_tokens,
+            max_prefix_tokens=max_tokens or _DEFAULT_MAX_PREFIX_TOKENS,
+            lru_capacity_per_server=integer("lruCapacityPerServer") or _DEFAULT_LRU_CAPACITY,
+            auto_tune=auto_tune,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What the producer found for one request: its block hashes and each candidate's match."""
+
+    hashes: Any  # the prompt's chained block hashes (numpy uint64 array)
+    matched: Mapping[str, int]  # endpoint name -> consecutive blocks matched from the start
+
+    @property
+    def blocks(self) -> int:
+        return len(self.hashes)
+
+
+class ApproxPrefixCacheProducer:
+    produces = (MATCH,)
+
+    def __init__(self, name: str = "approx-prefix-cache-producer", parameters: PrefixParameters = PrefixParameters(), handle: Handle | None = None) -> None:
+        self.name = name
+        self.parameters = parameters
+        self.index = PrefixIndex(default_capacity=parameters.lru_capacity_per_server)
+        self._size_gauge = self._hit_ratio = None
+        if handle is not None:
+            handle.datastore.subscribe(self._pool_changed)
+            if handle.registry is not None:
+                self._export(handle.registry)
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> Self:
+        return cls(name, PrefixParameters.parse(name, parameters), handle)
+
+    def _export(self, registry: Any) -> None:
+        from prometheus_client import Gauge, Histogram
+
+        index = self.index
+        size = Gauge("inference_extension_prefix_indexer_size", "Prompt blocks in the prefix-cache index, over all pods.", registry=registry)
+        size.set_function(lambda: index.size)
+        memory = Gauge("epp_prefix_indexer_bytes", "Memory held by the prefix-cache index.", registry=registry)
+        memory.set_function(lambda: index.nbytes)
+        self._hit_ratio = Histogram(
+            "inference_extension_prefix_indexer_hit_ratio",
+            "Share of the prompt's blocks the picked pod was predicted to hold.",
+            buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=registry,
+        )
+
+    def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
+        still_here = {endpoint.name for endpoint in added}
+        for endpoint in removed:
+            if endpoint.name not in still_here:  # a re-label is a remove + add of the same name
+                self.index.remove(endpoint.name)
+
+    def produce(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
+        p = self.parameters
+        hashes = prompt_hashes(request.prompt, request.model, request.cache_salt, p.block_chars, p.max_blocks)
+        names = [endpoint.name for endpoint in candidates]
+        request.state[MATCH] = PrefixMatch(hashes, dict(zip(names, self.index.match(hashes, names))))
+
+    def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
+        match: PrefixMatch | None = request.state.get(MATCH)
+        endpoints = result.endpoints
+        if match is None or not endpoints or not match.blocks:
+            return
+        endpoint = endpoints[0]
+        if self.parameters.auto_tune and endpoint.metrics.num_gpu_blocks:
+            self.index.set_capacity(endpoint.name, endpoint.metrics.num_gpu_blocks)
+        if self._hit_ratio is not None:
+            self._hit_ratio.observe(match.matched.get(endpoint.name, 0) / match.blocks)
+        self.index.add(endpoint.name, match.hashes)
+
+
+class PrefixCacheScorer:
+    consumes = (MATCH,)
+
+    def __init__(self, name: str = "prefix-cache-scorer", parameters: Mapping[str, Any] | None = None) -> None:
+        self.name = name
+        # What the producer added for this scorer (when the config has none) is built from.
+        self.producer_parameters = dict(parameters or {})
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> Self:
+        PrefixParameters.parse(name, parameters)  # refuse bad parameters here, naming this plugin
+        return cls(name, parameters)
+
+    def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float]:
+        match: PrefixMatch | None = request.state.get(MATCH)
+        if match is None or not match.blocks:
+            return [0.0] * len(candidates)
+        total = match.blocks
+        matched = match.matched
+        return [matched.get(endpoint.name, 0) / total for endpoint in candidates]
