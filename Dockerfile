@@ -9,11 +9,14 @@ COPY epp ./epp
 COPY plugins ./plugins
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
-# --- run: a slim interpreter, the wheels, and nothing else --------------------------------------
+# --- run: a slim interpreter, the installed wheels, and nothing else ------------------------------
 FROM python:3.11-slim
+# No .pyc writes (the Kubernetes manifests mount the root filesystem read-only); logs unbuffered.
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin epp
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index --find-links=/wheels epp && rm -rf /wheels
+# The wheels are bind-mounted from the build stage, so they never become a layer of this image.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-index --find-links=/wheels epp
 USER 65532:65532
 # gRPC ext_proc, gRPC health, Prometheus /metrics (the upstream picker's ports).
 EXPOSE 9002 9003 9090

@@ -34,6 +34,9 @@ _METRIC_FLAGS = {
     "cache-info-metric": ("vllm:cache_config_info", "KV-cache block size and count (labels)"),
 }
 
+# The only InferencePool API discovery speaks: inference.networking.k8s.io/v1.
+_POOL_GROUP = "inference.networking.k8s.io"
+
 SERVE_FLAGS = FlagSet(
     "epp serve",
     [
@@ -49,7 +52,15 @@ SERVE_FLAGS = FlagSet(
         make_flag("zap-encoder", "console", "log format: console or json"),
         make_flag("pool-name", "", "InferencePool to serve (Kubernetes discovery)"),
         make_flag("pool-namespace", "", "namespace of the InferencePool (default $NAMESPACE, else default)"),
-        make_flag("pool-group", "inference.networking.k8s.io", "API group of the InferencePool", implemented=False),
+        make_flag(
+            "pool-group",
+            _POOL_GROUP,
+            f"API group of the InferencePool (only {_POOL_GROUP}, InferencePool v1, is supported)",
+            implemented=False,
+        ),
+        make_flag("endpoint-selector", "", "no-CRD discovery: the pods matching these labels (k=v,...) are the pool"),
+        make_flag("endpoint-target-ports", "", "no-CRD discovery: the pods' serving ports, comma-separated"),
+        make_flag("kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, else in-cluster config, else ~/.kube/config)"),
         make_flag("endpoints", "", "static pool: comma-separated ip:port list (no Kubernetes needed)"),
         make_flag("endpoints-file", "", "static pool from a file: ip:port per line, # comments"),
         make_flag("max-request-body-bytes", DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413"),
@@ -57,6 +68,7 @@ SERVE_FLAGS = FlagSet(
         make_flag("shutdown-grace-period", Duration(20.0), "how long in-flight streams get to finish after SIGTERM"),
         # Accepted for drop-in compatibility with the upstream chart; no effect yet.
         make_flag("tracing", False, "export OpenTelemetry traces", implemented=False),
+        make_flag("log-level", "info", "older charts' log level (use -v)", implemented=False),
         make_flag("ha-enable-leader-election", False, "leader election between replicas", implemented=False),
         make_flag("health-checking", False, "upstream flag: enable health checking", implemented=False),
         make_flag("enable-pprof", True, "upstream profiling endpoint", implemented=False),
@@ -82,6 +94,13 @@ SERVE_FLAGS = FlagSet(
 )
 
 
+def _unquote(value: str) -> str:
+    """``value`` without one pair of surrounding double or single quotes."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        return value[1:-1]
+    return value
+
+
 def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
     """Settings from ``epp serve`` arguments, and the names of given flags that have no effect yet."""
     values, positional, given = SERVE_FLAGS.parse(argv)
@@ -104,6 +123,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
             endpoints = check_unique(endpoints + read_endpoints_file(values["endpoints-file"]))
         except (OSError, ValueError) as exc:
             raise FlagError(f"--endpoints-file: {exc}") from None
+    selector, target_ports = _discovery_flags(values, static=bool(endpoints))
     if values["zap-encoder"] not in ("console", "json"):
         raise FlagError(f"--zap-encoder must be console or json, got {values['zap-encoder']!r}")
     if values["max-request-body-bytes"] < 1:
@@ -129,6 +149,9 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         max_request_body_bytes=values["max-request-body-bytes"],
         pool_name=values["pool-name"],
         pool_namespace=values["pool-namespace"] or os.environ.get("NAMESPACE") or "default",
+        endpoint_selector=selector,
+        endpoint_target_ports=target_ports,
+        kubeconfig=values["kubeconfig"],
         verbosity=values["v"],
         log_format=values["zap-encoder"],
         shutdown_grace_seconds=float(values["shutdown-grace-period"]),
@@ -141,10 +164,33 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         model_server_metrics_port=values["model-server-metrics-port"],
         model_server_metrics_insecure_skip_verify=values["model-server-metrics-https-insecure-skip-verify"],
         model_server_metrics_name_filter=values["model-server-metrics-name-filter"],
-        metric_overrides=tuple((name, values[name]) for name in _METRIC_FLAGS if name in given),
+        # The upstream chart writes some of these as --flag="name": the quotes reach us; drop them.
+        metric_overrides=tuple((name, _unquote(values[name])) for name in _METRIC_FLAGS if name in given),
     )
     not_yet = sorted(name for name in given if not SERVE_FLAGS.flags[name].implemented)
     return settings, not_yet
+
+
+def _discovery_flags(values: dict[str, Any], *, static: bool) -> tuple[tuple[tuple[str, str], ...], tuple[int, ...]]:
+    """Check the discovery flags together; the no-CRD mode's selector and ports (empty without it)."""
+    from epp.kube.pods import PoolSpecError, parse_selector, parse_target_ports
+
+    if values["pool-group"] != _POOL_GROUP:
+        raise FlagError(f"--pool-group {values['pool-group']!r}: only {_POOL_GROUP} (InferencePool v1) is supported")
+    if not values["endpoint-selector"]:
+        if values["endpoint-target-ports"]:
+            raise FlagError("--endpoint-target-ports needs --endpoint-selector")
+        return (), ()
+    if values["pool-name"]:
+        raise FlagError("give --pool-name or --endpoint-selector, not both")
+    if static:
+        raise FlagError("give --endpoints/--endpoints-file or --endpoint-selector, not both")
+    if not values["endpoint-target-ports"]:
+        raise FlagError("--endpoint-selector needs --endpoint-target-ports")
+    try:
+        return parse_selector(values["endpoint-selector"]), parse_target_ports(values["endpoint-target-ports"])
+    except PoolSpecError as exc:
+        raise FlagError(str(exc)) from None
 
 
 class _JsonFormatter(logging.Formatter):
@@ -192,8 +238,10 @@ def _serve(argv: Sequence[str]) -> int:
     configure_logging(settings.verbosity, settings.log_format)
     for name in not_yet:
         log.warning("flag --%s is accepted for compatibility with the upstream picker but has no effect yet", name)
-    if settings.pool_name and not settings.endpoints:
-        log.warning("--pool-name: Kubernetes discovery is not implemented yet; give the pool with --endpoints")
+    if settings.pool_name and settings.endpoints:
+        log.info("static pool given (--endpoints): no Kubernetes discovery; --pool-name %s only names the pool", settings.pool_name)
+    elif not settings.kube_discovery and not settings.endpoints:
+        log.warning("no pool: give --pool-name, --endpoint-selector or --endpoints; readiness stays NOT_SERVING")
 
     from epp.config import ConfigError
     from epp.registry import PluginLoadError

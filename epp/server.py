@@ -13,7 +13,8 @@ Shutdown, in order:
  1. every health service but liveness goes NOT_SERVING (load balancers stop sending new streams);
  2. the ext_proc server stops accepting streams and in-flight ones get ``shutdown_grace_seconds``
     to finish; any still open after that are cancelled;
- 3. the health server stops, the scrape loops are cancelled and awaited; the process exits 0.
+ 3. the health server stops, discovery's watches and the scrape loops are cancelled and awaited;
+    the process exits 0.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from epp.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint
 from epp.director import Director
 from epp.engine_metrics import EngineMapping, builtin_engines, engine_from_config
 from epp.extproc import ExternalProcessor
+from epp.kube.discovery import Discovery
 from epp.metrics import Metrics, start_metrics_server
 from epp.registry import Handle, load_registry
 from epp.scraper import ScrapeSettings, Scraper
@@ -43,7 +45,8 @@ __all__ = ["EXT_PROC_SERVICE", "EndpointPicker", "serve"]
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-_READINESS_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
+# "inference-extension": the service the upstream chart's single-replica probes ask for.
+_READINESS_SERVICES = ("", "readiness", "inference-extension", EXT_PROC_SERVICE)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Envoy may send a whole request body in one message: leave room above the body limit for the
@@ -117,6 +120,8 @@ class EndpointPicker:
         self.scraper: Scraper | None = None
         if settings.scrape_metrics:
             self.scraper = _scraper(settings, config, self.datastore, self.metrics)
+        # Kubernetes discovery fills the datastore; None for a static pool.
+        self.discovery = Discovery.from_settings(settings, self.datastore) if settings.kube_discovery else None
         self.health = health.aio.HealthServicer()
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -127,6 +132,8 @@ class EndpointPicker:
 
     async def start(self) -> None:
         settings = self.settings
+        if self.discovery is not None:
+            await self.discovery.connect()  # a bad kubeconfig stops startup here, before anything runs
         limit = settings.max_request_body_bytes + _MESSAGE_HEADROOM
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         self._server = grpc.aio.server(options=options)
@@ -149,6 +156,8 @@ class EndpointPicker:
         await self.health.set("liveness", _SERVING)
         self.datastore.subscribe(self._pool_changed)
         await self._update_readiness()
+        if self.discovery is not None:
+            await self.discovery.start()  # lists and watches in the background; readiness waits for its first sync
         if settings.metrics_port >= 0:
             start_metrics_server(self.metrics, settings.metrics_port, settings.bind_address)
         await self._server.start()
@@ -171,6 +180,8 @@ class EndpointPicker:
             await self._server.stop(grace)  # 2. drain in-flight streams
         if self._health_server is not None:
             await self._health_server.stop(0)  # 3.
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         log.info("stopped")
@@ -181,7 +192,8 @@ class EndpointPicker:
         task.add_done_callback(self._tasks.discard)
 
     async def _update_readiness(self) -> None:
-        ready = self.datastore.ready and not self._stopping
+        synced = self.discovery is None or self.discovery.synced
+        ready = self.datastore.ready and synced and not self._stopping
         self.metrics.ready_pods.labels(self.settings.pool_name).set(len(self.datastore.endpoints()))
         for service in _READINESS_SERVICES:
             await self.health.set(service, _SERVING if ready else _NOT_SERVING)

@@ -29,6 +29,11 @@ class Settings:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     pool_name: str = ""
     pool_namespace: str = "default"
+    # Kubernetes discovery (epp.kube): the InferencePool named pool_name, or the no-CRD mode's
+    # equality selector and target ports; kubeconfig empty: $KUBECONFIG, in-cluster, ~/.kube/config.
+    endpoint_selector: tuple[tuple[str, str], ...] = ()
+    endpoint_target_ports: tuple[int, ...] = ()
+    kubeconfig: str = ""
     verbosity: int = 1
     log_format: str = "console"  # or json (--zap-encoder)
     shutdown_grace_seconds: float = 20.0
@@ -44,3 +49,8 @@ class Settings:
     model_server_metrics_name_filter: bool = True  # ?name[]=... for only the metrics in use
     # vLLM metric-name overrides from the upstream flags (empty: the engine's default).
     metric_overrides: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def kube_discovery(self) -> bool:
+        """Whether the pool comes from Kubernetes: a pool name or selector, and no static pool."""
+        return bool(self.pool_name or self.endpoint_selector) and not self.endpoints
