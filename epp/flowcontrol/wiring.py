@@ -1,0 +1,126 @@
+"""Assembling admission from the config: plugin types for the registry, the detector, the admitter.
+
+The config file names detectors and fairness/ordering policies as plugins, as upstream does
+(``plugins: [{type: concurrency-detector, parameters: {maxConcurrency: 8}}]``). The factories
+here are what the ``epp.plugins`` entry points name (:data:`PLUGIN_FACTORIES`; :func:`register`
+adds them to a registry directly); the detector factories take the
+in-flight tracker from the handle's optional ``in_flight`` attribute (``concurrency-detector``
+needs it; ``utilization-detector`` uses it for scrape-lag compensation when present).
+:func:`build_detector` turns the config's :class:`~epp.flowcontrol.config.DetectorChoice` into a
+detector, and :func:`build_admission` makes the admitter the director awaits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from epp.datastore import Endpoint
+from epp.flowcontrol.config import FCFS, GLOBAL_STRICT, ROUND_ROBIN, AdmissionConfig, DetectorChoice
+from epp.flowcontrol.controller import FlowController, LegacyAdmission
+from epp.flowcontrol.metrics import FlowControlMetrics
+from epp.registry import Registry, check_parameters
+from epp.saturation import CONCURRENCY_DETECTOR, UTILIZATION_DETECTOR, InFlight, SaturationDetector, from_config
+
+__all__ = [
+    "PLUGIN_FACTORIES",
+    "PolicyPlugin",
+    "build_admission",
+    "build_detector",
+    "concurrency_detector",
+    "fcfs_ordering_policy",
+    "global_strict_fairness_policy",
+    "register",
+    "round_robin_fairness_policy",
+    "utilization_detector",
+]
+
+
+class PolicyPlugin:
+    """A fairness or ordering policy declared in ``plugins`` (they take no parameters)."""
+
+    def __init__(self, name: str, type_name: str) -> None:
+        self.name = name
+        self.type_name = type_name
+
+
+def utilization_detector(name: str, parameters: Mapping[str, Any], handle: Any) -> object:
+    """Plugin factory for ``utilization-detector`` (entry point ``epp.flowcontrol.wiring:utilization_detector``)."""
+    return from_config(UTILIZATION_DETECTOR, parameters, name=name, in_flight=getattr(handle, "in_flight", None))
+
+
+def concurrency_detector(name: str, parameters: Mapping[str, Any], handle: Any) -> object:
+    """Plugin factory for ``concurrency-detector``; needs ``handle.in_flight``."""
+    return from_config(CONCURRENCY_DETECTOR, parameters, name=name, in_flight=getattr(handle, "in_flight", None))
+
+
+def global_strict_fairness_policy(name: str, parameters: Mapping[str, Any], handle: Any) -> object:
+    check_parameters(name, parameters)
+    return PolicyPlugin(name, GLOBAL_STRICT)
+
+
+def round_robin_fairness_policy(name: str, parameters: Mapping[str, Any], handle: Any) -> object:
+    check_parameters(name, parameters)
+    return PolicyPlugin(name, ROUND_ROBIN)
+
+
+def fcfs_ordering_policy(name: str, parameters: Mapping[str, Any], handle: Any) -> object:
+    check_parameters(name, parameters)
+    return PolicyPlugin(name, FCFS)
+
+
+# Plugin type -> factory: what the ``epp.plugins`` entry points (or :func:`register`) offer.
+PLUGIN_FACTORIES: Mapping[str, Callable[[str, Mapping[str, Any], Any], object]] = {
+    UTILIZATION_DETECTOR: utilization_detector,
+    CONCURRENCY_DETECTOR: concurrency_detector,
+    GLOBAL_STRICT: global_strict_fairness_policy,
+    ROUND_ROBIN: round_robin_fairness_policy,
+    FCFS: fcfs_ordering_policy,
+}
+
+
+def register(registry: Registry, *, source: str = "epp.flowcontrol") -> None:
+    """Register every type of :data:`PLUGIN_FACTORIES` (for registries not built from entry points)."""
+    for type_name, factory in PLUGIN_FACTORIES.items():
+        registry.register(type_name, factory, source=source)
+
+
+def build_detector(
+    choice: DetectorChoice, plugins: Mapping[str, object] | None = None, *, in_flight: InFlight | None = None
+) -> SaturationDetector:
+    """The configured plugin ``choice.plugin_ref`` names, or a new detector of ``choice.type``."""
+    if choice.plugin_ref is not None:
+        plugin = (plugins or {}).get(choice.plugin_ref)
+        if plugin is None:
+            raise ValueError(f"saturation detector plugin {choice.plugin_ref!r} is not among the configured plugins")
+        if not isinstance(plugin, SaturationDetector):
+            raise ValueError(f"plugin {choice.plugin_ref!r} is not a saturation detector")
+        return plugin
+    if choice.type not in (UTILIZATION_DETECTOR, CONCURRENCY_DETECTOR):
+        raise ValueError(f"unknown saturation detector type {choice.type!r}")
+    return from_config(choice.type, choice.parameters, in_flight=in_flight)
+
+
+def build_admission(
+    config: AdmissionConfig,
+    detector: SaturationDetector,
+    endpoints: Callable[[], Sequence[Endpoint]],
+    *,
+    metrics: FlowControlMetrics | None = None,
+    safety_interval: float = 0.25,
+) -> FlowController | LegacyAdmission:
+    """The admitter for ``config``: the central queue with the ``flowControl`` gate on, else the
+    legacy path. ``endpoints`` returns the current pool snapshot (``datastore.endpoints``)."""
+
+    def saturation() -> float:
+        return detector.saturation(endpoints())
+
+    if config.flow_control_enabled:
+        return FlowController(
+            config.flow_control,
+            saturation,
+            has_endpoints=lambda: bool(endpoints()),
+            metrics=metrics,
+            safety_interval=safety_interval,
+        )
+    return LegacyAdmission(saturation, metrics=metrics)
