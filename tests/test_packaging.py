@@ -50,3 +50,9 @@ def test_demo_routes_requests_through_envoy_and_reports_where_they_went() -> Non
     assert len(served) == 6
     assert all(any(cell.startswith("pod-") for cell in row) for row in served)
     assert any("400" in row and "`model`" in " ".join(row) for row in rows)
+    # The prefix effect: each prompt family's later requests follow its first to the same pod and
+    # find their prefix cached there.
+    summary = re.findall(r"^  (.+): first request (\d+)ms on (pod-\d+); (\d+) of the next (\d+) on", result.stdout, re.M)
+    assert len(summary) == 2 and all(same == following for *_, same, following in summary), result.stdout
+    hits = re.findall(r"(pod-\d+)\s+\d+ms  (\d+)/(\d+)$", result.stdout, re.M)
+    assert len(hits) == 6 and sum(int(h) > 0 for _, h, _ in hits) == 4, result.stdout
