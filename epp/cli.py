@@ -241,7 +241,7 @@ def _serve(argv: Sequence[str]) -> int:
     if settings.pool_name and settings.endpoints:
         log.info("static pool given (--endpoints): no Kubernetes discovery; --pool-name %s only names the pool", settings.pool_name)
     elif not settings.kube_discovery and not settings.endpoints:
-        log.warning("no pool: give --pool-name, --endpoint-selector or --endpoints; readiness stays NOT_SERVING")
+        log.warning("no pool: give --pool-name, --endpoint-selector or --endpoints (until then, requests wait in flow control if it is on, else fail)")
 
     from epp.config import ConfigError
     from epp.registry import PluginLoadError

@@ -21,6 +21,17 @@ Upstream's defaults, applied after decoding:
 Plugin roles are found by method (:func:`epp.scheduling.roles`): in a profile a plugin acts as
 every one of filter, scorer and picker it implements; producers and lifecycle hooks run for every
 configured plugin, whether or not a profile references it.
+
+Admission (:mod:`epp.flowcontrol`): ``featureGates`` (``flowControl`` turns the central queue on;
+``dataLayer`` is accepted and changes nothing, the data layer being always on here),
+``flowControl`` and ``saturationDetector`` are upstream's sections, decoded strictly by
+:func:`epp.flowcontrol.decode_admission` after the plugins exist (policy and detector references
+name plugins). The saturation detector is the plugin they name, else upstream's default: a
+``utilization-detector`` with default parameters (a declared plugin of that name is used). A
+saturation detector acts as a scheduling filter only in a profile that references it. The
+section ``inferenceObjectives`` (name and priority of each objective the request header may name)
+is this project's extension (:mod:`epp.flowcontrol.objectives`); upstream reads objectives only
+from Kubernetes.
 """
 
 from __future__ import annotations
@@ -34,7 +45,11 @@ from typing import Any
 import yaml
 
 from epp.datalayer import CoreMetricsExtractor, MetricsDataSource
+from epp.flowcontrol.config import FLOW_CONTROL_GATE, KNOWN_FEATURE_GATES, AdmissionConfig, decode_admission
+from epp.flowcontrol.objectives import decode_objectives
+from epp.flowcontrol.wiring import build_detector
 from epp.registry import Handle, Registry
+from epp.saturation import SaturationDetector
 from epp.scheduling import (
     DataProducer,
     Filter,
@@ -90,9 +105,23 @@ DEFAULT_PRODUCERS = {"prefix-cache-match": "approx-prefix-cache-producer"}
 # Type names upstream has renamed: the old name still loads (and says so).
 _RENAMED = {"kv-cache-scorer": "kv-cache-utilization-scorer"}
 
-_TOP_KEYS = {"apiVersion", "kind", "plugins", "schedulingProfiles", "data", "dataLayer"}
+_TOP_KEYS = {
+    "apiVersion",
+    "kind",
+    "plugins",
+    "schedulingProfiles",
+    "data",
+    "dataLayer",
+    "featureGates",
+    "flowControl",
+    "saturationDetector",
+    "inferenceObjectives",  # this project's extension (see epp.flowcontrol.objectives)
+}
 # Upstream keys this version understands but does not implement yet: named, never ignored.
-_NOT_YET = {"featureGates", "saturationDetector", "flowControl", "requestControl", "parser"}
+_NOT_YET = {"requestControl", "requestHandler", "parser"}
+# Upstream's gates: flowControl works; dataLayer (upstream's switch to the data layer, always on
+# here) is accepted so that upstream configs load, and changes nothing.
+_FEATURE_GATES = {**KNOWN_FEATURE_GATES, "dataLayer": False}
 
 
 Timer = Callable[[str, str, str], Callable[[float], None]]
@@ -113,13 +142,18 @@ class _PluginSpec:
 class PickerConfig:
     """What an EndpointPickerConfig configures: scheduling, and where/how metrics are read.
 
-    ``plugins``: every plugin instance by name, with its type name.
+    ``plugins``: every plugin instance by name, with its type name. ``admission``: the feature
+    gates and flow-control settings; ``detector``: the saturation detector admission reads;
+    ``objectives``: the configured InferenceObjectives (name -> priority).
     """
 
     scheduler: Scheduler
     metrics_source: MetricsDataSource | None = None
     metrics_extractor: CoreMetricsExtractor | None = None
     plugins: Mapping[str, tuple[str, object]] = field(default_factory=dict)
+    admission: AdmissionConfig = field(default_factory=lambda: decode_admission({}))
+    detector: SaturationDetector | None = None
+    objectives: Mapping[str, int] = field(default_factory=dict)
 
 
 def default_config(registry: Registry) -> str:
@@ -161,10 +195,20 @@ def load_config(text: str | None, registry: Registry, handle: Handle, *, timer: 
         types[spec.name] = spec.type if spec.type in registry.types() else _RENAMED.get(spec.type, spec.type)
     _add_missing_producers(plugins, types, registry, handle)
     producers = _ordered_producers(plugins)
+    admission, detector = _admission(doc, plugins, types, handle)
+    try:
+        objectives = decode_objectives(doc.get("inferenceObjectives"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
     raw_profiles = _as_list(doc.get("schedulingProfiles"), "schedulingProfiles")
     if not raw_profiles:
-        refs = [{"pluginRef": name} for name, plugin in plugins.items() if {"Filter", "Scorer", "Picker"} & set(roles(plugin))]
+        # Every filter, scorer and picker; a saturation detector filters only where referenced.
+        refs = [
+            {"pluginRef": name}
+            for name, plugin in plugins.items()
+            if {"Filter", "Scorer", "Picker"} & set(roles(plugin)) and not isinstance(plugin, SaturationDetector)
+        ]
         raw_profiles = [{"name": "default", "plugins": refs}]
     profiles = [_profile(raw, index, plugins, types, registry, handle) for index, raw in enumerate(raw_profiles)]
     names = [p.name for p in profiles]
@@ -207,7 +251,26 @@ def load_config(text: str | None, registry: Registry, handle: Handle, *, timer: 
         metrics_source=sources[0] if sources else None,
         metrics_extractor=extractors[0] if extractors else None,
         plugins={name: (types[name], plugin) for name, plugin in plugins.items()},
+        admission=admission,
+        detector=detector,
+        objectives=objectives,
     )
+
+
+def _admission(
+    doc: Mapping[str, Any], plugins: Mapping[str, object], types: Mapping[str, str], handle: Handle
+) -> tuple[AdmissionConfig, SaturationDetector]:
+    """The admission sections, decoded, and the saturation detector they choose."""
+    try:
+        admission = decode_admission(doc, plugin_types=types, known_gates=_FEATURE_GATES)
+        detector = build_detector(admission.detector, plugins, in_flight=getattr(handle, "in_flight", None))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if admission.flow_control_section_given:
+        log.warning("flowControl: the section is ignored while the %s feature gate is off", FLOW_CONTROL_GATE)
+    if admission.feature_gates.get("dataLayer"):
+        log.info("featureGates: dataLayer changes nothing here (the data layer is always on)")
+    return admission, detector
 
 
 def _create(registry: Registry, spec: _PluginSpec, where: str, handle: Handle) -> object:

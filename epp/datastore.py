@@ -20,7 +20,9 @@ so a burst spreads instead of herding onto the endpoint that looked idle at the 
 
 Readiness (gRPC health) follows "the pool has an endpoint". Listeners hear about membership
 changes (an endpoint added, removed or re-labelled), not about metrics updates: the scraper starts
-and stops its per-endpoint loops from them.
+and stops its per-endpoint loops from them. Metrics listeners (:meth:`Datastore.on_metrics`) hear
+about every metrics update instead: flow control re-checks saturation on each, so a queued request
+leaves as soon as a scrape shows room, without polling.
 """
 
 from __future__ import annotations
@@ -251,6 +253,7 @@ class Datastore:
         self._snapshot: tuple[Endpoint, ...] | None = ()
         self._by_hostport: Mapping[str, Endpoint] | None = _EMPTY
         self._listeners: list[Listener] = []
+        self._metrics_listeners: list[Callable[[str], None]] = []
         self.replace(endpoints)
 
     def endpoints(self) -> tuple[Endpoint, ...]:
@@ -278,6 +281,13 @@ class Datastore:
         """Call ``listener(added, removed)`` after every membership change."""
         self._listeners.append(listener)
 
+    def on_metrics(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(name)`` after every metrics update of an endpoint in the pool.
+
+        It runs inside :meth:`update_metrics`, on the scraper's path: keep it cheap and non-raising.
+        """
+        self._metrics_listeners.append(listener)
+
     def replace(self, endpoints: Iterable[Endpoint]) -> None:
         self._apply({endpoint.name: endpoint for endpoint in endpoints})
 
@@ -296,6 +306,8 @@ class Datastore:
         self._by_name[name] = replace(endpoint, metrics=metrics)
         self._snapshot = None
         self._by_hostport = None
+        for listener in self._metrics_listeners:
+            listener(name)
         return True
 
     def _apply(self, by_name: dict[str, Endpoint]) -> None:

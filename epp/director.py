@@ -14,26 +14,83 @@ In-flight accounting: a routed request is added to its primary endpoint's
 ``Endpoint.queue_depth``/``kv_usage`` until a scrape taken after it was sent reports the pod's own
 numbers. Plugin hook failures are logged and never fail the request.
 
-``route`` is a coroutine although today it never waits: admission and flow control will hold
-requests here until the pool has capacity, without touching the protocol module.
+Admission, in ``route``, before anything else:
+
+1. **Priority and flow.** The request's InferenceObjective (header ``x-llm-d-inference-objective``
+   or ``x-gateway-inference-objective``) gives its priority (:mod:`epp.flowcontrol.objectives`);
+   its flow is the fairness id (``x-llm-d-inference-fairness-id`` or
+   ``x-gateway-inference-fairness-id``, else one default flow).
+2. **Capacity limit.** A prompt larger than every pod's whole KV-cache is refused with 413 before
+   it queues (:mod:`epp.flowcontrol.capacity`).
+3. **Admission** (:class:`epp.flowcontrol.Admission`): ``await admission.admit(...)`` returns when
+   the request may be scheduled. With flow control on it waits in the central queue until the pool
+   has room; with it off (upstream's default) a sheddable request (priority < 0) is refused while
+   the pool is saturated and everything else passes at once. A refusal becomes an
+   :class:`~epp.errors.EppError` (429/503) carrying the ``x-llm-d-request-dropped-reason`` header;
+   a client that goes away while queued cancels the awaiting task, which removes its entry.
+
+Only then is the pool snapshot taken, so the request is scheduled on what the pool looks like
+when it leaves the queue. From the end of admission to the in-flight add there is no ``await``:
+the flow controller lets one request go per event-loop turn and reads saturation again on the
+next, by which time the released request already counts in flight. Capacity wakes the queue
+without polling: every metrics update and pool change (the server subscribes ``admission.wake``)
+and every response that ends (``finish``, after its in-flight release).
+
+A prompt that fits no pod's *free* KV-cache (but some pod's whole cache) is narrowed to the pods
+with the most free cache before the scheduler runs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from epp.datastore import Datastore, Endpoint
 from epp.errors import EppError, Reason
+from epp.flowcontrol.capacity import check_prompt_fits, place_by_free_kv
+from epp.flowcontrol.controller import Admission
+from epp.flowcontrol.objectives import Objectives
+from epp.flowcontrol.outcomes import DEFAULT_FLOW_ID, AdmissionRequest, FlowControlError, Outcome
 from epp.metrics import Metrics
 from epp.request import InferenceRequest
 from epp.scheduling import Scheduler, SchedulingResult
 
-__all__ = ["Director", "Routing"]
+__all__ = ["FAIRNESS_HEADERS", "Director", "Routing", "admission_error"]
 
 log = logging.getLogger(__name__)
+
+# llm-d's name first, then GIE's (both are read upstream).
+FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+
+# Admission outcome -> the error reason the client is answered with. The status each reason gets
+# (errors._ANSWERS) agrees with the one upstream gives the outcome (flowcontrol.outcomes; a test
+# checks it); the dropped-reason header comes from the FlowControlError. EvictedContextCancelled
+# is never raised: nobody is left to answer.
+_ADMISSION_REASONS: dict[Outcome, Reason] = {
+    Outcome.REJECTED_CAPACITY: Reason.QUEUE_FULL,
+    Outcome.REJECTED_SATURATED: Reason.SHED,
+    Outcome.REJECTED_NO_ENDPOINTS: Reason.NO_ENDPOINT,
+    Outcome.EVICTED_TTL: Reason.QUEUE_TIMEOUT,
+    Outcome.EVICTED_NO_ENDPOINTS: Reason.NO_ENDPOINT,
+    Outcome.REJECTED_OTHER: Reason.SHUTTING_DOWN,
+    Outcome.EVICTED_OTHER: Reason.SHUTTING_DOWN,
+}
+
+
+def admission_error(error: FlowControlError) -> EppError:
+    """The client's answer to an admission refusal: its reason, message and dropped-reason header."""
+    reason = _ADMISSION_REASONS.get(error.outcome, Reason.INTERNAL)
+    return EppError(reason, error.message, headers=error.headers)
+
+
+def _flow_id(headers: Mapping[str, str]) -> str:
+    for header in FAIRNESS_HEADERS:
+        value = headers.get(header)
+        if value:
+            return value
+    return DEFAULT_FLOW_ID
 
 
 class Routing:
@@ -79,22 +136,44 @@ class Director:
         metrics: Metrics,
         *,
         base_models: frozenset[str] = frozenset(),
+        admission: Admission | None = None,
+        objectives: Objectives | None = None,
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
         self.metrics = metrics
         self.base_models = base_models
+        self.admission = admission  # None: every request passes at once
+        self.objectives = objectives if objectives is not None else Objectives()
         self._succeeded = metrics.scheduler_attempts.labels("success")
         self._failed = metrics.scheduler_attempts.labels("failure")
 
     async def route(self, request: InferenceRequest, subset: Collection[str] | None = None) -> Routing:
-        """Pick the endpoints for ``request``; raises EppError(NO_ENDPOINT) when none can take it.
+        """Admit ``request``, then pick its endpoints; raises EppError when refused or when no
+        endpoint can take it (NO_ENDPOINT).
 
         ``subset``: the gateway's hint (``ip:port`` strings); when given, only those pool members
         are candidates.
         """
+        request.objective, request.priority = self.objectives.resolve(request.headers)
+        tokens = request.prompt_tokens
+        check_prompt_fits(tokens, self.datastore.endpoints())
+        admission = self.admission
+        if admission is not None:
+            try:
+                await admission.admit(
+                    AdmissionRequest(
+                        priority=request.priority,
+                        flow_id=_flow_id(request.headers),
+                        byte_size=request.body_size,
+                        request_id=request.request_id,
+                    )
+                )
+            except FlowControlError as exc:
+                raise admission_error(exc) from None
+        # No await from here to the in-flight add (see the module docstring).
         started = time.perf_counter()
-        candidates: tuple[Endpoint, ...] | list[Endpoint] = self.datastore.endpoints()
+        candidates: Sequence[Endpoint] = self.datastore.endpoints()
         if subset is not None:
             by_hostport = self.datastore.by_hostport()
             candidates = [by_hostport[hostport] for hostport in subset if hostport in by_hostport]
@@ -108,6 +187,7 @@ class Director:
         if not candidates:
             self._failed.inc()
             raise EppError(Reason.NO_ENDPOINT, "the inference pool has no ready endpoint")
+        candidates = place_by_free_kv(tokens, candidates)
         scheduler = self.scheduler
         try:
             result = scheduler.run(request, candidates)
@@ -141,6 +221,8 @@ class Director:
         primary = routing.endpoints[0]
         primary.inflight.release(routing._ticket)
         self.metrics.for_model(routing.request.model).running.dec()
+        if self.admission is not None:
+            self.admission.wake()  # a slot freed: a queued request may go
         try:
             self.scheduler.response_complete(routing.request, primary, outcome)
         except Exception:

@@ -21,8 +21,9 @@ headers with "continue" and sets the destination on the (single, whole) body mes
 Response bodies are answered per chunk as they come, never buffered, so SSE streams token by token.
 
 Errors: anything on the request path raises :class:`epp.errors.EppError`; this module alone turns
-it into an ImmediateResponse (status and OpenAI-style JSON body from :func:`epp.errors.http_answer`)
-and ends the stream. An unexpected exception becomes a 500 for that request only and is logged.
+it into an ImmediateResponse (status and OpenAI-style JSON body from :func:`epp.errors.http_answer`,
+plus the error's own response headers, such as ``x-llm-d-request-dropped-reason``) and ends the
+stream. An unexpected exception becomes a 500 for that request only and is logged.
 
 Security: the picker overwrites ``x-gateway-destination-endpoint`` and removes every other
 client-sent ``x-gateway-destination-endpoint*`` header; it only ever names pool members. (The
@@ -126,12 +127,18 @@ def _response_headers_answer(added: Mapping[str, str]) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation)))
 
 
+def _header_option(item: tuple[str, str]) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=item[0], raw_value=item[1].encode()), append_action=_OVERWRITE
+    )
+
+
 def _immediate(error: EppError) -> pb.ProcessingResponse:
     status, body = http_answer(error)
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=pb.HeaderMutation(set_headers=[_JSON_CONTENT_TYPE]),
+            headers=pb.HeaderMutation(set_headers=[_JSON_CONTENT_TYPE, *map(_header_option, error.headers.items())]),
             body=body,
             details=f"epp_{error.reason.value}",
         )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from epp.datastore import Datastore
+from epp.datastore import Datastore, Endpoint
 
 __all__ = [
     "DISABLE_ENV",
@@ -39,6 +39,7 @@ __all__ = [
     "check_parameters",
     "default_registry",
     "disabled_from_env",
+    "endpoint_in_flight",
     "load_registry",
 ]
 
@@ -48,16 +49,26 @@ ENTRY_POINT_GROUP = "epp.plugins"
 DISABLE_ENV = "EPP_DISABLE_PLUGINS"
 
 
+def endpoint_in_flight(endpoint: Endpoint) -> tuple[int, int]:
+    """(requests, estimated prompt tokens) this picker sent to ``endpoint`` whose responses have not ended."""
+    record = endpoint.inflight
+    return record.requests, record.tokens
+
+
 @dataclass(frozen=True, slots=True)
 class Handle:
     """What a plugin factory may use from the running service.
 
     ``datastore``: the pool (subscribe to membership changes, read endpoints).
     ``registry``: a Prometheus ``CollectorRegistry`` for the plugin's own metrics (None in tests).
+    ``in_flight``: ``in_flight(endpoint) -> (requests, tokens)``, what the picker has dispatched to
+    an endpoint and not yet seen finish (the director's in-flight accounting); saturation
+    detectors read it (``concurrency-detector`` needs it).
     """
 
     datastore: Datastore
     registry: Any = None
+    in_flight: Callable[[Endpoint], tuple[int, int]] = endpoint_in_flight
 
 
 PluginFactory = Callable[[str, Mapping[str, Any], Handle], object]

@@ -59,6 +59,9 @@ class InferenceRequest:
         cache_salt: vLLM's ``cache_salt``; prefix hashes must be salted with it.
         max_tokens: the requested output budget, when given.
         body_size: bytes of request body received.
+        objective: the InferenceObjective the request names (``x-llm-d-inference-objective``,
+            or ``x-gateway-inference-objective``); "" when none. Set by the director.
+        priority: the objective's priority (0 by default; < 0 is sheddable). Set by the director.
         state: per-request data that plugins share during the request's life, keyed by the data
             names plugins declare in ``produces``/``consumes`` (see :mod:`epp.scheduling`).
     """
@@ -75,6 +78,8 @@ class InferenceRequest:
     cache_salt: str | None = None
     max_tokens: int | None = None
     body_size: int = 0
+    objective: str = ""
+    priority: int = 0
     state: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -3,17 +3,26 @@
 :class:`EndpointPicker` wires the pieces (datastore -> scheduler -> director -> ext_proc servicer)
 and owns every server. :func:`serve` runs one until SIGTERM/SIGINT (or ``shutdown_trigger``).
 
+Admission (:mod:`epp.flowcontrol`) sits in the director: the config's detector and flow-control
+settings build it, its metrics go to the service's registry, and it is woken on every metrics
+update and pool change (and by the director when a response ends). InferenceObjectives come from
+the config file and, with an InferencePool, from the cluster (:mod:`epp.kube.objectives`).
+
 Health (the standard ``grpc.health.v1`` service) is served on the health port, plaintext, for the
 kubelet's gRPC probes, and on the main port too, over the same TLS as ext_proc, for Envoy's
 active health check. Services: ``liveness`` (SERVING while the process runs), ``readiness``,
 ``envoy.service.ext_proc.v3.ExternalProcessor`` and ``""`` (SERVING only while the pool has an
-endpoint and the picker is not shutting down).
+endpoint and the picker is not shutting down). With flow control on, an empty pool is ready too:
+requests then wait in the queue for a pod (``noEndpointRequestTTL``), which is how a pool scaled
+to zero is woken, instead of Envoy failing them before they reach the picker.
 
 Shutdown, in order:
  1. every health service but liveness goes NOT_SERVING (load balancers stop sending new streams);
- 2. the ext_proc server stops accepting streams and in-flight ones get ``shutdown_grace_seconds``
+ 2. admission closes: queued requests are answered 503 (``rejected-shutting-down``) at once, and
+    new ones too (they would otherwise wait out the grace period for nothing);
+ 3. the ext_proc server stops accepting streams and in-flight ones get ``shutdown_grace_seconds``
     to finish; any still open after that are cancelled;
- 3. the health server stops, discovery's watches and the scrape loops are cancelled and awaited;
+ 4. the health server stops, discovery's watches and the scrape loops are cancelled and awaited;
     the process exits 0.
 """
 
@@ -33,9 +42,11 @@ from epp.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint
 from epp.director import Director
 from epp.engine_metrics import EngineMapping, builtin_engines, engine_from_config
 from epp.extproc import ExternalProcessor
+from epp.flowcontrol import FlowControlMetrics, build_admission, build_detector
+from epp.flowcontrol.objectives import Objectives
 from epp.kube.discovery import Discovery
 from epp.metrics import Metrics, start_metrics_server
-from epp.registry import Handle, load_registry
+from epp.registry import Handle, endpoint_in_flight, load_registry
 from epp.scraper import ScrapeSettings, Scraper
 from epp.settings import Settings
 from epp.tls import server_credentials
@@ -113,7 +124,23 @@ class EndpointPicker:
         for name, (type_name, _) in config.plugins.items():
             log.info("plugin %s: type %s from %s", name, type_name, registry.source(type_name))
         self.scheduler = config.scheduler
-        self.director = Director(self.datastore, self.scheduler, self.metrics)
+        self.config = config
+        # load_config always chooses one; a PickerConfig built by hand may not: upstream's default.
+        self.detector = config.detector or build_detector(config.admission.detector, in_flight=endpoint_in_flight)
+        self.flow_control_metrics = FlowControlMetrics(self.metrics.registry, settings.pool_name)
+        self.admission = build_admission(
+            config.admission, self.detector, self.datastore.endpoints, metrics=self.flow_control_metrics
+        )
+        self.objectives = Objectives(config.objectives)
+        log.info(
+            "admission: flow control %s, saturation detector %s%s",
+            "on" if config.admission.flow_control_enabled else "off",
+            getattr(self.detector, "type_name", type(self.detector).__name__),
+            f", {len(config.objectives)} configured objective(s)" if config.objectives else "",
+        )
+        self.director = Director(
+            self.datastore, self.scheduler, self.metrics, admission=self.admission, objectives=self.objectives
+        )
         self.processor = ExternalProcessor(
             self.director, self.metrics, max_request_body_bytes=settings.max_request_body_bytes
         )
@@ -121,7 +148,14 @@ class EndpointPicker:
         if settings.scrape_metrics:
             self.scraper = _scraper(settings, config, self.datastore, self.metrics)
         # Kubernetes discovery fills the datastore; None for a static pool.
-        self.discovery = Discovery.from_settings(settings, self.datastore) if settings.kube_discovery else None
+        self.discovery = (
+            Discovery.from_settings(settings, self.datastore, objectives=self.objectives)
+            if settings.kube_discovery
+            else None
+        )
+        # Capacity may have changed: a queued request may go (cheap when nothing is queued).
+        self.datastore.on_metrics(lambda name: self.admission.wake())
+        self.datastore.subscribe(lambda added, removed: self.admission.wake())
         self.health = health.aio.HealthServicer()
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -176,10 +210,11 @@ class EndpointPicker:
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
         self._stopping = True
         await self._update_readiness()  # 1. NOT_SERVING
+        self.admission.close()  # 2. queued requests: 503 rejected-shutting-down
         if self._server is not None:
-            await self._server.stop(grace)  # 2. drain in-flight streams
+            await self._server.stop(grace)  # 3. drain in-flight streams
         if self._health_server is not None:
-            await self._health_server.stop(0)  # 3.
+            await self._health_server.stop(0)  # 4.
         if self.discovery is not None:
             await self.discovery.stop()
         if self.scraper is not None:
@@ -193,7 +228,8 @@ class EndpointPicker:
 
     async def _update_readiness(self) -> None:
         synced = self.discovery is None or self.discovery.synced
-        ready = self.datastore.ready and synced and not self._stopping
+        has_pool = self.datastore.ready or self.config.admission.flow_control_enabled  # see the module docstring
+        ready = has_pool and synced and not self._stopping
         self.metrics.ready_pods.labels(self.settings.pool_name).set(len(self.datastore.endpoints()))
         for service in _READINESS_SERVICES:
             await self.health.set(service, _SERVING if ready else _NOT_SERVING)

@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 
-from epp.config import API_VERSIONS, DEFAULT_CONFIG, ConfigError, load_scheduler
+from epp.config import API_VERSIONS, DEFAULT_CONFIG, ConfigError, load_config, load_scheduler
 from epp.datastore import Datastore, Endpoint, parse_endpoint
+from epp.flowcontrol.config import ROUND_ROBIN
 from epp.plugins.max_score_picker import MaxScorePicker
 from epp.plugins.random_picker import RandomPicker
 from epp.registry import Handle, Registry, default_registry, load_registry
 from epp.request import InferenceRequest
+from epp.saturation import ConcurrencyDetector, UtilizationDetector
 from epp.scheduling import Filter, Picker, Profile, ScoredEndpoint, Scheduler, Scorer, WeightedScorer
 
 ENDPOINTS = tuple(parse_endpoint(f"10.0.0.{i}:8000") for i in range(1, 5))
@@ -195,18 +197,54 @@ _BAD_CONFIGS = [
     ),
     pytest.param(
         _config(_PICKER, _ONE_PROFILE) + "scheduling: {}\n",
-        "the config: unknown key 'scheduling'; valid keys: apiVersion, data, dataLayer, kind, plugins, schedulingProfiles",
+        "the config: unknown key 'scheduling'; valid keys: apiVersion, data, dataLayer, featureGates, flowControl, "
+        "inferenceObjectives, kind, plugins, saturationDetector, schedulingProfiles",
         id="unknown-top-key",
     ),
     pytest.param(
-        _config(_PICKER, _ONE_PROFILE) + "featureGates: [dataLayer]\n",
-        "the config: 'featureGates' is an upstream setting this version does not implement yet",
-        id="featureGates",
+        _config(_PICKER, _ONE_PROFILE) + "requestControl: {}\n",
+        "the config: 'requestControl' is an upstream setting this version does not implement yet",
+        id="requestControl",
     ),
     pytest.param(
-        _config(_PICKER, _ONE_PROFILE) + "saturationDetector:\n  queueDepthThreshold: 5\n",
-        "the config: 'saturationDetector' is an upstream setting this version does not implement yet",
-        id="saturationDetector",
+        _config(_PICKER, _ONE_PROFILE) + "featureGates: [prepareDataPlugins]\n",
+        "featureGates[0]: unknown feature gate 'prepareDataPlugins'; known: dataLayer, flowControl",
+        id="unknown-feature-gate",
+    ),
+    pytest.param(
+        _config(_PICKER, _ONE_PROFILE) + "saturationDetector:\n  queueDepth: 5\n",
+        "saturationDetector: unknown key 'queueDepth'; valid keys: pluginRef, queueDepthThreshold",
+        id="saturationDetector-unknown-key",
+    ),
+    pytest.param(
+        _config(_PICKER, _ONE_PROFILE) + "flowControl: {maxRequests: lots}\n",
+        "flowControl.maxRequests: 'lots' is not a quantity",
+        id="flowControl-bad-quantity",
+    ),
+    pytest.param(
+        _config(_PICKER, _ONE_PROFILE) + "saturationDetector: {pluginRef: random-picker}\n",
+        "saturationDetector.pluginRef 'random-picker' is a random-picker, not a saturation detector",
+        id="saturationDetector-names-a-picker",
+    ),
+    pytest.param(
+        _config(_PICKER, _ONE_PROFILE) + "inferenceObjectives: [{name: chat, priority: high}]\n",
+        "inferenceObjectives[0]: priority must be an integer in the int32 range, got 'high'",
+        id="objective-bad-priority",
+    ),
+    pytest.param(
+        _config(_PICKER, _ONE_PROFILE) + "inferenceObjectives: [{name: chat}, {name: chat, priority: 1}]\n",
+        "inferenceObjectives[1]: objective 'chat' is defined twice",
+        id="objective-twice",
+    ),
+    pytest.param(
+        _config(_PICKER, _ONE_PROFILE) + "inferenceObjectives: [{name: chat, criticality: Critical}]\n",
+        "inferenceObjectives[0]: unknown key 'criticality'; valid keys: name, priority",
+        id="objective-unknown-key",
+    ),
+    pytest.param(
+        _config(_PICKER, _ONE_PROFILE) + "inferenceObjectives: {chat: 1}\n",
+        "inferenceObjectives must be a list of {name, priority} mappings",
+        id="objectives-not-a-list",
     ),
     pytest.param(
         _config(_PICKER, _ONE_PROFILE).replace("plugins:\n- type", "plugins:\n  type", 1),
@@ -565,3 +603,43 @@ def test_no_candidates_returns_nothing() -> None:
     picker = _RecordingPicker()
     assert Scheduler(Profile("p", picker)).schedule(REQUEST, ()) == []
     assert picker.seen is None
+
+
+# -- admission: featureGates, flowControl, saturationDetector, inferenceObjectives ---------------
+
+
+def test_admission_defaults_are_upstreams() -> None:
+    built = load_config(None, default_registry(), HANDLE)
+    assert not built.admission.flow_control_enabled
+    assert isinstance(built.detector, UtilizationDetector)
+    assert (built.detector.config.queue_depth_threshold, built.detector.config.kv_cache_util_threshold) == (5, 0.8)
+    assert built.objectives == {}
+
+
+def test_flow_control_objectives_and_a_declared_detector_are_wired() -> None:
+    text = _config(
+        "- type: concurrency-detector\n  name: sat\n  parameters: {maxConcurrency: 3}\n"
+        "- type: round-robin-fairness-policy\n  name: fair\n- type: random-picker",
+        "",
+    ).replace("schedulingProfiles:\n\n", "") + (
+        "featureGates: [flowControl, dataLayer]\n"
+        "flowControl:\n  defaultRequestTTL: 5s\n  priorityBands:\n  - priority: 10\n    fairnessPolicyRef: fair\n"
+        "  saturationDetector: {pluginRef: sat}\n"
+        "inferenceObjectives:\n- {name: chat, priority: 10}\n- {name: bulk, priority: -1}\n"
+    )
+    built = load_config(text, default_registry(), HANDLE)
+    assert built.admission.flow_control_enabled and built.admission.feature_gates["dataLayer"]
+    assert built.admission.flow_control.default_request_ttl == 5.0
+    assert built.admission.flow_control.band(10).fairness == ROUND_ROBIN
+    assert isinstance(built.detector, ConcurrencyDetector) and built.detector is built.plugins["sat"][1]
+    assert built.detector.saturation(ENDPOINTS) == 0.0  # the handle's in-flight accounting: nothing sent yet
+    assert built.objectives == {"chat": 10, "bulk": -1}
+    # Without schedulingProfiles every filter joins the default profile, but not the detector.
+    assert built.scheduler.profile.filters == ()
+
+
+def test_a_flow_control_section_without_its_gate_is_decoded_and_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    text = _config(_PICKER, _ONE_PROFILE) + "flowControl: {maxRequests: 10}\n"
+    built = load_config(text, default_registry(), HANDLE)
+    assert not built.admission.flow_control_enabled
+    assert "flowControl: the section is ignored while the flowControl feature gate is off" in caplog.text

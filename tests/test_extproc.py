@@ -312,3 +312,84 @@ async def test_health_services_serve_on_both_ports(picker: EndpointPicker, servi
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- admission answers: the dropped-reason header, and a stream that goes away while queued --------
+
+_ADMISSION_CONFIG = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl={gate}]
+plugins:
+- type: random-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: random-picker
+inferenceObjectives:
+- name: bulk
+  priority: -1
+"""
+
+
+async def _admission_picker(gate: bool) -> EndpointPicker:
+    # The pool is never scraped (nothing listens there): stale metrics read as saturated.
+    running = EndpointPicker(
+        Settings(
+            endpoints=tuple(parse_endpoints(POOL)),
+            grpc_port=0,
+            grpc_health_port=0,
+            metrics_port=-1,
+            bind_address="127.0.0.1",
+            secure_serving=False,
+            scrape_metrics=False,
+            config_text=_ADMISSION_CONFIG.format(gate="true" if gate else "false"),
+        )
+    )
+    await running.start()
+    return running
+
+
+async def test_a_shed_request_gets_429_with_the_dropped_reason_header() -> None:
+    running = await _admission_picker(gate=False)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+            talk = Conversation(pb_grpc.ExternalProcessorStub(channel))
+            await talk.send(headers({**POST, "x-gateway-inference-objective": "bulk"}))
+            await talk.send(body(COMPLETION, end_of_stream=True))
+            immediate = (await talk.read()).immediate_response
+            assert immediate.status.code == 429
+            assert json.loads(immediate.body)["error"]["type"] == "rate_limit_exceeded"
+            assert [(h.header.key, h.header.raw_value) for h in immediate.headers.set_headers] == [
+                ("content-type", b"application/json"),
+                ("x-llm-d-request-dropped-reason", b"rejected-saturated"),
+            ]
+            assert immediate.details == "epp_shed"
+            assert await talk.finish() == []
+    finally:
+        await running.stop(0)
+
+
+async def test_a_stream_cancelled_while_queued_leaves_the_queue() -> None:
+    running = await _admission_picker(gate=True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+            talk = Conversation(pb_grpc.ExternalProcessorStub(channel))
+            await talk.send(headers(POST))
+            await talk.send(body(COMPLETION, end_of_stream=True))
+            for _ in range(500):
+                if running.admission.queued == 1:  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.01)
+            assert running.admission.queued == 1  # type: ignore[union-attr]
+            talk.call.cancel()  # what Envoy does when the client goes away
+            for _ in range(500):
+                if running.admission.queued == 0:  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.01)
+            assert running.admission.queued == 0  # type: ignore[union-attr]
+        value = running.metrics.registry.get_sample_value
+        assert value("inference_extension_flow_control_queue_size", {"priority": "0", "inference_pool": ""}) == 0
+        assert value("llm_d_epp_flow_control_requests_total", {"outcome": "EvictedContextCancelled", "priority": "0", "inference_pool": ""}) == 1
+    finally:
+        await running.stop(0)

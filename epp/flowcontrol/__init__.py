@@ -9,7 +9,9 @@ Saturation comes from :mod:`epp.saturation`.
 
 Modules: :mod:`.controller` (the queue and dispatch), :mod:`.outcomes` (outcomes, statuses,
 headers), :mod:`.config` (settings and strict decoding of the upstream config sections),
-:mod:`.metrics` (Prometheus series), :mod:`.wiring` (registry plugin types and assembly).
+:mod:`.metrics` (Prometheus series), :mod:`.wiring` (registry plugin types and assembly),
+:mod:`.objectives` (InferenceObjective name -> priority), :mod:`.capacity` (the KV-cache capacity
+limit). :mod:`epp.director` calls them in that order: objective, capacity check, admission.
 """
 
 from epp.flowcontrol.config import (

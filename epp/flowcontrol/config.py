@@ -283,13 +283,19 @@ def decode_saturation_detector(
     return DetectorChoice(plugin_ref=ref, type=plugin_type)
 
 
-def decode_admission(doc: Mapping[str, Any], *, plugin_types: Mapping[str, str] | None = None) -> AdmissionConfig:
+def decode_admission(
+    doc: Mapping[str, Any],
+    *,
+    plugin_types: Mapping[str, str] | None = None,
+    known_gates: Mapping[str, bool] = KNOWN_FEATURE_GATES,
+) -> AdmissionConfig:
     """Read ``featureGates``, ``flowControl`` and ``saturationDetector`` from a whole config mapping.
 
     Other keys are the caller's business and are not looked at. The ``flowControl`` section is
-    decoded strictly even while the gate is off (a typo is an error either way).
+    decoded strictly even while the gate is off (a typo is an error either way). ``known_gates``:
+    the gate names accepted (with their defaults); it must include ``flowControl``.
     """
-    gates = decode_feature_gates(doc.get("featureGates"))
+    gates = decode_feature_gates(doc.get("featureGates"), known_gates)
     flow_control = decode_flow_control(doc.get("flowControl"), plugin_types=plugin_types)
     detector = decode_saturation_detector(doc.get("flowControl"), doc.get("saturationDetector"), plugin_types=plugin_types)
     section = doc.get("flowControl")

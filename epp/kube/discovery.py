@@ -18,6 +18,13 @@ After every change the whole endpoint set is recomputed (:func:`epp.kube.pods.en
 handed to :meth:`Datastore.replace`, which diffs it: unchanged endpoints keep their metrics, the
 scraper starts and stops loops for the rest, and readiness follows.
 
+InferenceObjectives (InferencePool mode only, as upstream): a third reflector lists and watches
+the ``inferenceobjectives`` of the pool's namespace; after every change (and when the pool's labels
+change, for objectives that select pools by label) the priorities of those that reference the pool
+(:func:`epp.kube.objectives.objective_priorities`) replace the discovered set of the
+:class:`~epp.flowcontrol.objectives.Objectives` given as ``objectives``. Readiness does not wait for
+them; a cluster without the CRD logs the reflector's retries and keeps the configured objectives.
+
 Readiness waits for the first full sync: the datastore is not written until the pool has been
 listed and, if it exists, its Pods too, so gRPC health stays NOT_SERVING until then; :attr:`synced`
 and :meth:`wait_synced` say when it happened.
@@ -32,12 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 from epp.datastore import Datastore, Endpoint
 from epp.kube.client import api_client
+from epp.kube.objectives import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION, objective_priorities
 from epp.kube.pods import PoolSpec, PoolSpecError, endpoints_for, pool_spec
 from epp.kube.reflector import WATCH_TIMEOUT_RANGE, Backoff, Reflector
 
 if TYPE_CHECKING:
     from kubernetes_asyncio.client import ApiClient
 
+    from epp.flowcontrol.objectives import Objectives
     from epp.settings import Settings
 
 __all__ = ["POOL_GROUP", "POOL_PLURAL", "POOL_VERSION", "Discovery"]
@@ -67,6 +76,7 @@ class Discovery:
         client: ApiClient | None = None,
         backoff: tuple[float, float] = (0.1, 30.0),
         watch_timeout: tuple[float, float] = WATCH_TIMEOUT_RANGE,
+        objectives: Objectives | None = None,
     ) -> None:
         if bool(pool_name) == (spec is not None):
             raise ValueError("give either pool_name or spec")
@@ -82,13 +92,16 @@ class Discovery:
         self.spec: PoolSpec | None = spec
         self.pool_reflector: Reflector | None = None
         self.pod_reflector: Reflector | None = None
+        self.objectives = objectives
+        self.objective_reflector: Reflector | None = None
+        self._pool_labels: dict[str, str] = {}
         self._pod_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._synced = asyncio.Event()
         self._missing_logged = False
 
     @classmethod
-    def from_settings(cls, settings: Settings, datastore: Datastore) -> Discovery:
+    def from_settings(cls, settings: Settings, datastore: Datastore, *, objectives: Objectives | None = None) -> Discovery:
         spec = None
         if settings.endpoint_selector:
             spec = PoolSpec(selector=settings.endpoint_selector, target_ports=settings.endpoint_target_ports)
@@ -98,6 +111,7 @@ class Discovery:
             pool_name="" if spec else settings.pool_name,
             spec=spec,
             kubeconfig=settings.kubeconfig,
+            objectives=objectives,
         )
 
     @property
@@ -142,6 +156,14 @@ class Discovery:
             )
             self.pool_reflector = self._reflector(self.description, list_pool, self._pool_changed)
             self._spawn(self.pool_reflector.run(), "epp-discovery-pool")
+            if self.objectives is not None:
+                list_objectives = functools.partial(
+                    custom.list_namespaced_custom_object, OBJECTIVE_GROUP, OBJECTIVE_VERSION, self.namespace, OBJECTIVE_PLURAL
+                )
+                self.objective_reflector = self._reflector(
+                    f"{OBJECTIVE_PLURAL} in {self.namespace}", list_objectives, self._objectives_changed
+                )
+                self._spawn(self.objective_reflector.run(), "epp-discovery-objectives")
         host = getattr(self._client.configuration, "host", "?")
         log.info("discovery: watching %s at %s", self.description, host)
 
@@ -183,9 +205,25 @@ class Discovery:
         self._pod_task = None
         self.pod_reflector = None
 
+    def _objectives_changed(self) -> None:
+        if self.objective_reflector is None or self.objectives is None:
+            return
+        table = objective_priorities(self.objective_reflector.objects.values(), self.pool_name, self._pool_labels)
+        if table != self.objectives.discovered:
+            log.info(
+                "discovery: InferenceObjectives for %s: %s",
+                self.description,
+                ", ".join(f"{name}={priority}" for name, priority in sorted(table.items())) or "none",
+            )
+        self.objectives.set_discovered(table)
+
     def _pool_changed(self) -> None:
         assert self.pool_reflector is not None
         pool = self.pool_reflector.objects.get(self.pool_name)
+        labels = dict(((pool or {}).get("metadata") or {}).get("labels") or {})
+        if labels != self._pool_labels:
+            self._pool_labels = labels
+            self._objectives_changed()  # objectives may select the pool by label
         if pool is None:
             if not self._missing_logged:
                 log.warning(

@@ -110,7 +110,7 @@ vllm:kv_cache_usage_perc{model_name="echo"} 0.0
 # TYPE vllm:lora_requests_info gauge
 vllm:lora_requests_info{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""} 1.0
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="16",num_gpu_blocks="1024"} 1.0
+vllm:cache_config_info{block_size="16",num_gpu_blocks="1048576"} 1.0
 """
 
 

@@ -228,7 +228,11 @@ def test_rbac_is_least_privilege_in_the_namespace() -> None:
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 granted[(group, resource)] = rule.get("resourceNames")
-    assert set(granted) == {("", "pods"), ("inference.networking.k8s.io", "inferencepools")}
+    assert set(granted) == {
+        ("", "pods"),
+        ("inference.networking.k8s.io", "inferencepools"),
+        ("inference.networking.x-k8s.io", "inferenceobjectives"),
+    }
     assert granted[("inference.networking.k8s.io", "inferencepools")] == [one("InferencePool")["metadata"]["name"]]
 
 

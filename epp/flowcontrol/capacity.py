@@ -1,0 +1,84 @@
+"""The capacity limit: a prompt too large for the free KV-cache of every pod.
+
+Design
+------
+A model server admits a request only when its prompt's KV blocks fit in free cache memory; a pod
+that cannot fit it keeps it waiting (vLLM's scheduler stops at the head of its queue) or preempts
+running work. The scorers only *prefer* pods with free cache; this step makes two hard decisions
+from each pod's cache geometry (``num_gpu_blocks`` and ``block_size``, scraped from
+``vllm:cache_config_info``) and KV-cache usage:
+
+* a prompt larger than **every** pod's whole cache (``num_gpu_blocks × block_size`` tokens) can never
+  run anywhere: it is refused with **413** before it queues (:func:`check_prompt_fits`);
+* a prompt that fits no pod's **free** cache (``total × (1 − usage)``, with usage including the
+  prompts this picker sent since the last scrape, :attr:`epp.datastore.Endpoint.kv_usage`) but fits
+  some pod's whole cache goes to the pod with the most free cache, where it waits the least
+  (:func:`place_by_free_kv`, applied to the candidates after admission, before the scheduler runs;
+  ties keep every tied pod and let the scheduler choose among them).
+
+Where it runs: in the director, around admission. The 413 check runs first (waiting in the queue
+for capacity that can never exist is pointless); the placement runs on the snapshot taken when the
+request leaves the queue, since free cache is what changes while it waits.
+
+Limits, deliberately: prompt tokens are :attr:`epp.request.InferenceRequest.prompt_tokens`, an
+estimate at four characters per token (the picker has no tokenizer), and the output the request
+will generate is not counted (vLLM allocates it as it decodes). Both steps act only when every
+candidate reports its geometry: a pod that does not (another engine, not scraped yet) might hold the
+prompt, so nothing is refused or narrowed on a guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from epp.datastore import Endpoint
+from epp.errors import EppError, Reason
+
+__all__ = ["check_prompt_fits", "kv_capacity", "place_by_free_kv"]
+
+
+def kv_capacity(endpoint: Endpoint) -> tuple[int, float] | None:
+    """(total, free) KV-cache tokens of ``endpoint``; None when its geometry is unknown."""
+    metrics = endpoint.metrics
+    if not metrics.num_gpu_blocks or not metrics.block_size:
+        return None
+    total = metrics.num_gpu_blocks * metrics.block_size
+    return total, total * (1.0 - endpoint.kv_usage)
+
+
+def _capacities(candidates: Sequence[Endpoint]) -> list[tuple[int, float]] | None:
+    capacities = []
+    for endpoint in candidates:
+        capacity = kv_capacity(endpoint)
+        if capacity is None:
+            return None
+        capacities.append(capacity)
+    return capacities
+
+
+def check_prompt_fits(prompt_tokens: int, candidates: Sequence[Endpoint]) -> None:
+    """EppError(PROMPT_TOO_LARGE) when the prompt exceeds every candidate's whole KV-cache."""
+    if prompt_tokens <= 0 or not candidates:
+        return
+    capacities = _capacities(candidates)
+    if capacities is None:
+        return
+    largest = max(total for total, _ in capacities)
+    if prompt_tokens > largest:
+        raise EppError(
+            Reason.PROMPT_TOO_LARGE,
+            f"the prompt (about {prompt_tokens} tokens, estimated at 4 characters per token) is larger than "
+            f"the KV-cache of every model server in the pool (the largest holds {largest} tokens)",
+        )
+
+
+def place_by_free_kv(prompt_tokens: int, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
+    """``candidates`` unchanged when the prompt fits some candidate's free KV-cache (or geometry is
+    unknown); otherwise the candidates with the most free KV-cache."""
+    if prompt_tokens <= 0 or len(candidates) < 2:
+        return candidates
+    capacities = _capacities(candidates)
+    if capacities is None or any(free >= prompt_tokens for _, free in capacities):
+        return candidates
+    most = max(free for _, free in capacities)
+    return [endpoint for endpoint, (_, free) in zip(candidates, capacities) if free == most]
