@@ -82,18 +82,20 @@ class InFlight:
     """Requests this picker sent to one endpoint whose responses have not ended.
 
     ``requests`` and ``tokens`` (estimated prompt tokens) count all of them; :meth:`since` counts
-    those sent after a given ``time.monotonic()`` instant (the last scrape's). Several scorers ask
+    those sent after a given ``time.monotonic()`` instant (the last scrape's). ``unanswered``
+    counts those whose response body has not started: queued at the pod or in prefill. Several scorers ask
     the same question of the same endpoint in one scheduling cycle, so the last answer is kept
     until the record changes.
     """
 
-    __slots__ = ("_times", "_tokens", "requests", "tokens", "_memo_key", "_memo")
+    __slots__ = ("_times", "_tokens", "requests", "tokens", "unanswered", "_memo_key", "_memo")
 
     def __init__(self) -> None:
         self._times: list[float] = []  # send times, ascending (time.monotonic() only grows)
         self._tokens: list[int] = []  # tokens of the request sent at the same index
         self.requests = 0
         self.tokens = 0
+        self.unanswered = 0
         self._memo_key: float | None = None
         self._memo = (0, 0)
 
@@ -110,11 +112,21 @@ class InFlight:
             self._tokens.append(tokens)
         self.requests += 1
         self.tokens += tokens
+        self.unanswered += 1
         self._memo_key = None
         return sent, tokens
 
-    def release(self, ticket: tuple[float, int]) -> None:
-        """Stop counting the request ``ticket`` stands for (a second release is a no-op)."""
+    def answering(self) -> None:
+        """One request's response body has started (call once per request, before its release)."""
+        if self.unanswered > 0:
+            self.unanswered -= 1
+
+    def release(self, ticket: tuple[float, int], *, answered: bool = True) -> None:
+        """Stop counting the request ``ticket`` stands for (a second release is a no-op).
+
+        ``answered=False``: its response body never started (error, cancellation, no body seen),
+        so it still counted in ``unanswered``.
+        """
         sent, tokens = ticket
         times, token_list = self._times, self._tokens
         index = bisect.bisect_left(times, sent)
@@ -122,6 +134,8 @@ class InFlight:
             if token_list[index] == tokens:  # equal tickets are interchangeable
                 del times[index]
                 del token_list[index]
+                if not answered and self.unanswered > 0:
+                    self.unanswered -= 1
                 self.requests -= 1
                 self.tokens -= tokens
                 self._memo_key = None
@@ -165,10 +179,21 @@ class Endpoint:
 
     @property
     def queue_depth(self) -> int:
-        """Waiting requests as last scraped, plus the requests sent since that scrape (which the
-        picker cannot know the pod has started: counting them is what stops a burst herding)."""
+        """Requests waiting for the pod: the larger of two views.
+
+        * the scraped waiting queue plus the requests sent since that scrape (the picker cannot know
+          the pod has started them: counting them is what stops a burst herding);
+        * the requests this picker sent whose response has not started yet: waiting at the pod or
+          in prefill. A pod busy prefilling a long prompt reports an empty waiting queue, yet a
+          new request there waits behind that prefill; this view sees it (with streamed
+          responses; a non-streamed response starts at its end, so there it counts the request
+          until it is done).
+        """
         metrics = self.metrics
-        return metrics.waiting_queue_size + self.inflight.since(metrics.updated_at)[0]
+        inflight = self.inflight
+        scraped = metrics.waiting_queue_size + inflight.since(metrics.updated_at)[0]
+        unanswered = inflight.unanswered
+        return scraped if scraped >= unanswered else unanswered
 
     @property
     def kv_usage(self) -> float:

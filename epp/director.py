@@ -96,7 +96,7 @@ def _flow_id(headers: Mapping[str, str]) -> str:
 class Routing:
     """A routed request: its pick, and the hooks called while its response streams back."""
 
-    __slots__ = ("request", "result", "endpoints", "_director", "_ticket", "_finished", "status")
+    __slots__ = ("request", "result", "endpoints", "_director", "_ticket", "_finished", "_answering", "status")
 
     def __init__(self, director: Director, request: InferenceRequest, result: SchedulingResult, ticket: Any) -> None:
         self.request = request
@@ -106,6 +106,7 @@ class Routing:
         self._director = director
         self._ticket = ticket
         self._finished = False
+        self._answering = False
 
     @property
     def destination(self) -> str:
@@ -117,6 +118,12 @@ class Routing:
         status = headers.get(":status", "")
         self.status = int(status) if status.isdigit() else 0
         return self._director._response_received(self, headers)
+
+    def response_body_started(self) -> None:
+        """The first response body bytes arrived: the pod has finished queueing and prefill."""
+        if not self._answering and not self._finished:
+            self._answering = True
+            self.endpoints[0].inflight.answering()
 
     def finish(self, outcome: str = "complete") -> None:
         """The response ended (``complete``), failed (``error``) or the stream went away (``cancelled``)."""
@@ -219,7 +226,7 @@ class Director:
 
     def _finished(self, routing: Routing, outcome: str) -> None:
         primary = routing.endpoints[0]
-        primary.inflight.release(routing._ticket)
+        primary.inflight.release(routing._ticket, answered=routing._answering)
         self.metrics.for_model(routing.request.model).running.dec()
         if self.admission is not None:
             self.admission.wake()  # a slot freed: a queued request may go

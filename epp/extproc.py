@@ -289,6 +289,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
                 elif kind == "response_body":
                     body = message.response_body
+                    if routing is not None and body.body:
+                        routing.response_body_started()
                     if response_mode == _FULL_DUPLEX:
                         chunk = body.body
                         if chunk or not body.end_of_stream:

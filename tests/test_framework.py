@@ -405,3 +405,19 @@ def test_the_readme_and_deploy_configs_load() -> None:
     assert len(texts) >= 5
     for text in texts:
         load_config(text, default_registry(), Handle(Datastore()))
+
+
+def test_a_request_counts_as_unanswered_until_its_response_body_starts() -> None:
+    director, datastore = _director()
+    endpoint = datastore.get(E2.name)
+    first = asyncio.run(director.route(request()))
+    second = asyncio.run(director.route(request()))
+    assert (endpoint.inflight.requests, endpoint.inflight.unanswered) == (2, 2)
+    first.response_headers({":status": "200"})  # streamed responses send headers before prefill ends
+    assert endpoint.inflight.unanswered == 2
+    first.response_body_started()
+    first.response_body_started()  # once per request
+    assert (endpoint.inflight.requests, endpoint.inflight.unanswered) == (2, 1)
+    first.finish()
+    second.finish("cancelled")  # never answered: released from both counts
+    assert (endpoint.inflight.requests, endpoint.inflight.unanswered) == (0, 0)

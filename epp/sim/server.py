@@ -8,7 +8,7 @@ Endpoints
   ``stream`` and ``stream_options.include_usage``; ``n`` must be 1; other sampling fields are accepted and
   ignored. Non-streaming responses are one JSON object with ``usage``; streaming responses are Server-Sent
   Events, one ``data: {...}`` chunk per generated token as the engine produces it (chat starts with a role
-  chunk), then a usage chunk with empty ``choices`` if asked, then ``data: [DONE]``.
+  chunk, sent with the first token, after the prefill, as vLLM does), then a usage chunk with empty ``choices`` if asked, then ``data: [DONE]``.
 * ``GET /v1/models`` (base model and served adapters), ``GET /health``, ``GET /metrics``
   (:mod:`epp.sim.metrics`), and vLLM's runtime adapter endpoints ``POST /v1/load_lora_adapter`` and
   ``POST /v1/unload_lora_adapter`` (``{"lora_name": ..., "lora_path": ...}``; need LoRA enabled).
@@ -242,17 +242,18 @@ class _Generation:
         self._record_hits()
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(self.request)
-        if self.chat:
-            await resp.write(b"".join(
-                self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-                for i in range(len(self.reqs))
-            ))
+        # Like vLLM, the chat role chunk goes out with the first token, after the prefill: a client
+        # (or a router watching the response) sees the first body bytes when generation starts.
+        role_sent = [not self.chat] * len(self.reqs)
         sent = [0] * len(self.reqs)
         while True:
             out = []
             for i, r in enumerate(self.reqs):
                 upto = r.num_output
+                if not role_sent[i] and (upto or r.finished):
+                    role_sent[i] = True
+                    out.append(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]))
                 for k in range(sent[i], upto):
                     last = r.finished and k == upto - 1
                     out.append(self._token_chunk(i, r.plan.words[k], r.finish_reason if last else None))

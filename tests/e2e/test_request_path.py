@@ -87,6 +87,24 @@ async def test_sse_streams_through_chunk_by_chunk(make_stack: StackFactory) -> N
     assert arrivals[-1] - arrivals[0] > 0.5 * 0.05 * tokens
 
 
+async def test_a_streamed_request_stops_counting_as_unanswered_at_its_first_chunk(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    assert stack.picker is not None
+    inflight = lambda: [(e.inflight.requests, e.inflight.unanswered) for e in stack.picker.datastore.endpoints()]  # noqa: E731
+    async with stack.session.post(stack.url + "/v1/completions", data=_completion("s", stream=True, max_tokens=8)) as response:
+        assert response.status == 200
+        await response.content.readuntil(b"\n\n")  # the first event: the pod is past its prefill
+        deadline = time.monotonic() + 2
+        while sorted(inflight()) != [(0, 0), (1, 0)] and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert sorted(inflight()) == [(0, 0), (1, 0)]  # still in flight, no longer unanswered
+        await response.read()
+    deadline = time.monotonic() + 2
+    while inflight() != [(0, 0), (0, 0)] and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert inflight() == [(0, 0), (0, 0)]
+
+
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [

@@ -55,13 +55,27 @@ def test_queue_scorer_counts_requests_sent_since_the_scrape(
     assert QueueScorer().score(REQUEST, candidates) == pytest.approx(expected)
 
 
-def test_queue_scorer_ignores_requests_sent_before_the_scrape() -> None:
-    # Those are already in the scraped queue; counting them again would double them.
+def test_queue_scorer_ignores_answering_requests_sent_before_the_scrape() -> None:
+    # Those are in the scraped numbers, and answering (past queue and prefill): not waiting.
     candidates = [pod(0), pod(1)]
     send(candidates[1], 5, at=SCRAPED_AT - 1.0)
+    for _ in range(5):
+        candidates[1].inflight.answering()
     assert QueueScorer().score(REQUEST, candidates) == [1.0, 1.0]
     send(candidates[1], 1)
     assert QueueScorer().score(REQUEST, candidates) == [1.0, 0.0]
+
+
+def test_queue_scorer_counts_requests_not_answering_yet_even_from_before_the_scrape() -> None:
+    # A pod prefilling two long prompts reports an empty waiting queue; a new request there would
+    # still wait behind them. Until their responses start they count as queued.
+    candidates = [pod(0), pod(1), pod(2, queue=1)]
+    send(candidates[1], 2, at=SCRAPED_AT - 1.0)
+    assert [c.queue_depth for c in candidates] == [0, 2, 1]
+    assert QueueScorer().score(REQUEST, candidates) == [1.0, 0.0, 0.5]
+    candidates[1].inflight.answering()
+    candidates[1].inflight.answering()
+    assert QueueScorer().score(REQUEST, candidates) == [1.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize(
