@@ -46,39 +46,41 @@ def kv_capacity(endpoint: Endpoint) -> tuple[int, float] | None:
     return total, total * (1.0 - endpoint.kv_usage)
 
 
-def _capacities(candidates: Sequence[Endpoint]) -> list[tuple[int, float]] | None:
-    capacities = []
-    for endpoint in candidates:
-        capacity = kv_capacity(endpoint)
-        if capacity is None:
-            return None
-        capacities.append(capacity)
-    return capacities
-
-
 def check_prompt_fits(prompt_tokens: int, candidates: Sequence[Endpoint]) -> None:
-    """EppError(PROMPT_TOO_LARGE) when the prompt exceeds every candidate's whole KV-cache."""
+    """EppError(PROMPT_TOO_LARGE) when the prompt exceeds every candidate's whole KV-cache.
+
+    Stops at the first candidate that could hold it (or does not report its geometry): the usual
+    case costs one look, not one per pod.
+    """
     if prompt_tokens <= 0 or not candidates:
         return
-    capacities = _capacities(candidates)
-    if capacities is None:
-        return
-    largest = max(total for total, _ in capacities)
-    if prompt_tokens > largest:
-        raise EppError(
-            Reason.PROMPT_TOO_LARGE,
-            f"the prompt (about {prompt_tokens} tokens, estimated at 4 characters per token) is larger than "
-            f"the KV-cache of every model server in the pool (the largest holds {largest} tokens)",
-        )
+    largest = 0
+    for endpoint in candidates:
+        metrics = endpoint.metrics
+        if not metrics.num_gpu_blocks or not metrics.block_size:
+            return
+        total = metrics.num_gpu_blocks * metrics.block_size
+        if total >= prompt_tokens:
+            return
+        largest = max(largest, total)
+    raise EppError(
+        Reason.PROMPT_TOO_LARGE,
+        f"the prompt (about {prompt_tokens} tokens, estimated at 4 characters per token) is larger than "
+        f"the KV-cache of every model server in the pool (the largest holds {largest} tokens)",
+    )
 
 
 def place_by_free_kv(prompt_tokens: int, candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
     """``candidates`` unchanged when the prompt fits some candidate's free KV-cache (or geometry is
-    unknown); otherwise the candidates with the most free KV-cache."""
+    unknown); otherwise the candidates with the most free KV-cache. Stops at the first candidate
+    the prompt fits (or of unknown geometry)."""
     if prompt_tokens <= 0 or len(candidates) < 2:
         return candidates
-    capacities = _capacities(candidates)
-    if capacities is None or any(free >= prompt_tokens for _, free in capacities):
-        return candidates
+    capacities = []
+    for endpoint in candidates:
+        capacity = kv_capacity(endpoint)
+        if capacity is None or capacity[1] >= prompt_tokens:
+            return candidates
+        capacities.append(capacity)
     most = max(free for _, free in capacities)
     return [endpoint for endpoint, (_, free) in zip(candidates, capacities) if free == most]
