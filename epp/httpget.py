@@ -4,18 +4,26 @@ Why not aiohttp's client: at the upstream cadence (every 50 ms) a pool of 100 po
 requests a second, and a general client's per-request bookkeeping (cookie jar, redirects, headers
 multidict, trace hooks, connection-pool lookups) cost more CPU than parsing the page did (measured
 in bench/scrape_cost.py). Scraping needs one thing: the same GET on one persistent connection, the
-body as bytes. This module does exactly that with an ``asyncio.Protocol``: the request line is
-built once, the response is read with Content-Length or chunked framing, and any surprise
-(connection closed, malformed response, timeout by the caller) closes the connection so the next
-call starts clean. TLS (``https``) is the transport's business.
+body as bytes.
+
+:class:`GetConnection` does exactly that, as an ``asyncio.Protocol`` driven by callbacks: ``send()``
+writes the request bytes built once (:func:`request_bytes`); the response is framed with
+Content-Length or chunked encoding as it arrives, and its end calls ``on_response(status, body)``,
+or a failure (connection closed, not HTTP/1.1, bad framing) calls ``on_error(exc)`` and closes the
+connection so that nothing half-read survives. No future, task or timer is made per request: the
+scraper pays only for the socket calls and the framing. Timeouts are the caller's: it abandons a
+request with :meth:`GetConnection.close`, after which the connection never calls back.
+:class:`PersistentGet` puts the same machinery behind ``await get()``. TLS (``https``) is the
+transport's business.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 
-__all__ = ["HttpGetError", "PersistentGet"]
+__all__ = ["GetConnection", "HttpGetError", "PersistentGet", "connect", "request_bytes"]
 
 _MAX_HEADER_BYTES = 64 * 1024
 _MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -25,78 +33,135 @@ class HttpGetError(Exception):
     """The server closed the connection or answered something that is not HTTP/1.1."""
 
 
-class _Response(asyncio.Protocol):
-    """Reads one response at a time off a persistent connection."""
+def request_bytes(host: str, port: int, path: str) -> bytes:
+    """The bytes of ``GET path`` to ``host:port`` (an IPv6 address is bracketed in the Host header)."""
+    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"GET {path} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: epp\r\nAccept: text/plain\r\n\r\n".encode()
 
-    def __init__(self) -> None:
+
+class GetConnection(asyncio.Protocol):
+    """One persistent connection: one request at a time, each answer reported through a callback.
+
+    ``on_response(status, body)`` is called once per complete response, ``on_error(exc)`` (an
+    :class:`HttpGetError`) once per request that failed; neither is called for a request the owner
+    abandoned with :meth:`close`. After a response with ``Connection: close``, or any failure,
+    :attr:`closed` is already true when the callback runs: the next request needs a new connection.
+    """
+
+    __slots__ = (
+        "transport", "closed", "busy", "_on_response", "_on_error", "_head", "_status", "_length",
+        "_chunked", "_close_after", "_body", "_raw",
+    )  # fmt: skip
+
+    def __init__(self, on_response: Callable[[int, bytes], None], on_error: Callable[[HttpGetError], None]) -> None:
         self.transport: asyncio.Transport | None = None
-        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
-        self._buffer = bytearray()
+        self.closed = False
+        self.busy = False
+        """A request was sent and its response has not been reported yet."""
+        self._on_response = on_response
+        self._on_error = on_error
+        self._head = b""  # the start of a response head that arrived in pieces
         self._status = 0
-        self._length = -1  # body bytes expected; -1: headers not read yet
+        self._length = -1  # body bytes expected; -1: head not read yet (or chunked)
         self._chunked = False
         self._close_after = False
-        self._body = bytearray()
-        self.closed = False
+        self._body = bytearray()  # the body so far, when it comes in pieces
+        self._raw = bytearray()  # chunked: what arrived and is not decoded into _body yet
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._fail(HttpGetError(f"connection closed: {exc}" if exc else "connection closed by the server"))
+        if self.busy:
+            self.busy = False
+            self._on_error(HttpGetError(f"connection closed: {exc}" if exc else "connection closed by the server"))
 
-    def expect(self, waiter: asyncio.Future[tuple[int, bytes]]) -> None:
-        self.waiter = waiter
-        self._buffer.clear()
-        self._body.clear()
+    def send(self, request: bytes) -> None:
+        """Write ``request``; its response will be reported. One request at a time."""
+        if self.closed or self.transport is None:
+            raise HttpGetError("connection closed")
+        if self.busy:
+            raise HttpGetError("a request is already in flight")
+        self.busy = True
+        self._head = b""
         self._length = -1
         self._chunked = False
         self._close_after = False
+        if self._body or self._raw:
+            self._body = bytearray()
+            self._raw = bytearray()
+        self.transport.write(request)
+
+    def close(self) -> None:
+        """Close the connection; a request in flight is abandoned and will not be reported."""
+        self.busy = False
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self.waiter is None or self.waiter.done():
-            self._fail(HttpGetError("unexpected data between responses"))
+        if not self.busy:
+            self.close()  # bytes nobody asked for: this connection can no longer be trusted
             return
-        self._buffer += data
         try:
-            if self._length < 0 and not self._chunked and not self._read_head():
-                return
-            done = self._read_chunks() if self._chunked else self._read_sized()
+            if self._length < 0 and not self._chunked:
+                if self._head:
+                    data = self._head + data
+                    self._head = b""
+                end = data.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(data) > _MAX_HEADER_BYTES:
+                        raise HttpGetError("response headers too large")
+                    self._head = data
+                    return
+                self._read_head(data[:end])
+                data = data[end + 4 :]
+            if self._chunked:
+                self._raw += data
+                if not self._read_chunks():
+                    return
+                body = bytes(self._body)
+            else:
+                length = self._length
+                if self._body:
+                    self._body += data
+                    if len(self._body) < length:
+                        return
+                    body = bytes(self._body[:length])
+                elif len(data) >= length:  # the usual case: the whole body in one read, no extra copy
+                    body = data if len(data) == length else data[:length]
+                else:
+                    self._body += data
+                    return
         except HttpGetError as exc:
-            self._fail(exc)
+            self.close()
+            self._on_error(exc)
             return
-        if done:
-            waiter, self.waiter = self.waiter, None
-            waiter.set_result((self._status, bytes(self._body)))
-            if self._close_after and self.transport is not None:
-                self.closed = True  # now, not at connection_lost: the next get() must reconnect
-                self.transport.close()
+        # Bytes past the end of the response (none in practice: one request at a time) are dropped.
+        self.busy = False
+        if self._close_after:
+            self.close()
+        self._on_response(self._status, body)
 
-    def _read_head(self) -> bool:
-        end = self._buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self._buffer) > _MAX_HEADER_BYTES:
-                raise HttpGetError("response headers too large")
-            return False
-        head = bytes(self._buffer[:end]).split(b"\r\n")
-        del self._buffer[: end + 4]
-        parts = head[0].split(b" ", 2)
+    def _read_head(self, head: bytes) -> None:
+        status_line, _, fields = head.partition(b"\r\n")
+        parts = status_line.split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise HttpGetError(f"not an HTTP/1.1 response: {head[0][:80]!r}")
+            raise HttpGetError(f"not an HTTP/1.1 response: {status_line[:80]!r}")
         self._status = int(parts[1])
         length = None
-        for line in head[1:]:
+        for line in fields.lower().split(b"\r\n"):
             name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            value = value.strip().lower()
+            name = name.strip()
             if name == b"content-length":
+                value = value.strip()
                 if not value.isdigit():
                     raise HttpGetError("bad Content-Length")
                 length = int(value)
             elif name == b"transfer-encoding" and b"chunked" in value:
                 self._chunked = True
-            elif name == b"connection" and value == b"close":
+            elif name == b"connection" and value.strip() == b"close":
                 self._close_after = True
         if not self._chunked:
             if length is None:
@@ -104,47 +169,45 @@ class _Response(asyncio.Protocol):
             if length > _MAX_BODY_BYTES:
                 raise HttpGetError(f"response body of {length} bytes is too large")
             self._length = length
-        return True
-
-    def _read_sized(self) -> bool:
-        if len(self._buffer) < self._length:
-            return False
-        if len(self._buffer) == self._length:  # the usual case: no copy but the final one
-            self._body, self._buffer = self._buffer, self._body
-        else:
-            self._body += self._buffer[: self._length]
-            del self._buffer[: self._length]
-        return True
 
     def _read_chunks(self) -> bool:
+        """Decode the complete chunks in ``_raw`` into ``_body``; True once the last one and the trailers are in."""
+        raw = self._raw
         while True:
-            line_end = self._buffer.find(b"\r\n")
+            line_end = raw.find(b"\r\n")
             if line_end < 0:
                 return False
-            size_text = bytes(self._buffer[:line_end]).split(b";", 1)[0].strip()
+            size_text = bytes(raw[:line_end]).split(b";", 1)[0].strip()
             try:
                 size = int(size_text, 16)
             except ValueError:
                 raise HttpGetError(f"bad chunk size {size_text[:20]!r}") from None
             if size == 0:
-                trailer_end = self._buffer.find(b"\r\n\r\n", line_end)
+                trailer_end = raw.find(b"\r\n\r\n", line_end)
                 if trailer_end < 0:
                     return False
-                del self._buffer[: trailer_end + 4]
+                del raw[: trailer_end + 4]
                 return True
-            if len(self._buffer) < line_end + 2 + size + 2:
+            if len(raw) < line_end + 2 + size + 2:
                 return False
-            self._body += self._buffer[line_end + 2 : line_end + 2 + size]
+            self._body += raw[line_end + 2 : line_end + 2 + size]
             if len(self._body) > _MAX_BODY_BYTES:
                 raise HttpGetError("response body too large")
-            del self._buffer[: line_end + 2 + size + 2]
+            del raw[: line_end + 2 + size + 2]
 
-    def _fail(self, exc: Exception) -> None:
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
-        if self.transport is not None and not self.closed:
-            self.transport.close()
+
+async def connect(
+    host: str,
+    port: int,
+    on_response: Callable[[int, bytes], None],
+    on_error: Callable[[HttpGetError], None],
+    *,
+    tls: ssl.SSLContext | None = None,
+) -> GetConnection:
+    """Open a :class:`GetConnection` to ``host:port`` (raises ``OSError`` if it cannot)."""
+    loop = asyncio.get_running_loop()
+    _, connection = await loop.create_connection(lambda: GetConnection(on_response, on_error), host, port, ssl=tls)
+    return connection
 
 
 class PersistentGet:
@@ -154,22 +217,18 @@ class PersistentGet:
         self._host = host
         self._port = port
         self._tls = tls
-        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self._request = (
-            f"GET {path} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: epp\r\nAccept: text/plain\r\n\r\n"
-        ).encode()
-        self._protocol: _Response | None = None
+        self._request = request_bytes(host, port, path)
+        self._connection: GetConnection | None = None
+        self._waiter: asyncio.Future[tuple[int, bytes]] | None = None
 
     async def get(self) -> tuple[int, bytes]:
-        protocol = self._protocol
-        if protocol is None or protocol.closed:
-            loop = asyncio.get_running_loop()
-            _, protocol = await loop.create_connection(_Response, self._host, self._port, ssl=self._tls)
-            self._protocol = protocol
+        connection = self._connection
+        if connection is None or connection.closed:
+            connection = await connect(self._host, self._port, self._answered, self._failed, tls=self._tls)
+            self._connection = connection
         waiter: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        protocol.expect(waiter)
-        assert protocol.transport is not None
-        protocol.transport.write(self._request)
+        self._waiter = waiter
+        connection.send(self._request)
         try:
             return await waiter
         except BaseException:
@@ -177,6 +236,14 @@ class PersistentGet:
             raise
 
     def close(self) -> None:
-        protocol, self._protocol = self._protocol, None
-        if protocol is not None and protocol.transport is not None and not protocol.closed:
-            protocol.transport.close()
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
+
+    def _answered(self, status: int, body: bytes) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result((status, body))
+
+    def _failed(self, exc: HttpGetError) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(exc)

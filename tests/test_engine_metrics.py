@@ -33,6 +33,15 @@ ALL_VLLM_MISSING = (
 )
 
 
+@pytest.fixture(params=["index", "search"], autouse=True)
+def page_reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs twice: as configured (small pages read by the one-pass index, the rest
+    searched), then with every page searched, so that both ways of reading are held to the same tables."""
+    if request.param == "search":
+        monkeypatch.setattr(epp.engine_metrics, "_INDEX_MAX_BYTES", -1)
+    return str(request.param)
+
+
 def test_public_api_is_locked() -> None:
     assert epp.engine_metrics.__all__ == [
         "ENGINE_TYPE_LABEL",
@@ -547,6 +556,81 @@ def test_blocks_longer_than_the_search_window() -> None:
     after = "vllm:num_requests_waiting 2\n# TYPE vllm:num_requests_running gauge\n" + running
     for page in (before, after):
         assert mapping.parse(page.encode()) == _metrics(2, 400)
+
+
+def _mutated_pages(rng: random.Random, count: int) -> list[bytes]:
+    """Hand-made pages with lines duplicated, moved, dropped, damaged, and comments or blanks slipped in."""
+    bases = [p.encode() for p in (VLLM_PAGE, SGLANG_OLD_PAGE, SGLANG_NEW_PAGE, TRTLLM_PAGE, TRITON_PAGE)]
+    extra = [b"# HELP x y", b"# TYPE x gauge", b"# a comment", b"", b"\r", b"x 1", b"  vllm:num_requests_waiting 9"]
+    pages = []
+    for _ in range(count):
+        lines = rng.choice(bases).split(b"\n")
+        for _ in range(rng.randrange(4)):
+            i = rng.randrange(len(lines))
+            op = rng.randrange(6)
+            if op == 0:
+                lines.insert(rng.randrange(len(lines) + 1), lines[i])
+            elif op == 1:
+                lines.insert(rng.randrange(len(lines) + 1), rng.choice(extra))
+            elif op == 2 and len(lines) > 1:
+                del lines[i]
+            elif op == 3:
+                lines.insert(rng.randrange(len(lines)), lines.pop(i))
+            elif op == 4 and lines[i]:
+                damaged = bytearray(lines[i])
+                damaged[rng.randrange(len(damaged))] = rng.choice(b'{}"\\,=\r \t#_0.9eE-')
+                lines[i] = bytes(damaged)
+            else:
+                lines[i] += b"\r"
+        pages.append(b"\n".join(lines))
+    return pages
+
+
+def test_the_one_pass_index_reads_what_the_search_reads() -> None:
+    # The index is a shortcut for small pages; the search is the reference. Wherever the index takes
+    # a page (each metric's lines in one run), both must read the same; elsewhere the search reads it.
+    from epp.engine_metrics import _index, _Scan
+
+    indexed = refused = 0
+    for page in _mutated_pages(random.Random(5), 1500):
+        for mapping in builtin_engines().values():
+            index = _index(mapping._sample_runs, page)  # type: ignore[arg-type]
+            searched = mapping._extract(_Scan(page))
+            if index is None:
+                refused += 1
+                assert mapping.parse(page) == searched
+            else:
+                indexed += 1
+                assert mapping._extract(_Scan(page, index)) == searched, page
+    assert indexed > 3000 and refused > 100  # both paths were taken
+
+
+def test_a_metric_whose_lines_are_not_one_run_is_left_to_the_search() -> None:
+    from epp.engine_metrics import _index
+
+    page = b"vllm:num_requests_waiting 1\nx 1\nvllm:num_requests_waiting 2\n"
+    assert _index(VLLM._sample_runs, page) is None  # type: ignore[arg-type]
+    assert VLLM.parse(page).waiting_queue_size == 2  # the search reads the last block only
+    together = b"vllm:num_requests_waiting 1\nvllm:num_requests_waiting 2\nx 1\n"
+    run = b" 1\nvllm:num_requests_waiting 2"  # the first line's rest, then whole lines
+    assert _index(VLLM._sample_runs, together) == {b"vllm:num_requests_waiting": run}  # type: ignore[arg-type]
+    assert VLLM.parse(together).waiting_queue_size == 3
+
+
+def test_remembered_readings_belong_to_their_selector_and_labels() -> None:
+    # cache_config_info and LoRA label readings are remembered by their bytes: the same line read
+    # through another selector or other label names must not get another mapping's reading.
+    page = b'x_info{a="1",b="2"} 1\nlora{max_lora="3",running_lora_adapters="r",waiting_lora_adapters=""} 5\n'
+    one = engine_from_config("one", {"cacheInfoSpec": "x_info", "cacheBlockSizeLabelName": "a",
+                                     "cacheNumBlocksLabelName": "b", "loraSpec": "lora"})
+    two = engine_from_config("two", {"cacheInfoSpec": "x_info", "cacheBlockSizeLabelName": "b",
+                                     "cacheNumBlocksLabelName": "a"})
+    three = engine_from_config("three", {"cacheInfoSpec": 'x_info{a="9"}'})
+    for _ in range(2):  # the second time from memory
+        first, second, third = one.parse(page), two.parse(page), three.parse(page)
+        assert (first.block_size, first.num_gpu_blocks, first.running_adapters, first.max_adapters) == (1, 2, {"r"}, 3)
+        assert (second.block_size, second.num_gpu_blocks, second.max_adapters) == (2, 1, None)
+        assert (third.block_size, third.missing) == (None, ('x_info{a="9"}',))
 
 
 # --------------------------------------------------------------------------------------- selectors, config

@@ -1,4 +1,5 @@
-"""The keep-alive GET client against raw servers that answer exactly what each test says."""
+"""The keep-alive GET client against raw servers that answer exactly what each test says: the
+callback connection the scraper drives (:class:`GetConnection`) and ``await get()`` on top of it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from epp.httpget import HttpGetError, PersistentGet
+from epp.httpget import GetConnection, HttpGetError, PersistentGet, connect, request_bytes
 
 Answer = Callable[[int], list[bytes]]  # request number -> the byte pieces to send back
 
@@ -42,6 +43,9 @@ class RawServer:
                     if piece == b"<close>":
                         writer.close()
                         return
+                    if piece == b"<pause>":
+                        await asyncio.sleep(0.05)
+                        continue
                     writer.write(piece)
                     await writer.drain()
                     await asyncio.sleep(0.001)  # arrive in separate reads
@@ -144,3 +148,97 @@ async def test_a_timeout_abandons_the_connection(serve) -> None:  # type: ignore
     finally:
         client.close()
     assert server.connections == 2
+
+
+# --- the callback connection ------------------------------------------------------------------
+
+
+class Events:
+    """What a GetConnection reported, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[object] = []
+        self.closed_when_answered: list[bool] = []
+        self.connection: GetConnection | None = None
+
+    def response(self, status: int, body: bytes) -> None:
+        self.seen.append((status, body))
+        assert self.connection is not None
+        self.closed_when_answered.append(self.connection.closed)
+
+    def error(self, exc: HttpGetError) -> None:
+        self.seen.append(exc)
+
+    async def connect(self, port: int) -> GetConnection:
+        self.connection = await connect("127.0.0.1", port, self.response, self.error)
+        return self.connection
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    for _ in range(300):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+REQUEST = request_bytes("127.0.0.1", 1, "/metrics")
+
+
+async def test_each_response_and_each_failure_is_one_callback(serve) -> None:  # type: ignore[no-untyped-def]
+    server = await serve(lambda n: sized(BODY, pieces=3) if n < 2 else sized(BODY)[:1] + [BODY[:10], b"<close>"])
+    events = Events()
+    connection = await events.connect(server.port)
+    for expected in (1, 2):
+        connection.send(REQUEST)
+        assert connection.busy
+        await _until(lambda: len(events.seen) == expected)
+        assert events.seen[-1] == (200, BODY) and not connection.busy
+    connection.send(REQUEST)
+    await _until(lambda: len(events.seen) == 3)
+    assert isinstance(events.seen[2], HttpGetError) and "connection closed" in str(events.seen[2])
+    assert connection.closed and server.connections == 1
+    with pytest.raises(HttpGetError, match="connection closed"):
+        connection.send(REQUEST)
+
+
+async def test_one_request_at_a_time(serve) -> None:  # type: ignore[no-untyped-def]
+    server = await serve(lambda n: [])  # never answers
+    events = Events()
+    connection = await events.connect(server.port)
+    try:
+        connection.send(REQUEST)
+        with pytest.raises(HttpGetError, match="already in flight"):
+            connection.send(REQUEST)
+    finally:
+        connection.close()
+
+
+async def test_an_abandoned_request_is_never_reported(serve) -> None:  # type: ignore[no-untyped-def]
+    server = await serve(lambda n: [b"<pause>", *sized(BODY)])  # answers, but late
+    events = Events()
+    connection = await events.connect(server.port)
+    connection.send(REQUEST)
+    connection.close()  # the owner gives up (its timeout)
+    assert connection.closed and not connection.busy
+    await asyncio.sleep(0.15)
+    assert events.seen == []
+
+
+async def test_bytes_nobody_asked_for_close_the_connection_silently(serve) -> None:  # type: ignore[no-untyped-def]
+    server = await serve(lambda n: [*sized(BODY), b"<pause>", *sized(b"extra")])
+    events = Events()
+    connection = await events.connect(server.port)
+    connection.send(REQUEST)
+    await _until(lambda: connection.closed)
+    assert events.seen == [(200, BODY)]  # the unasked-for answer is not reported
+
+
+async def test_connection_close_is_visible_when_the_response_is_reported(serve) -> None:  # type: ignore[no-untyped-def]
+    head = sized(b"ok")[0][:-2] + b"Connection: close\r\n\r\n"
+    server = await serve(lambda n: [head, b"ok"])
+    events = Events()
+    connection = await events.connect(server.port)
+    connection.send(REQUEST)
+    await _until(lambda: len(events.seen) == 1)
+    assert events.seen == [(200, b"ok")] and events.closed_when_answered == [True]  # the next send needs a new one

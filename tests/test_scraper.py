@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 from aiohttp import web
 
-from epp.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, parse_endpoint
+from epp.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, Metrics, parse_endpoint
 from epp.engine_metrics import builtin_engines
 from epp.metrics import Metrics as ServiceMetrics
-from epp.scraper import ScrapeSettings, Scraper
+from epp.scraper import REASONS, ScrapeLoops, ScrapeSettings, Scraper, Target
 from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.request import Sink
 
@@ -45,7 +46,6 @@ class FakeServer:
 
     respond: Callable[[], web.StreamResponse] = lambda: web.Response(body=VLLM_PAGE)
     delay: float = 0.0
-    reject_query: bool = False  # answer 400 to ?name[]=..., as a server that does not know it might
     queries: list[str] = field(default_factory=list)
     connections: set[object] = field(default_factory=set)
     requests: int = 0
@@ -56,8 +56,6 @@ class FakeServer:
         self.requests += 1
         self.queries.append(request.query_string)
         self.connections.add(request.transport)
-        if self.reject_query and request.query_string:
-            return web.Response(status=400, text="unknown parameter")
         if self.delay:
             await asyncio.sleep(self.delay)
         return self.respond()
@@ -121,6 +119,10 @@ async def test_reads_the_vllm_page_into_the_endpoint_metrics(fake: FakeServer, s
         assert metrics.error is None
         await _until(lambda: fake.requests >= 5)
         assert len(fake.connections) == 1  # keep-alive: every scrape on one connection
+        # The same page again and again (an idle pod): still one fresh snapshot per scrape.
+        await _until(lambda: datastore.endpoints()[0].metrics.updated_at > metrics.updated_at)
+        later = datastore.endpoints()[0].metrics
+        assert later == replace(metrics, updated_at=later.updated_at)
     finally:
         await scraper.stop()
 
@@ -175,7 +177,7 @@ async def test_bad_answers_are_survived_recorded_and_counted(
         assert message in (datastore.endpoints()[0].metrics.error or "")
         fake.respond = lambda: web.Response(body=VLLM_PAGE)  # recovers
         await _until(lambda: datastore.endpoints()[0].metrics.error is None)
-        assert scraper.loops.tasks[name].done() is False
+        assert name in scraper.loops.endpoints
     finally:
         await scraper.stop()
 
@@ -219,13 +221,18 @@ async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: Fake
     try:
         baseline = len(asyncio.all_tasks())
         datastore.upsert(fake.endpoint)
-        assert set(scraper.loops.tasks) == {fake.endpoint.name}
+        assert set(scraper.loops.endpoints) == {fake.endpoint.name}
         await _until(lambda: not datastore.endpoints()[0].metrics.stale)
-        task = scraper.loops.tasks[fake.endpoint.name]
+        loop = scraper.loops.endpoints[fake.endpoint.name]
+        assert loop.connected and not loop.closed
         datastore.remove(fake.endpoint.name)
-        assert scraper.loops.tasks == {}
-        await asyncio.sleep(0.05)
-        assert task.done()
+        assert scraper.loops.endpoints == {}
+        assert loop.closed and not loop.connected
+        # The server sees its connection closed, and no request after it.
+        await _until(lambda: all(transport.is_closing() for transport in fake.connections))
+        served = fake.requests
+        await asyncio.sleep(0.1)
+        assert fake.requests == served
         assert len(asyncio.all_tasks()) == baseline  # nothing leaked
         for _ in range(20):  # churn
             datastore.upsert(fake.endpoint)
@@ -235,6 +242,70 @@ async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: Fake
         assert service_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": fake.endpoint.name}) is None
     finally:
         await scraper.stop()
+
+
+class SilentServer:
+    """Accepts connections and never answers (a TLS handshake to it never ends); counts what it saw."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.closed = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> SilentServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        try:
+            while await reader.read(4096):
+                pass
+        except ConnectionError:
+            pass
+        self.closed += 1
+        writer.close()
+
+
+async def test_an_endpoint_removed_while_connecting_leaks_nothing(service_metrics: ServiceMetrics) -> None:
+    async with SilentServer() as server:
+        endpoint = parse_endpoint(f"127.0.0.1:{server.port}")
+        datastore = Datastore()
+        settings = ScrapeSettings(interval=0.02, staleness=0.3, timeout=5.0, scheme="https")
+        scraper = await _running(datastore, service_metrics, settings)
+        try:
+            baseline = len(asyncio.all_tasks())
+            datastore.upsert(endpoint)
+            await _until(lambda: server.accepted == 1)  # connected; the TLS handshake hangs
+            assert [t.get_name() for t in asyncio.all_tasks()].count(f"connect {endpoint.name}") == 1
+            datastore.remove(endpoint.name)
+            await _until(lambda: server.closed == 1)
+            await _until(lambda: len(asyncio.all_tasks()) == baseline)  # the server's handler ends too
+        finally:
+            await scraper.stop()
+
+
+async def test_a_connection_that_never_completes_times_out_and_is_retried(service_metrics: ServiceMetrics) -> None:
+    async with SilentServer() as server:
+        endpoint = parse_endpoint(f"127.0.0.1:{server.port}")
+        datastore = Datastore([endpoint])
+        settings = ScrapeSettings(interval=0.02, staleness=0.3, timeout=0.15, scheme="https")
+        scraper = await _running(datastore, service_metrics, settings)
+        try:
+            await _until(lambda: _errors(service_metrics, endpoint.name, "timeout") >= 2)
+            assert server.accepted >= 2 and server.closed >= 1  # each attempt given up, then a new one
+            metrics = datastore.endpoints()[0].metrics
+            assert metrics.stale and "no answer within 0.15s" in (metrics.error or "")
+        finally:
+            await scraper.stop()
+        await _until(lambda: server.closed == server.accepted)
 
 
 async def test_against_the_simulator_metrics_follow_the_load(service_metrics: ServiceMetrics) -> None:
@@ -335,8 +406,18 @@ async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_th
         await runner.cleanup()
 
 
-async def test_a_server_that_refuses_the_name_filter_gets_whole_page_requests(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
-    fake.reject_query = True
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        pytest.param(lambda: web.Response(status=400, text="unknown parameter"), id="http-error"),
+        pytest.param(lambda: web.Response(body=b"# nothing here\n"), id="nothing-usable"),
+    ],
+)
+async def test_a_server_that_refuses_the_name_filter_gets_whole_page_requests(
+    fake: FakeServer, service_metrics: ServiceMetrics, refusal: Callable[[], web.StreamResponse]
+) -> None:
+    whole = fake.respond
+    fake.respond = lambda: refusal() if fake.queries[-1] else whole()
     datastore = Datastore([fake.endpoint])
     scraper = await _running(datastore, service_metrics)
     try:
@@ -344,6 +425,106 @@ async def test_a_server_that_refuses_the_name_filter_gets_whole_page_requests(fa
         assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
         await _until(lambda: len(fake.queries) >= 4)
         assert fake.queries[0] != "" and set(fake.queries[1:]) == {""}  # asked once with the filter, then whole pages
-        assert _errors(service_metrics, fake.endpoint.name, "http_status") == 0  # a fallback, not an error
+        for reason in ("http_status", "missing_metrics"):
+            assert _errors(service_metrics, fake.endpoint.name, reason) == 0  # a fallback, not an error
     finally:
         await scraper.stop()
+
+
+async def test_a_transient_server_error_keeps_the_name_filter(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+    whole = fake.respond
+    failures = iter(range(2))
+    fake.respond = lambda: web.Response(status=503) if next(failures, None) is not None else whole()
+    datastore = Datastore([fake.endpoint])
+    scraper = await _running(datastore, service_metrics)
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await _until(lambda: len(fake.queries) >= 4)
+        assert all(query != "" for query in fake.queries)  # every scrape still asks for the few metrics it reads
+        assert _errors(service_metrics, fake.endpoint.name, "http_status") == 2
+    finally:
+        await scraper.stop()
+
+
+async def test_a_server_that_closes_every_connection_is_scraped_without_errors(
+    fake: FakeServer, service_metrics: ServiceMetrics
+) -> None:
+    fake.respond = lambda: web.Response(body=VLLM_PAGE, headers={"Connection": "close"})
+    datastore = Datastore([fake.endpoint])
+    scraper = await _running(datastore, service_metrics)
+    name = fake.endpoint.name
+    try:
+        await _until(lambda: fake.requests >= 4)
+        assert len(fake.connections) >= 3  # a new connection for each scrape
+        assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
+        assert all(_errors(service_metrics, name, reason) == 0 for reason in REASONS)
+    finally:
+        await scraper.stop()
+
+
+async def test_the_loops_report_metrics_fields_in_order(fake: FakeServer) -> None:
+    # What ScrapeLoops hands its sink (and the worker ships): a tuple of Metrics' fields, in order.
+    reports: list[tuple[str, tuple[object, ...], str | None]] = []
+    loops = ScrapeLoops(builtin_engines(), FAST, lambda *report: reports.append(report))
+    loops.add(Target("pod", "127.0.0.1", fake.port, "vllm"))
+    try:
+        await _until(lambda: len(reports) >= 2)
+    finally:
+        await loops.stop()
+    name, values, reason = reports[-1]
+    assert (name, reason, len(values)) == ("pod", None, len(fields(Metrics)))
+    metrics = Metrics(*values)
+    assert (metrics.waiting_queue_size, metrics.num_gpu_blocks, metrics.stale, metrics.error) == (7, 1000, False, None)
+    assert loops.endpoints == {}
+
+
+async def test_loops_are_spread_evenly_over_the_interval() -> None:
+    # 20 ms at 5 ms a slot: 4 phases. New loops take the emptiest one, so 8 loops are 2 per phase.
+    loops = ScrapeLoops(builtin_engines(), FAST, lambda *report: None)
+    try:
+        for i in range(8):
+            loops.add(Target(f"pod-{i}", "127.0.0.1", 9, "vllm"))
+        slots = [endpoint.slot for endpoint in loops.endpoints.values()]
+        assert sorted(slots) == [0, 0, 1, 1, 2, 2, 3, 3]
+        loops.remove("pod-5")
+        loops.add(Target("pod-8", "127.0.0.1", 9, "vllm"))
+        assert loops.endpoints["pod-8"].slot == slots[5]  # the phase that lost a loop
+    finally:
+        await loops.stop()
+
+
+@pytest.mark.parametrize("bad", [{"interval": 0.0}, {"timeout": -1.0}, {"staleness": 0.0}])
+def test_settings_that_cannot_work_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        ScrapeLoops(builtin_engines(), replace(FAST, **bad), lambda *report: None)
+
+
+async def test_https_with_the_certificate_unverified_by_default(
+    tmp_path: Path, service_metrics: ServiceMetrics
+) -> None:
+    import ssl
+
+    from epp.tls import self_signed_certificate
+
+    certificate, key = self_signed_certificate()
+    (tmp_path / "cert.pem").write_bytes(certificate)
+    (tmp_path / "key.pem").write_bytes(key)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    server = FakeServer()
+    app = web.Application()
+    app.router.add_get("/metrics", server.handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context).start()
+    server.port = runner.addresses[0][1]
+    datastore = Datastore([server.endpoint])
+    scraper = await _running(datastore, service_metrics, replace(FAST, scheme="https"))
+    try:
+        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
+        await _until(lambda: server.requests >= 4)
+        assert len(server.connections) == 1  # keep-alive over TLS too
+    finally:
+        await scraper.stop()
+        await runner.cleanup()
