@@ -2,17 +2,23 @@
 
     python bench/prefix_index.py [--endpoints 64] [--capacity 31250] [--runs 2000]
 
-Builds a full index (every endpoint at its capacity, no block shared between endpoints: the
-worst case for memory), then times, with a fixed seed:
+Builds a full index (every endpoint at exactly its capacity, no block shared between endpoints:
+the worst case for memory; the endpoints are registered first, as the plugin does when the pool
+changes), then times, with a fixed seed:
   * hash only, and hash + match, for an 8k-token (32 KB) and a 100k-token (400 KB) prompt that
     match nothing (cold), match one endpoint whole (repeat), or share a prefix with several
     endpoints held to different depths (partial: the two-lookup path);
-  * add() of an 8k-token prompt: all blocks already held (refresh), a shared prefix plus new
-    blocks (evicting as many), and all new (evicting 512 blocks);
+  * add() of an 8k-token prompt, with its hashes computed beforehand (on the request path the
+    producer hashed the prompt to match it): all blocks already held (refresh), a shared prefix
+    plus 60 new blocks, and 512 new blocks (evicting as many). "add" alone looks the prompt up
+    itself; "match+add" is what the plugin does per request (match, pick, add: add() then reuses
+    the match), shown as the add() part and as the whole;
+  * a pod joining the full index: its first add (which, as the 65th endpoint, needs a second
+    mask word and so starts a table migration) and the slowest add() while that migration runs;
   * memory: the index's numpy arrays (nbytes) and what tracemalloc saw allocated for the build.
-For scale it also times the per-block Python loop of xxh3 calls that this replaces.
-Numbers are microseconds, P50 and P99 over --runs calls. The machine is shared: compare medians
-of a few runs, not one.
+For scale it also times the per-block Python loop of xxh3 calls that hashing replaces.
+Numbers are microseconds, P50 / P99 / max over --runs calls. The machine is shared: compare
+medians of a few runs, not one.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import gc
 import time
 import tracemalloc
+from collections.abc import Callable
 
 import numpy as np
 import xxhash
@@ -30,26 +37,31 @@ from epp.prefix_index import PrefixIndex, prompt_hashes
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 TOKENS_8K = 8192 * 4  # characters: 4 per token, as the index assumes
 TOKENS_100K = 100_000 * 4
+BLOCK = 64  # characters per block (16 tokens)
 
 
 def text(rng: np.random.Generator, chars: int) -> str:
     return rng.integers(32, 127, chars, dtype=np.uint8).tobytes().decode()
 
 
-def timed(call, runs: int) -> tuple[float, float]:
-    """P50 and P99 in microseconds."""
-    for _ in range(min(50, runs)):
+def timed(call: Callable[[], object], runs: int, setup: Callable[[], object] | None = None) -> tuple[float, float, float]:
+    """P50, P99 and max in microseconds (``setup`` runs before each call, untimed)."""
+    for _ in range(min(20, runs)):
+        if setup:
+            setup()
         call()
     samples = np.empty(runs)
     gc.disable()
     try:
         for i in range(runs):
+            if setup:
+                setup()
             start = time.perf_counter_ns()
             call()
             samples[i] = time.perf_counter_ns() - start
     finally:
         gc.enable()
-    return float(np.percentile(samples, 50)) / 1e3, float(np.percentile(samples, 99)) / 1e3
+    return float(np.percentile(samples, 50)) / 1e3, float(np.percentile(samples, 99)) / 1e3, float(samples.max()) / 1e3
 
 
 def python_loop_hashes(prompt: str) -> list[int]:
@@ -63,6 +75,13 @@ def python_loop_hashes(prompt: str) -> list[int]:
     return out
 
 
+def fill(index: PrefixIndex, name: str, capacity: int, rng: np.random.Generator) -> None:
+    """Fill an endpoint to exactly its capacity with distinct 128k-token prompts (8192 blocks)."""
+    while index.endpoint_size(name) < capacity:
+        blocks = min(8192, capacity - index.endpoint_size(name))
+        index.add(name, prompt_hashes(text(rng, blocks * BLOCK), MODEL))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--endpoints", type=int, default=64)
@@ -73,37 +92,40 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     names = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(args.endpoints)]
 
-    # --- build: fill every endpoint with distinct 128k-token prompts ------------------------------
+    # --- build: every endpoint full of distinct blocks -----------------------------------------
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     started = time.perf_counter()
     index = PrefixIndex(args.capacity)
-    filler = 128 * 1024 * 4  # one 128k-token prompt: 8192 blocks
     for name in names:
-        while index.endpoint_size(name) < args.capacity:
-            index.add(name, prompt_hashes(text(rng, filler), MODEL))
-    # The prompts the queries share prefixes with (they evict as much of the filler).
+        index.set_capacity(name, args.capacity)
+    # The prompts the queries share prefixes with (blocks of the fill then make up the rest).
     repeat = text(rng, TOKENS_8K)
     index.add(names[0], prompt_hashes(repeat, MODEL))
     shared = text(rng, TOKENS_8K)
-    for name, chars in zip(names[1:4], (TOKENS_8K, 300 * 64, 123 * 64 + 10)):
+    for name, chars in zip(names[1:4], (TOKENS_8K, 300 * BLOCK, 123 * BLOCK + 10)):
         index.add(name, prompt_hashes(shared[:chars], MODEL))
     long_shared = text(rng, TOKENS_100K)
     index.add(names[4], prompt_hashes(long_shared[: 80_000 * 4], MODEL))
     index.add(names[5], prompt_hashes(long_shared[: 20_000 * 4 + 100], MODEL))
+    for name in names:
+        fill(index, name, args.capacity, rng)
+    while index._store.migrating:  # let a growth still under way finish (a step per update)
+        index._maintain()
     build_seconds = time.perf_counter() - started
     traced = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    table = index._table
+    store = index._store
     print(f"index: {args.endpoints} endpoints x {args.capacity} blocks = {index.size:,} blocks (built in {build_seconds:.1f} s)")
     print(f"memory: {index.nbytes / 2**20:.1f} MiB in the index's numpy arrays (nbytes); "
           f"{traced / 2**20:.1f} MiB allocated for the build (tracemalloc); "
-          f"table {table.slots:,} slots at {len(table) / table.slots:.0%} load")
+          f"table {store.slots:,} slots of {8 * store.cur.R} bytes at {store.live / store.cur.usable:.0%} load, "
+          f"{store.cur.spilled} spilled")
     print()
 
     # --- hashing and matching -------------------------------------------------------------------
     cold_8k, cold_100k = text(rng, TOKENS_8K), text(rng, TOKENS_100K)
-    partial_8k = shared[: 250 * 64] + text(rng, TOKENS_8K - 250 * 64)
+    partial_8k = shared[: 250 * BLOCK] + text(rng, TOKENS_8K - 250 * BLOCK)
     partial_100k = long_shared[: 50_000 * 4] + text(rng, TOKENS_100K - 50_000 * 4)
     cases = [
         ("8k tokens", "cold (no match)", cold_8k, args.runs),
@@ -125,23 +147,93 @@ def main() -> None:
     print()
 
     # --- add() ----------------------------------------------------------------------------------
-    # Each timed call adds a fresh prompt, so the index stays full and every case evicts.
-    prefix = text(rng, TOKENS_8K)
+    # Each timed call adds a fresh prompt (hashed beforehand), so the index stays full and the
+    # "new" cases evict: a batch every few calls, which the P99 and max show.
     target = names[10]
-    index.add(target, prompt_hashes(prefix, MODEL))
-    tails = iter([text(rng, 64 * 60) for _ in range(args.runs + 100)])
-    fresh = iter([text(rng, TOKENS_8K) for _ in range(max(100, args.runs // 4) + 100)])
+    prefix = text(rng, TOKENS_8K)
     held = prompt_hashes(prefix, MODEL)
-    adds = [
-        ("refresh: 512 blocks, all held", lambda: index.add(target, held), args.runs),
-        ("shared: 452 held + 60 new blocks", lambda: index.add(target, prompt_hashes(prefix[: 452 * 64] + next(tails), MODEL)), args.runs),
-        ("new: 512 new blocks, 512 evicted", lambda: index.add(target, prompt_hashes(next(fresh), MODEL)), max(100, args.runs // 4)),
-    ]
-    print(f"{'add() of an 8k-token prompt':<40} {'P50':>8} {'P99':>8}   (includes hashing the prompt, except refresh)")
-    for case, call, runs in adds:
-        p50, p99 = timed(call, runs)
-        print(f"{case:<40} {p50:8.1f} {p99:8.1f}")
-    assert index.size == args.endpoints * args.capacity
+    index.add(target, held)
+    shared_runs, new_runs = args.runs, max(100, args.runs // 4)
+    queue: list[np.ndarray] = []
+
+    def prepare(make: Callable[[], np.ndarray], count: int) -> Callable[[], None]:
+        queue.extend(make() for _ in range(count + 40))
+        return lambda: None
+
+    def next_hashes() -> np.ndarray:
+        return queue.pop()
+
+    current: list[np.ndarray] = []
+
+    def load() -> None:
+        current[:] = [next_hashes()]
+
+    def add_alone() -> None:
+        index.add(target, current[0])
+
+    def match_then_add() -> None:
+        index.match(current[0], [target])
+        index.add(target, current[0])
+
+    def add_after_match() -> None:  # times add() only; its match runs in setup
+        index.add(target, current[0])
+
+    def load_and_match() -> None:
+        load()
+        index.match(current[0], [target])
+
+    def shared_prompt() -> np.ndarray:
+        return prompt_hashes(prefix[: 452 * BLOCK] + text(rng, 60 * BLOCK), MODEL)
+
+    def new_prompt() -> np.ndarray:
+        return prompt_hashes(text(rng, TOKENS_8K), MODEL)
+
+    print(f"{'add() of an 8k-token prompt (hashed before)':<44} {'':<12} {'P50':>8} {'P99':>8} {'max':>8}")
+    for case, make, runs in (
+        ("refresh: 512 blocks, all held", lambda: held, args.runs),
+        ("shared: 452 held + 60 new blocks", shared_prompt, shared_runs),
+        ("new: 512 new blocks, evicting as many", new_prompt, new_runs),
+    ):
+        for how, call, setup in (
+            ("add", add_alone, load),
+            ("match+add: add", add_after_match, load_and_match),
+            ("match+add", match_then_add, load),
+        ):
+            prepare(make, runs)
+            p50, p99, worst = timed(call, runs, setup)
+            queue.clear()
+            print(f"{case:<44} {how:<15} {p50:8.1f} {p99:8.1f} {worst:8.1f}")
+    assert index.size == sum(index.endpoint_size(name) for name in names)
+    print()
+
+    # --- a pod joins the full index -------------------------------------------------------------
+    # As the plugin does: the pod is registered when it joins the pool (its capacity), and gets
+    # picked later. As the 65th endpoint it needs a second mask word: registering it prepares a
+    # wider table, which the following updates warm up and move the keys into, a bounded step
+    # each; its own first add() waits for nothing if that is done by then.
+    newcomer = "10.9.0.1:8000"
+    start = time.perf_counter_ns()
+    index.set_capacity(newcomer, args.capacity)
+    registered = (time.perf_counter_ns() - start) / 1e3
+    prompts = [prompt_hashes(text(rng, TOKENS_8K), MODEL) for _ in range(64)]
+    during: list[float] = []
+    gc.disable()
+    try:
+        while index._store.busy or index._rewrite:
+            start = time.perf_counter_ns()
+            index.add(names[len(during) % len(names)], prompts[len(during) % len(prompts)])
+            during.append((time.perf_counter_ns() - start) / 1e3)
+        first = prompt_hashes(text(rng, TOKENS_8K), MODEL)
+        start = time.perf_counter_ns()
+        index.add(newcomer, first)
+        joined = (time.perf_counter_ns() - start) / 1e3
+    finally:
+        gc.enable()
+    steps = np.array(during or [0.0])
+    print(f"a pod joins ({len(names) + 1}th endpoint, a second mask word): registering it {registered:.0f} µs; "
+          f"the table then grew over {len(during)} add() calls (512 new blocks each): "
+          f"P50 {np.percentile(steps, 50):.0f}, P99 {np.percentile(steps, 99):.0f}, max {steps.max():.0f} µs; "
+          f"its first add() {joined:.0f} µs; memory now {index.nbytes / 2**20:.1f} MiB ({index._store.words} mask words)")
 
 
 if __name__ == "__main__":

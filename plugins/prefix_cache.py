@@ -1,15 +1,18 @@
 """``approx-prefix-cache-producer`` and ``prefix-cache-scorer``: send a prompt where its prefix is cached.
 
 The producer predicts, without asking the pods, which pod holds a prompt's prefix in its KV-cache:
-it remembers which prompt blocks it sent where. The prompt is cut into blocks of
-``blockSizeTokens`` × 4 characters; each block's 64-bit hash chains the previous block's, seeded
-by the model name and the request's ``cache_salt``, so equal hashes at block *i* mean an equal
-prefix through block *i*. Each pod has an LRU of ``lruCapacityPerServer`` block hashes (with
-``autoTune``, the pod's own ``num_gpu_blocks`` from ``vllm:cache_config_info`` once scraped).
-Before scheduling, the producer puts each candidate's longest consecutive matched prefix into
+it remembers which prompt blocks it sent where, in an :class:`epp.prefix_index.PrefixIndex` (see
+that module for the hashing, the per-pod eviction policy and the costs). The prompt is cut into
+blocks of ``blockSizeTokens`` × 4 characters; each block's 64-bit hash chains the previous
+block's, seeded by the model name and the request's ``cache_salt``, so equal hashes at block *i*
+mean an equal prefix through block *i*. Each pod holds at most ``lruCapacityPerServer`` block
+hashes (with ``autoTune``, the pod's own ``num_gpu_blocks`` from ``vllm:cache_config_info`` once
+scraped), evicting the oldest first (by generations, an approximation of an LRU). Before
+scheduling, the producer puts every pod's longest consecutive matched prefix into
 ``request.state["prefix-cache-match"]``; after the pick (``pre_request``) it records the prompt's
-blocks on the chosen pod, before the response arrives, so a burst of one prefix sticks to one pod.
-Pods that leave the pool are dropped from the index.
+blocks on the chosen pod, before the response arrives, so a burst of one prefix sticks to one
+pod. Pods are registered with the index as they join the pool (so that it can size itself for
+their capacities) and dropped from it when they leave.
 
 The scorer gives each candidate matched blocks / prompt blocks (0 for a prompt shorter than a
 block). Configured alone, as upstream configs do, it brings its own producer built from its own
@@ -23,8 +26,9 @@ Parameters (both plugins; upstream names):
     lruCapacityPerServer (int, default 31250): blocks remembered per pod.
     autoTune (bool, default true): use each pod's num_gpu_blocks as its capacity when known.
 
-Metrics: ``inference_extension_prefix_indexer_size`` (blocks indexed over all pods) and
-``inference_extension_prefix_indexer_hit_ratio`` (histogram of the picked pod's matched share).
+Metrics: ``inference_extension_prefix_indexer_size`` (blocks indexed over all pods),
+``inference_extension_prefix_indexer_hit_ratio`` (histogram of the share of the prompt's blocks the
+picked pod already held, as recording the pick found it) and ``epp_prefix_indexer_bytes``.
 """
 
 from __future__ import annotations
@@ -33,8 +37,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
+import numpy as np
+
 from epp.datastore import Endpoint
-from ._simple_prefix_index import PrefixIndex, prompt_hashes
+from epp.prefix_index import (
+    CHARS_PER_TOKEN,
+    DEFAULT_BLOCK_SIZE_TOKENS,
+    DEFAULT_LRU_CAPACITY_PER_SERVER,
+    DEFAULT_MAX_PREFIX_TOKENS,
+    PrefixIndex,
+    prompt_hashes,
+)
 from epp.registry import Handle, check_parameters
 from epp.request import InferenceRequest
 from epp.scheduling import SchedulingResult
@@ -52,12 +65,10 @@ _PARAMETERS = (
     "lruCapacityPerServer",
     "autoTune",
 )
-_CHARS_PER_TOKEN = 4
-
-
-_DEFAULT_BLOCK_TOKENS = 16
-_DEFAULT_MAX_PREFIX_TOKENS = 131072
-_DEFAULT_LRU_CAPACITY = 31250
+_CHARS_PER_TOKEN = CHARS_PER_TOKEN
+_DEFAULT_BLOCK_TOKENS = DEFAULT_BLOCK_SIZE_TOKENS
+_DEFAULT_MAX_PREFIX_TOKENS = DEFAULT_MAX_PREFIX_TOKENS
+_DEFAULT_LRU_CAPACITY = DEFAULT_LRU_CAPACITY_PER_SERVER
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +127,8 @@ class PrefixParameters:
 class PrefixMatch:
     """What the producer found for one request: its block hashes and each candidate's match."""
 
-    hashes: Any  # the prompt's chained block hashes (numpy uint64 array)
-    matched: Mapping[str, int]  # endpoint name -> consecutive blocks matched from the start
+    hashes: np.ndarray  # the prompt's chained block hashes (uint64)
+    matched: Mapping[str, int]  # endpoint name -> consecutive blocks matched from the start (absent: 0)
 
     @property
     def blocks(self) -> int:
@@ -134,6 +145,7 @@ class ApproxPrefixCacheProducer:
         self._size_gauge = self._hit_ratio = None
         if handle is not None:
             handle.datastore.subscribe(self._pool_changed)
+            self._pool_changed(handle.datastore.endpoints(), ())
             if handle.registry is not None:
                 self._export(handle.registry)
 
@@ -156,17 +168,25 @@ class ApproxPrefixCacheProducer:
             registry=registry,
         )
 
+    def _capacity(self, endpoint: Endpoint) -> int:
+        blocks = endpoint.metrics.num_gpu_blocks if self.parameters.auto_tune else None
+        return blocks if blocks else self.parameters.lru_capacity_per_server
+
     def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
         still_here = {endpoint.name for endpoint in added}
         for endpoint in removed:
             if endpoint.name not in still_here:  # a re-label is a remove + add of the same name
                 self.index.remove(endpoint.name)
+        for endpoint in added:  # known capacities let the index size its table ahead of the blocks
+            if endpoint.name not in self.index:
+                self.index.set_capacity(endpoint.name, self._capacity(endpoint))
 
     def produce(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
         p = self.parameters
         hashes = prompt_hashes(request.prompt, request.model, request.cache_salt, p.block_chars, p.max_blocks)
-        names = [endpoint.name for endpoint in candidates]
-        request.state[MATCH] = PrefixMatch(hashes, dict(zip(names, self.index.match(hashes, names))))
+        # Every pod's match, not only the candidates': one lookup either way, and add() after the
+        # pick reuses it rather than looking the prompt up again.
+        request.state[MATCH] = PrefixMatch(hashes, self.index.matches(hashes) if hashes.size else {})
 
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
         match: PrefixMatch | None = request.state.get(MATCH)
@@ -175,10 +195,10 @@ class ApproxPrefixCacheProducer:
             return
         endpoint = endpoints[0]
         if self.parameters.auto_tune and endpoint.metrics.num_gpu_blocks:
-            self.index.set_capacity(endpoint.name, endpoint.metrics.num_gpu_blocks)
+            self.index.set_capacity(endpoint.name, endpoint.metrics.num_gpu_blocks)  # a no-op when unchanged
+        held = self.index.add(endpoint.name, match.hashes)
         if self._hit_ratio is not None:
-            self._hit_ratio.observe(match.matched.get(endpoint.name, 0) / match.blocks)
-        self.index.add(endpoint.name, match.hashes)
+            self._hit_ratio.observe(held / match.blocks)
 
 
 class PrefixCacheScorer:
