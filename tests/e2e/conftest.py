@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +19,7 @@ from epp.request import InferenceRequest
 from epp.scheduling import SchedulingResult
 from epp.server import EndpointPicker
 from epp.settings import Settings
+from epp.sim import EngineConfig, SimulatedPool
 from epp.testing.backends import EchoServer, start_echo_servers
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import wait_for_picker
@@ -133,3 +135,65 @@ async def make_stack(backends: list[EchoServer]) -> AsyncIterator[StackFactory]:
         await asyncio.to_thread(envoy.stop)
     for running in pickers:
         await running.stop(0)
+
+
+# -- the simulator stack: simulated vLLM pods + the picker in-process + a real Envoy ---------------
+
+
+@dataclass
+class SimPicker:
+    pool: SimulatedPool
+    picker: EndpointPicker
+    envoy: EnvoyProcess
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.envoy.stop)
+        await self.picker.stop(0)
+        await self.pool.stop()
+
+
+async def start_sim_picker(
+    configs: Sequence[EngineConfig],
+    config_text: str | None = None,
+    *,
+    members: int | None = None,
+    before_start: Callable[[EndpointPicker], None] | None = None,
+) -> SimPicker:
+    """Start one simulated pod per config, the picker (static pool: the first ``members`` pods, all
+    by default; scraping in-process) and an Envoy in front; return once Envoy sees the picker
+    healthy and every pool member has been scraped. ``before_start`` may wrap the scheduler."""
+    pool = SimulatedPool(len(configs), list(configs))
+    await pool.start()
+    ports = pool.ports if members is None else pool.ports[:members]
+    settings = Settings(
+        endpoints=tuple(Endpoint(f"127.0.0.1:{port}", "127.0.0.1", port) for port in ports),
+        grpc_port=0,
+        grpc_health_port=0,
+        metrics_port=-1,
+        bind_address="127.0.0.1",
+        secure_serving=False,
+        config_text=config_text,
+        shutdown_grace_seconds=1.0,
+        metrics_scraper_process=False,
+    )
+    picker = EndpointPicker(settings)
+    if before_start is not None:
+        before_start(picker)
+    await picker.start()
+    envoy = EnvoyProcess(
+        render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, picker_port=picker.grpc_port)),
+        concurrency=1,
+    )
+    parts = SimPicker(pool, picker, envoy)
+    try:
+        await asyncio.to_thread(envoy.start)
+        await asyncio.to_thread(wait_for_picker, envoy)
+        deadline = time.monotonic() + 15.0
+        while any(e.metrics.stale for e in picker.datastore.endpoints()):
+            if time.monotonic() > deadline:
+                raise AssertionError("timed out waiting until every pod is scraped")
+            await asyncio.sleep(0.02)
+    except BaseException:
+        await parts.stop()
+        raise
+    return parts

@@ -20,14 +20,13 @@ import aiohttp
 import pytest
 
 from epp.datastore import Endpoint
-from epp.envoy_bootstrap import BootstrapOptions, render
 from epp.request import InferenceRequest
 from epp.scheduling import SchedulingResult
 from epp.server import EndpointPicker
-from epp.settings import Settings
 from epp.sim import EngineConfig, SimulatedPool
 from epp.testing.envoy import EnvoyProcess
-from epp.testing.harness import wait_for_picker
+
+from .conftest import SimPicker, start_sim_picker
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DROPPED = "x-llm-d-request-dropped-reason"
@@ -89,12 +88,22 @@ class Answer:
 
 @dataclass
 class Stack:
-    pool: SimulatedPool
-    picker: EndpointPicker
-    envoy: EnvoyProcess
+    parts: SimPicker
     session: aiohttp.ClientSession
     recorder: Recorder
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    @property
+    def pool(self) -> SimulatedPool:
+        return self.parts.pool
+
+    @property
+    def picker(self) -> EndpointPicker:
+        return self.parts.picker
+
+    @property
+    def envoy(self) -> EnvoyProcess:
+        return self.parts.envoy
 
     @property
     def url(self) -> str:
@@ -145,33 +154,16 @@ async def make_stack() -> AsyncIterator[StackFactory]:
     made: list[Stack] = []
 
     async def make(configs: Sequence[EngineConfig], config_text: str, *, pods_in_pool: int | None = None) -> Stack:
-        pool = SimulatedPool(len(configs), list(configs))
-        await pool.start()
-        members = pool.ports if pods_in_pool is None else pool.ports[:pods_in_pool]
-        settings = Settings(
-            endpoints=tuple(Endpoint(f"127.0.0.1:{port}", "127.0.0.1", port) for port in members),
-            grpc_port=0,
-            grpc_health_port=0,
-            metrics_port=-1,
-            bind_address="127.0.0.1",
-            secure_serving=False,
-            config_text=config_text,
-            shutdown_grace_seconds=1.0,
-            metrics_scraper_process=False,
-        )
-        picker = EndpointPicker(settings)
-        recorder = Recorder(picker.scheduler)
-        picker.director.scheduler = recorder  # type: ignore[assignment]
-        await picker.start()
-        envoy = EnvoyProcess(
-            render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, picker_port=picker.grpc_port)),
-            concurrency=1,
-        )
-        await asyncio.to_thread(envoy.start)
-        stack = Stack(pool, picker, envoy, aiohttp.ClientSession(), recorder)
+        recorders: list[Recorder] = []
+
+        def record(picker: EndpointPicker) -> None:
+            recorders.append(Recorder(picker.scheduler))
+            picker.director.scheduler = recorders[0]  # type: ignore[assignment]
+
+        # With flow control an empty pool is ready too: the start returns for pods_in_pool=0.
+        parts = await start_sim_picker(configs, config_text, members=pods_in_pool, before_start=record)
+        stack = Stack(parts, aiohttp.ClientSession(), recorders[0])
         made.append(stack)
-        await asyncio.to_thread(wait_for_picker, envoy)  # with flow control an empty pool is ready too
-        await stack.wait_until(lambda: all(not e.metrics.stale for e in picker.datastore.endpoints()), "every pod is scraped")
         return stack
 
     yield make
@@ -180,9 +172,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             task.cancel()
         await asyncio.gather(*stack.tasks, return_exceptions=True)
         await stack.session.close()
-        await asyncio.to_thread(stack.envoy.stop)
-        await stack.picker.stop(0)
-        await stack.pool.stop()
+        await stack.parts.stop()
 
 
 async def test_a_burst_over_capacity_serves_interactive_first_and_sheds_batch(make_stack: StackFactory) -> None:

@@ -18,12 +18,11 @@ import aiohttp
 import pytest
 
 from epp.datastore import Endpoint
-from epp.envoy_bootstrap import BootstrapOptions, render
 from epp.server import EndpointPicker
-from epp.settings import Settings
 from epp.sim import EngineConfig, SimulatedPool
 from epp.testing.envoy import EnvoyProcess
-from epp.testing.harness import wait_for_picker
+
+from .conftest import SimPicker, start_sim_picker
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "config"
@@ -31,10 +30,20 @@ CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "config"
 
 @dataclass
 class Stack:
-    pool: SimulatedPool
-    picker: EndpointPicker
-    envoy: EnvoyProcess
+    parts: SimPicker
     session: aiohttp.ClientSession
+
+    @property
+    def pool(self) -> SimulatedPool:
+        return self.parts.pool
+
+    @property
+    def picker(self) -> EndpointPicker:
+        return self.parts.picker
+
+    @property
+    def envoy(self) -> EnvoyProcess:
+        return self.parts.envoy
 
     @property
     def url(self) -> str:
@@ -70,38 +79,15 @@ async def make_stack() -> AsyncIterator[StackFactory]:
     made: list[Stack] = []
 
     async def make(configs: Sequence[EngineConfig], config_text: str | None = None) -> Stack:
-        pool = SimulatedPool(len(configs), list(configs))
-        await pool.start()
-        settings = Settings(
-            endpoints=tuple(Endpoint(f"127.0.0.1:{port}", "127.0.0.1", port) for port in pool.ports),
-            grpc_port=0,
-            grpc_health_port=0,
-            metrics_port=-1,
-            bind_address="127.0.0.1",
-            secure_serving=False,
-            config_text=config_text,
-            shutdown_grace_seconds=1.0,
-            metrics_scraper_process=False,
-        )
-        picker = EndpointPicker(settings)
-        await picker.start()
-        envoy = EnvoyProcess(
-            render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, picker_port=picker.grpc_port)),
-            concurrency=1,
-        )
-        await asyncio.to_thread(envoy.start)
-        stack = Stack(pool, picker, envoy, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)))
+        parts = await start_sim_picker(configs, config_text)
+        stack = Stack(parts, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)))
         made.append(stack)
-        await asyncio.to_thread(wait_for_picker, envoy)
-        await stack.wait_until(lambda: all(not e.metrics.stale for e in picker.datastore.endpoints()), "every pod is scraped")
         return stack
 
     yield make
     for stack in made:
         await stack.session.close()
-        await asyncio.to_thread(stack.envoy.stop)
-        await stack.picker.stop(0)
-        await stack.pool.stop()
+        await stack.parts.stop()
 
 
 def _background(stack: Stack, pod: int, count: int, prompt_chars: int = 40, max_tokens: int = 2000) -> list[asyncio.Task[str]]:
