@@ -2,7 +2,8 @@
 # The endpoint picker image: `docker build -t epp .` (see README, "Container").
 
 # --- build: wheels for the package and its dependencies -----------------------------------------
-FROM python:3.11-slim AS build
+# The full image, for its C compiler: the package has one small extension (epp/_native.c).
+FROM python:3.11 AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY epp ./epp

@@ -6,8 +6,9 @@ Builds a full index (every endpoint at exactly its capacity, no block shared bet
 the worst case for memory; the endpoints are registered first, as the plugin does when the pool
 changes), then times, with a fixed seed:
   * hash only, and hash + match, for an 8k-token (32 KB) and a 100k-token (400 KB) prompt that
-    match nothing (cold), match one endpoint whole (repeat), or share a prefix with several
-    endpoints held to different depths (partial: the two-lookup path);
+    match nothing (new), match one endpoint whole (repeat), or are a family's prompt: a shared
+    prefix several endpoints hold to different depths, then a new question, parting from the
+    shared text where runs ended before (one lookup) or somewhere new (two lookups);
   * add() of an 8k-token prompt, with its hashes computed beforehand (on the request path the
     producer hashed the prompt to match it): all blocks already held (refresh), a shared prefix
     plus 60 new blocks, and 512 new blocks (evicting as many). "add" alone looks the prompt up
@@ -124,24 +125,63 @@ def main() -> None:
     print()
 
     # --- hashing and matching -------------------------------------------------------------------
-    cold_8k, cold_100k = text(rng, TOKENS_8K), text(rng, TOKENS_100K)
-    partial_8k = shared[: 250 * BLOCK] + text(rng, TOKENS_8K - 250 * BLOCK)
-    partial_100k = long_shared[: 50_000 * 4] + text(rng, TOKENS_100K - 50_000 * 4)
+    # Each timed call hashes and matches a prompt made just before it (untimed, so it is fresh in
+    # the cache as a just-parsed request body is), new at every call but in the "repeat" case.
+    # "family" prompts are a prefix of a text that two endpoints hold whole (8k: and one to block
+    # 123; 100k: one to block 1251), then a new question. The index learns where runs end and
+    # looks there first: "new question" parts from the text at the same block every time (250;
+    # 100k: 3125), so one lookup finds every run; "parts somewhere new" parts at one of 97
+    # blocks in turn, so the runs of the two endpoints holding the text end where the index has
+    # not seen one end lately, and a second lookup finds them.
+    questions = [text(rng, TOKENS_8K) for _ in range(64)]
+    questions_100k = [text(rng, TOKENS_100K) for _ in range(8)]
+    cold_8k = text(rng, TOKENS_8K)
+    prompt: list[str] = [""]
+
+    def making(make: Callable[[int], str]) -> Callable[[], None]:
+        count = iter(range(1 << 62))
+
+        def setup() -> None:
+            prompt[0] = make(next(count))
+
+        return setup
+
+    def cold(i: int) -> str:  # a new prompt nobody holds (its first block differs from all)
+        return f"{i:08d}" + cold_8k[8:]
+
+    def cold_non_ascii(i: int) -> str:  # the same with one CJK character: a slower str.encode
+        return f"{i:08d}" + cold_8k[8:-1] + "\u4e00"
+
+    def cold_100k(i: int) -> str:
+        return f"{i:08d}" + questions_100k[i % 8][8:]
+
+    def family(text: str, questions: list[str], parts: Callable[[int], int], size: int) -> Callable[[int], str]:
+        def make(i: int) -> str:
+            at = parts(i) * BLOCK
+            return text[:at] + questions[i % len(questions)][at + 8 : size] + f"{i:08d}"
+
+        return make
+
     cases = [
-        ("8k tokens", "cold (no match)", cold_8k, args.runs),
-        ("8k tokens", "repeat (1 endpoint, whole)", repeat, args.runs),
-        ("8k tokens", "partial (3 endpoints, 2 lookups)", partial_8k, args.runs),
-        ("100k tokens", "cold (no match)", cold_100k, max(100, args.runs // 10)),
-        ("100k tokens", "partial (2 endpoints, 2 lookups)", partial_100k, max(100, args.runs // 10)),
+        ("8k tokens", "new, no match", making(cold), args.runs),
+        ("8k tokens", "new, one non-ASCII character", making(cold_non_ascii), args.runs),
+        ("8k tokens", "repeat (1 endpoint, whole)", making(lambda i: repeat), args.runs),
+        ("8k tokens", "family, new question", making(family(shared, questions, lambda i: 250, TOKENS_8K)), args.runs),
+        ("8k tokens", "family, parts somewhere new", making(family(shared, questions, lambda i: 150 + i % 97, TOKENS_8K)), args.runs),
+        ("100k tokens", "new, no match", making(cold_100k), max(100, args.runs // 10)),
+        ("100k tokens", "family, new question", making(family(long_shared, questions_100k, lambda i: 3125, TOKENS_100K)), max(100, args.runs // 10)),
+        ("100k tokens", "family, parts somewhere new",
+         making(family(long_shared, questions_100k, lambda i: 3000 + i % 97 * 10, TOKENS_100K)), max(100, args.runs // 10)),
     ]
     print(f"{'prompt':<12} {'case':<34} {'hash P50':>9} {'P99':>8} {'hash+match P50':>15} {'P99':>8}  matched blocks")
-    for size, case, prompt, runs in cases:
-        hash_only = timed(lambda: prompt_hashes(prompt, MODEL), runs)
-        both = timed(lambda: index.matches(prompt_hashes(prompt, MODEL)), runs)
-        found = index.matches(prompt_hashes(prompt, MODEL))
+    for size, case, setup, runs in cases:
+        hash_only = timed(lambda: prompt_hashes(prompt[0], MODEL), runs, setup)
+        both = timed(lambda: index.matches(prompt_hashes(prompt[0], MODEL)), runs, setup)
+        setup()
+        found = index.matches(prompt_hashes(prompt[0], MODEL))
         shown = ", ".join(f"{n}" for n in sorted(found.values(), reverse=True)) or "-"
         print(f"{size:<12} {case:<34} {hash_only[0]:9.1f} {hash_only[1]:8.1f} {both[0]:15.1f} {both[1]:8.1f}  {shown}"
-              f" of {len(prompt_hashes(prompt, MODEL))}")
+              f" of {len(prompt_hashes(prompt[0], MODEL))}")
     loop = timed(lambda: python_loop_hashes(cold_8k), max(100, args.runs // 10))
     print(f"{'8k tokens':<12} {'per-block Python xxh3 loop, hash':<34} {loop[0]:9.1f} {loop[1]:8.1f}")
     print()

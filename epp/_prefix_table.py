@@ -14,10 +14,11 @@ at most 1/8 more memory or the table is small, as smaller buckets are cheaper to
 few spill buckets, as one ``(buckets, S, 1 + 2W)`` uint64 array: per slot its key, then plane 0,
 then plane 1. A key
 lives in one of two buckets, the top ``p`` bits of its low and of its high 32-bit half (one
-shift of a uint32 view). Slot 0 of every bucket is a sentinel that stays empty: a lookup takes
-the first slot of the two buckets whose key matches, and a miss lands on a sentinel, whose planes
-are zero, so a lookup is a handful of numpy calls with no "was it found?" pass. The hash value 0
-is therefore reserved (the index refuses it).
+shift of a uint32 view). A lookup takes the first slot of the two buckets whose key matches:
+one loop in C (``epp/_native.c``) that fetches the buckets of the keys ahead while it searches,
+zeros on a miss. :meth:`_Table.find`, which updates use for slot ids, is numpy: slot 0 of every
+bucket is a sentinel that stays empty, where a miss lands, so it needs no "was it found?" pass.
+The hash value 0 is reserved (the index refuses it): an empty slot's key.
 
 Inserts: a batch at once; each key goes to the emptier of its buckets (a uint64 occupancy bitmap
 per bucket; slots fill from the lowest, so the smaller bitmap is the emptier one) at its lowest
@@ -56,6 +57,8 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+
+from epp import _native
 
 __all__ = ["SlotStore", "PARITY"]
 
@@ -135,15 +138,11 @@ class _Table:
         return np.concatenate((b, self.spill_bucket(keys)[:, None]), axis=1)
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
-        """(n, R): the slot of each key (key, planes), or a sentinel's zeros when absent."""
-        n = keys.size
-        b = keys.view(np.uint32).reshape(n, 2) >> self._shift
-        if self.spilled:
-            b = np.concatenate((b, self.spill_bucket(keys)[:, None]), axis=1)
-        rows = self.rows.take(b, axis=0)  # (n, 2 or 3, S, R)
-        width = rows.shape[1] * self.S
-        pos = (rows[:, :, :, 0] == keys[:, None, None]).reshape(n, width).argmax(axis=1)
-        return rows.reshape(n, width, self.R)[self._arange(n), pos]
+        """(n, R): the slot of each key (key, planes), or zeros when absent. ``keys``: C-contiguous
+        native uint64. The probes of :meth:`_probed`, in C (epp/_native.c)."""
+        out = np.empty((keys.size, self.R), dtype=_U64)
+        _native.lookup(self.rows, self.nb, self.S, self.R, 32 - self.p, self.ns if self.spilled else 0, keys, out)
+        return out
 
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows): each key's slot id (-1 when absent) and slot contents (zeros when absent)."""

@@ -22,6 +22,7 @@ def test_wheel_installs_plugins_under_the_epp_namespace(tmp_path: Path) -> None:
     assert "epp/plugins/__init__.py" in names
     assert "epp/plugins/random_picker.py" in names
     assert "epp/py.typed" in names
+    assert [n for n in names if n.startswith("epp/_native.") and n.endswith((".so", ".pyd"))]  # the C extension, built
     assert not [n for n in names if n.startswith("plugins/")]  # never a bare top-level `plugins`
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "epp = epp.cli:main" in entry_points
@@ -30,7 +31,7 @@ def test_wheel_installs_plugins_under_the_epp_namespace(tmp_path: Path) -> None:
 def test_dockerfile_is_multi_stage_slim_non_root_with_the_upstream_ports() -> None:
     text = (ROOT / "Dockerfile").read_text()
     stages = re.findall(r"^FROM (\S+)", text, re.M)
-    assert len(stages) >= 2 and all("slim" in image for image in stages)
+    assert len(stages) >= 2 and "slim" in stages[-1]  # the build stage has a compiler; what runs is slim
     user = re.findall(r"^USER (\S+)", text, re.M)
     assert user and not user[-1].startswith(("root", "0:", "0 ")) and user[-1] != "0"
     assert re.search(r"^EXPOSE 9002 9003 9090$", text, re.M)

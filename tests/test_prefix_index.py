@@ -272,6 +272,8 @@ def scenarios(draw: st.DrawFn) -> tuple[int, list[str], list[tuple]]:
 MODES = {
     "default": {},
     "sampled": {(prefix_index, "_FULL_LOOKUP"): 0},
+    # hints kept for two first blocks only, one run end each: they go stale and get evicted
+    "few hints": {(prefix_index, "_FULL_LOOKUP"): 0, (prefix_index, "_RECENT_PROMPTS"): 2, (prefix_index, "_RECENT_ENDS"): 1},
     "migrating": {
         (prefix_index, "_INITIAL_SLOTS"): 1,
         (prefix_index, "_REWRITE_AT_ONCE"): 0,
@@ -389,6 +391,58 @@ def test_match_reports_each_endpoints_longest_consecutive_prefix() -> None:
     assert index.match(query, ["c", "b", "a", "unknown"]) == [0, 50, 100, 0]
     assert index.matches(prompt_hashes(system + "q1" * 50, "other-model", None, 4)) == {}
     assert index.matches(np.empty(0, dtype=np.uint64)) == {}
+
+
+def lookups(index: PrefixIndex) -> list[int]:
+    """Record the size of every table lookup the index makes from now on."""
+    sizes: list[int] = []
+    held = index._held
+
+    def counted(keys: np.ndarray) -> tuple:
+        sizes.append(keys.size)
+        return held(keys)
+
+    index._held = counted  # type: ignore[method-assign]
+    return sizes
+
+
+def test_where_runs_ended_before_is_looked_up_with_the_samples() -> None:
+    index = PrefixIndex()
+    system = "S" * 400  # 100 blocks; prompts of 125 blocks are sampled every 11th (13 samples)
+    index.add("a", blocks(system + "q1" * 50))
+    sizes = lookups(index)
+    assert index.matches(blocks("T" * 500)) == {}
+    assert sizes == [4]  # a first block not seen lately: most likely new, so few samples (0, 44, 88, 124)
+    sizes.clear()
+    assert index.matches(blocks(system + "q2" * 50)) == {"a": 100}
+    assert sizes == [13, 10]  # the first time: the samples, then the gap (100..109) where the run ends
+    index.add("b", blocks(system + "q2" * 50))
+    sizes.clear()
+    assert index.matches(blocks(system + "q3" * 50)) == {"a": 100, "b": 100}
+    assert sizes == [15]  # now blocks 99 and 100 come with the samples: one lookup
+    # A stale hint costs nothing but its two blocks: a run that ends elsewhere is still exact.
+    index.add("c", blocks(system[:160] + "x" * 340))  # 40 blocks of the system prompt, then apart
+    sizes.clear()
+    for question in ("q4", "q5", "q6"):
+        assert index.matches(blocks(system + question * 50)) == {"a": 100, "b": 100, "c": 40}
+    # c's add saw a run end at 40 first, q4's match saw it again: from q5 on, 39 and 40 come along
+    assert sizes == [15, 10, 17, 17]  # q4: the samples and hints, then blocks 34..43
+
+
+def test_the_next_turn_of_a_conversation_needs_one_lookup() -> None:
+    index = PrefixIndex()
+    turn = "system: be brief. user: hi. " * 12  # 84 blocks of 4 bytes
+    index.add("b", blocks(turn[:200] + "elsewhere" * 20))
+    index.add("a", blocks(turn))
+    sizes = lookups(index)
+    for i in range(3):  # each turn resends the conversation so far, and the last add was its pod
+        following = turn + f"assistant: answer {i}. user: more {i}. " * 3
+        assert index.matches(blocks(following)) == {"a": len(turn) // 4, "b": 50}
+        # b's run ends at block 50: seen once when a was added, it becomes a hint the second time
+        assert len(sizes) == (2 if i == 0 else 1), f"turn {i}: {sizes}"
+        index.add("a", blocks(following))
+        turn = following
+        sizes.clear()
 
 
 def test_add_returns_what_was_held_and_counts_the_hit_ratio() -> None:
@@ -561,3 +615,30 @@ def test_the_public_api() -> None:
         "PrefixIndexStats",
         "prompt_hashes",
     ]
+
+
+def test_the_native_loops_refuse_buffers_too_small_instead_of_reading_past_them() -> None:
+    from epp import _native
+
+    keys = np.zeros(64, dtype=np.uint32)
+    out = np.empty(4, dtype=np.uint64)
+    with pytest.raises(ValueError, match="too small"):
+        _native.chain(b"x" * 200, 64, 4, keys, 0, out)  # 3 blocks of data for 4
+    with pytest.raises(ValueError, match="too small"):
+        _native.chain(b"x" * 256, 64, 4, keys[:40], 0, out)  # keys for 2.5 blocks
+    with pytest.raises(ValueError, match="too small"):
+        _native.chain(b"x" * 256, 64, 4, keys, 0, out[:3])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        _native.chain(b"x" * 256, 6, 4, keys, 0, out)
+    with pytest.raises(TypeError, match="writable"):
+        _native.chain(b"x" * 256, 64, 4, keys, 0, b"\0" * 32)
+    rows = np.zeros((4, 8, 3), dtype=np.uint64)  # 4 buckets of 8 slots
+    found = np.empty((2, 3), dtype=np.uint64)
+    with pytest.raises(ValueError, match="too small"):
+        _native.lookup(rows, 4, 8, 3, 30, 1, np.ones(2, dtype=np.uint64), found)  # 4 + 1 spill buckets
+    with pytest.raises(ValueError, match="geometry"):
+        _native.lookup(rows, 2, 8, 3, 30, 0, np.ones(2, dtype=np.uint64), found)  # 4 buckets' worth of shift
+    with pytest.raises(TypeError, match="contiguous"):
+        _native.lookup(rows, 4, 8, 3, 30, 0, np.ones(4, dtype=np.uint64)[::2], found)
+    _native.lookup(rows, 4, 8, 3, 30, 0, np.ones(2, dtype=np.uint64), found)  # the right sizes: found nothing
+    assert not found.any()
