@@ -39,8 +39,8 @@ are ordered by the client, and a and c are order-free: any order gives the same 
 
 Measured per policy: hit rate = Δ``vllm:prefix_cache_hits_total`` / Δ``vllm:prefix_cache_queries_total``
 summed over the pods (the simulator's counters, in tokens); TTFT P50/P90, client-side, from sending
-the request to the first SSE chunk that carries a generated token (the chat role chunk is skipped:
-the simulator sends it at admission, before the prefill); throughput = completed requests/s and
+the request to the first SSE chunk that carries a generated token (a chunk without one, such as
+the chat role chunk, is skipped); throughput = completed requests/s and
 output tokens/s from the first send to the last completion; the CPU (user+system, from /proc) each
 process used during the load, in cores. Diagnostics: stickiness (share of requests of a group or
 session that went to the same pod as the previous one of that family), pod imbalance (busiest pod's

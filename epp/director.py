@@ -123,7 +123,7 @@ class Routing:
         """The first response body bytes arrived: the pod has finished queueing and prefill."""
         if not self._answering and not self._finished:
             self._answering = True
-            self.endpoints[0].inflight.answering()
+            self.endpoints[0].inflight.answering(self._ticket)
 
     def finish(self, outcome: str = "complete") -> None:
         """The response ended (``complete``), failed (``error``) or the stream went away (``cancelled``)."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from epp.datastore import Datastore, Endpoint, parse_endpoint, parse_endpoints, read_endpoints_file
+from epp.datastore import Datastore, Endpoint, InFlight, Metrics, parse_endpoint, parse_endpoints, read_endpoints_file
 
 
 def _ep(hostport: str) -> Endpoint:
@@ -266,8 +268,6 @@ def test_ready_follows_the_pool() -> None:
 
 
 def test_in_flight_counts_requests_sent_after_an_instant() -> None:
-    from epp.datastore import InFlight
-
     inflight = InFlight()
     a = inflight.add(100, now=1.0)
     b = inflight.add(50, now=2.0)
@@ -286,8 +286,6 @@ def test_in_flight_counts_requests_sent_after_an_instant() -> None:
 
 
 def test_queue_depth_and_kv_usage_add_what_was_sent_since_the_scrape() -> None:
-    from epp.datastore import Metrics
-
     scraped = Metrics(waiting_queue_size=2, kv_cache_usage=0.5, num_gpu_blocks=100, block_size=16, updated_at=10.0, stale=False)
     endpoint = Endpoint("e", "10.0.0.1", 8000, metrics=scraped)
     endpoint.inflight.add(800, now=9.0)  # before the scrape: already in its numbers
@@ -303,8 +301,6 @@ def test_queue_depth_and_kv_usage_add_what_was_sent_since_the_scrape() -> None:
 
 
 def test_in_flight_record_survives_metrics_updates_and_relabels() -> None:
-    from epp.datastore import Metrics
-
     datastore = Datastore([Endpoint("e", "10.0.0.1", 8000)])
     record = datastore.get("e").inflight
     record.add(1)
@@ -316,3 +312,71 @@ def test_in_flight_record_survives_metrics_updates_and_relabels() -> None:
     datastore.remove("e")
     datastore.upsert(Endpoint("e", "10.0.0.1", 8000))
     assert datastore.get("e").inflight is not record  # a new pod under an old name starts at zero
+
+
+def test_inflight_learns_the_prefill_time_per_token_from_requests_with_nothing_ahead() -> None:
+    inflight = InFlight()
+    assert inflight.seconds_per_token is None
+    alone = inflight.add(1000, now=10.0)
+    behind = inflight.add(3000, now=10.05)  # queued behind the first: its wait is not its prefill
+    inflight.answering(alone, now=10.1)
+    assert inflight.seconds_per_token == pytest.approx(1e-4)
+    inflight.answering(behind, now=10.5)
+    assert inflight.seconds_per_token == pytest.approx(1e-4)  # not a clean sample
+    assert inflight.unanswered == 0
+    again = inflight.add(1000, now=11.0)
+    inflight.answering(again, now=11.2)  # 2e-4: a moving average, not a jump
+    assert 1e-4 < inflight.seconds_per_token < 2e-4
+
+
+def test_pending_depth_counts_the_request_in_prefill_by_how_much_of_it_is_left() -> None:
+    inflight = InFlight()
+    first = inflight.add(1000, now=0.0)
+    assert inflight.pending_depth(now=5.0) == 1.0  # nothing learned yet: a whole request
+    inflight.answering(first, now=0.1)  # 1e-4 s per token
+    head = inflight.add(2000, now=1.0)  # 0.2 s of prefill expected
+    inflight.add(500, now=1.05)  # behind it: counts 1 whatever happens
+    assert inflight.pending_depth(now=1.0) == pytest.approx(2.0)
+    assert inflight.pending_depth(now=1.1) == pytest.approx(1.75)
+    assert inflight.pending_depth(now=1.2) == pytest.approx(1.5)
+    assert inflight.pending_depth(now=9.0) == pytest.approx(1.5)  # overdue: still there, never below half
+    inflight.answering(head, now=1.2)  # on time: the estimate stays; the next one's prefill starts now
+    assert inflight.seconds_per_token == pytest.approx(1e-4)
+    assert inflight.pending_depth(now=1.2) == pytest.approx(1.0)
+    assert inflight.pending_depth(now=1.225) == pytest.approx(0.75)
+    assert inflight.pending_depth(now=2.0) == pytest.approx(0.5)
+
+
+def test_pending_depth_follows_answers_out_of_order_and_unanswered_releases() -> None:
+    inflight = InFlight()
+    warm = inflight.add(1000, now=0.0)
+    inflight.answering(warm, now=0.1)
+    a = inflight.add(1000, now=1.0)
+    b = inflight.add(1000, now=1.01)
+    c = inflight.add(1000, now=1.02)
+    inflight.answering(b, now=1.03)  # a short one answered first: the head is still a
+    assert inflight.unanswered == 2
+    assert inflight.pending_depth(now=1.05) == pytest.approx(1.75)
+    inflight.release(a, answered=False)  # a's stream went away: c is the head, from now
+    assert inflight.unanswered == 1
+    assert 0.5 <= inflight.pending_depth() <= 1.0
+    inflight.release(c, answered=False)
+    assert (inflight.unanswered, inflight.pending_depth()) == (0, 0.0)
+    inflight.answering()  # nothing unanswered: no effect
+    assert inflight.unanswered == 0
+
+
+def test_queue_ahead_ranks_busy_pods_by_prefill_progress_and_idle_ones_first() -> None:
+    now = time.monotonic()
+    scraped = Metrics(updated_at=now, stale=False)  # taken after every send below
+    nearly_done, just_started, idle = (Endpoint(n, "10.0.0.1", 8000, metrics=scraped) for n in "abc")
+    for endpoint, sent in ((nearly_done, now - 0.09), (just_started, now - 0.01)):
+        warm = endpoint.inflight.add(1000, now=sent - 10.0)
+        endpoint.inflight.answering(warm, now=sent - 9.9)  # 1e-4 s per token: 0.1 s per prompt
+        endpoint.inflight.add(1000, now=sent)
+    assert idle.queue_ahead == 0
+    assert 0.5 <= nearly_done.queue_ahead < just_started.queue_ahead <= 1.0
+    assert nearly_done.queue_depth == just_started.queue_depth == 1  # the whole count, for filters and others
+    # The scraped view still wins when it is larger.
+    queued = replace(nearly_done, metrics=replace(scraped, waiting_queue_size=3))
+    assert queued.queue_ahead == queued.queue_depth == 3

@@ -3,7 +3,9 @@ upstream's semantics, and of the in-flight accounting the load scorers read."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -167,3 +169,19 @@ def test_an_upstream_profile_of_these_plugins_prefers_the_least_loaded_pod() -> 
     pods = [pod(0, queue=10, kv=0.9), pod(1, queue=0, kv=0.1), pod(2, queue=3, kv=0.5), pod(3, queue=0, kv=0.0, stale=True)]
     for _ in range(20):
         assert scheduler.schedule(REQUEST, pods)[0].name == "pod-1"
+
+
+def test_queue_scorer_prefers_the_busy_pod_nearest_the_end_of_its_prefill() -> None:
+    # Every pod prefilling one prompt (one unanswered request each): a whole count ties them all,
+    # yet a new request waits least on the pod whose prefill is furthest along.
+    now = time.monotonic()
+    candidates = [replace(pod(i), metrics=replace(pod(i).metrics, updated_at=now)) for i in range(3)]
+    for endpoint, started in zip(candidates, (now - 0.02, now - 0.08, now - 0.05)):
+        warm = endpoint.inflight.add(1000, now=started - 10.0)
+        endpoint.inflight.answering(warm, now=started - 9.9)  # learned: 0.1 s per 1000-token prompt
+        endpoint.inflight.add(1000, now=started)
+    scores = QueueScorer().score(REQUEST, candidates)
+    assert scores[1] == 1.0 and scores[0] == 0.0
+    assert 0.0 < scores[2] < 1.0
+    picked = MaxScorePicker(seed=0).pick(REQUEST, [ScoredEndpoint(e, s) for e, s in zip(candidates, scores)])
+    assert names(picked) == ["pod-1"]
