@@ -5,7 +5,7 @@
 # The full image, for its C compiler: the package has one small extension (epp/_native.c).
 FROM python:3.11 AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY epp ./epp
 COPY plugins ./plugins
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .

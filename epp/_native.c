@@ -15,6 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if !defined(__GNUC__) && !defined(__clang__)
+#define __builtin_prefetch(address) ((void)(address)) /* a hint only: without it, just slower */
+#endif
+
 static inline uint32_t load32(const unsigned char *p) {
     uint32_t v;
     memcpy(&v, p, 4);

@@ -32,6 +32,7 @@ def test_dockerfile_is_multi_stage_slim_non_root_with_the_upstream_ports() -> No
     text = (ROOT / "Dockerfile").read_text()
     stages = re.findall(r"^FROM (\S+)", text, re.M)
     assert len(stages) >= 2 and "slim" in stages[-1]  # the build stage has a compiler; what runs is slim
+    assert re.search(r"^COPY pyproject.toml setup.py ", text, re.M)  # setup.py declares the C extension
     user = re.findall(r"^USER (\S+)", text, re.M)
     assert user and not user[-1].startswith(("root", "0:", "0 ")) and user[-1] != "0"
     assert re.search(r"^EXPOSE 9002 9003 9090$", text, re.M)
