@@ -155,10 +155,10 @@ def main() -> None:
     def cold_100k(i: int) -> str:
         return f"{i:08d}" + questions_100k[i % 8][8:]
 
-    def family(text: str, questions: list[str], parts: Callable[[int], int], size: int) -> Callable[[int], str]:
+    def family(held: str, questions: list[str], parts: Callable[[int], int], size: int) -> Callable[[int], str]:
         def make(i: int) -> str:
             at = parts(i) * BLOCK
-            return text[:at] + questions[i % len(questions)][at + 8 : size] + f"{i:08d}"
+            return held[:at] + questions[i % len(questions)][at + 8 : size] + f"{i:08d}"
 
         return make
 

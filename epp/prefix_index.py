@@ -74,9 +74,10 @@ vectorised calls; a prompt of at most 64 blocks is looked up whole in one.
 
 Most runs end where the prompt parts from one sent before: after a family's shared system
 prompt, or where a conversation's previous turn ended. So the index keeps, for each first block
-(of the last 1,024 added), the length of the last prompt added that started with it and the last
-four run ends that matches of such prompts found; the first lookup takes the blocks on either
-side of each of those along with the samples. A run that ends at one of them is then known
+(of the last 1,024 added), the length of the last prompt added that started with it and up to
+four run ends that matches of such prompts found twice running (an end found once may be a
+one-off); the first lookup takes the blocks on either side of each of those along with the
+samples. A run that ends at one of them is then known
 exactly, and only runs that end elsewhere need the second lookup. A prompt whose first block is
 not among them most likely starts where no endpoint holds anything, and is sampled four times
 more sparsely (every 4√n-th block: fewer keys, and a new key's buckets are cache misses). None
@@ -413,10 +414,10 @@ class _Recent:
         return self._for[1], self._for[2]
 
     def learn(self, ends: Iterable[int], n: int) -> None:
-        """Runs of an n-block prompt ended at ``ends``. An end seen for the second time in a row
-        of sightings becomes a hint, first in :attr:`ends`; one already there moves first. (An
-        end seen once may be a one-off, a prompt parting somewhere new: not worth two keys of
-        every lookup.)"""
+        """Runs of an n-block prompt ended at ``ends``. An end becomes a hint, first in
+        :attr:`ends`, when it is found twice running (no other new end found in between); one
+        already there moves first. (An end found once may be a one-off, a prompt parting
+        somewhere new: not worth two keys of every lookup.)"""
         known = self.ends
         for end in set(ends):  # endpoints whose runs end together are one sighting
             if end >= n or end == self.added:
