@@ -293,11 +293,14 @@ class Endpoint:
           responses; a non-streamed response starts at its end, so there it counts the request
           until it is done).
         """
-        metrics = self.metrics
-        inflight = self.inflight
-        scraped = metrics.waiting_queue_size + inflight.since(metrics.updated_at)[0]
-        unanswered = inflight.unanswered
+        scraped = self._scraped_queue()
+        unanswered = self.inflight.unanswered
         return scraped if scraped >= unanswered else unanswered
+
+    def _scraped_queue(self) -> int:
+        """The scraped waiting queue plus the requests this picker sent after that scrape."""
+        metrics = self.metrics
+        return metrics.waiting_queue_size + self.inflight.since(metrics.updated_at)[0]
 
     @property
     def queue_ahead(self) -> float:
@@ -309,9 +312,8 @@ class Endpoint:
         by 0.5 or more: pods with different whole counts keep their order, and a pod with nothing
         unanswered still comes before any with a prefill under way.
         """
-        metrics = self.metrics
+        scraped = self._scraped_queue()
         inflight = self.inflight
-        scraped = metrics.waiting_queue_size + inflight.since(metrics.updated_at)[0]
         unanswered = inflight.pending_depth() if inflight.unanswered else 0.0
         return scraped if scraped >= unanswered else unanswered
 
