@@ -1,4 +1,4 @@
-"""What reading one pod's /metrics page costs: epp.engine_metrics against prometheus_client's parser.
+"""What reading one pod's /metrics page costs: epp.datalayer.engines against prometheus_client's parser.
 
 The page is the vLLM simulator's (epp.sim.metrics, vLLM's names, help texts and bucket boundaries) after
 some traffic: every histogram observed, HTTP metrics for two handlers, a LoRA history of 16 label
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from epp.engine_metrics import builtin_engines
+from epp.datalayer.engines import builtin_engines
 from epp.sim.config import EngineConfig
 from epp.sim.engine import Engine
 from epp.sim.metrics import HttpStats, MetricsPage

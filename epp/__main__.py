@@ -1,5 +1,5 @@
 import sys
 
-from epp.cli import main
+from epp.server.cli import main
 
 sys.exit(main())

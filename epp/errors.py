@@ -1,7 +1,7 @@
 """The one error type of the request path, and the one table that maps it to an HTTP answer.
 
 Any layer (body parsing, admission, scheduling) raises :class:`EppError` with a :class:`Reason`
-and a message written for the client. Only :mod:`epp.extproc` turns it into an Envoy
+and a message written for the client. Only :mod:`epp.extproc.processor` turns it into an Envoy
 ImmediateResponse, through :func:`http_answer`; nothing else on the request path knows HTTP
 status codes. A new failure mode is one new ``Reason`` member and one row in ``_ANSWERS``.
 

@@ -7,7 +7,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
-from epp.registry import Handle, check_parameters
+from epp.scheduling.registry import Handle, check_parameters
 
 
 def max_num_of_endpoints(name: str, parameters: Mapping[str, Any]) -> int:

@@ -12,7 +12,7 @@ A request stops counting when its response ends, fails or is cancelled, or once 
 flight for ``requestTimeout`` (upstream's guard against a completion that never arrives; a
 response streaming for longer stops counting too, as upstream's does).
 
-The counts are the picker's shared in-flight record (:attr:`epp.datastore.Endpoint.inflight`),
+The counts are the picker's shared in-flight record (:attr:`epp.datalayer.datastore.Endpoint.inflight`),
 which the director adds each routed request to and releases when its response ends; this scorer
 keeps no state of its own and needs no lifecycle hooks. Differences from upstream, both small:
 ``max`` is the busiest *candidate* (upstream takes it over every endpoint it tracks, including any
@@ -36,10 +36,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from epp.datastore import Endpoint
-from epp.goflags import parse_duration
-from epp.registry import Handle, check_parameters
-from epp.request import InferenceRequest
+from epp.datalayer.datastore import Endpoint
+from epp.server.flags import parse_duration
+from epp.scheduling.registry import Handle, check_parameters
+from epp.extproc.parsing import InferenceRequest
 
 from ._common import float_parameter, int_parameter
 

@@ -2,7 +2,7 @@
 
 Upstream semantics: score = 1 - KV-cache usage (usage in 0..1).
 
-The usage read is :attr:`epp.datastore.Endpoint.kv_usage`: the scraped usage plus the prompt
+The usage read is :attr:`epp.datalayer.datastore.Endpoint.kv_usage`: the scraped usage plus the prompt
 tokens this picker sent to the endpoint after that scrape was taken (when the endpoint reports its
 cache size), so a burst of long prompts between two scrapes spreads.
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epp.datastore import Endpoint
-from epp.registry import Handle, check_parameters
-from epp.request import InferenceRequest
+from epp.datalayer.datastore import Endpoint
+from epp.scheduling.registry import Handle, check_parameters
+from epp.extproc.parsing import InferenceRequest
 
 
 class KVCacheUtilizationScorer:

@@ -6,7 +6,7 @@ linearly to 0.0 at ``threshold`` and staying there beyond it. Unlike ``queue-sco
 absolute, not relative to the other candidates: two endpoints with 100 and 110 waiting score
 nearly alike. (Upstream keeps scores above 0.5 for "spare capacity" it does not measure yet.)
 
-The queue read is :attr:`epp.datastore.Endpoint.queue_depth`: the scraped waiting-queue length plus
+The queue read is :attr:`epp.datalayer.datastore.Endpoint.queue_depth`: the scraped waiting-queue length plus
 the requests this picker sent to the endpoint after that scrape was taken.
 
 An endpoint whose metrics are stale counts as fully loaded: it scores 0.0.
@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epp.datastore import Endpoint
-from epp.registry import Handle, check_parameters
-from epp.request import InferenceRequest
+from epp.datalayer.datastore import Endpoint
+from epp.scheduling.registry import Handle, check_parameters
+from epp.extproc.parsing import InferenceRequest
 
 from ._common import int_parameter
 

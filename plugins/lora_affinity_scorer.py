@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epp.datastore import Endpoint, Metrics
-from epp.registry import Handle, check_parameters
-from epp.request import InferenceRequest
+from epp.datalayer.datastore import Endpoint, Metrics
+from epp.scheduling.registry import Handle, check_parameters
+from epp.extproc.parsing import InferenceRequest
 
 # Upstream's scores (GIE lora-affinity-scorer).
 ACTIVE = 1.0

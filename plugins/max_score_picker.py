@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from epp.datastore import Endpoint
-from epp.request import InferenceRequest
-from epp.scheduling import ScoredCandidates, ScoredEndpoint
+from epp.datalayer.datastore import Endpoint
+from epp.extproc.parsing import InferenceRequest
+from epp.scheduling.runner import ScoredCandidates, ScoredEndpoint
 
 from ._common import CountedPicker
 

@@ -1,7 +1,7 @@
 """``approx-prefix-cache-producer`` and ``prefix-cache-scorer``: send a prompt where its prefix is cached.
 
 The producer predicts, without asking the pods, which pod holds a prompt's prefix in its KV-cache:
-it remembers which prompt blocks it sent where, in an :class:`epp.prefix_index.PrefixIndex` (see
+it remembers which prompt blocks it sent where, in an :class:`epp.prefix.index.PrefixIndex` (see
 that module for the hashing, the per-pod eviction policy and the costs). The prompt is cut into
 blocks of ``blockSizeTokens`` × 4 characters; each block's 64-bit hash chains the previous
 block's, seeded by the model name and the request's ``cache_salt``, so equal hashes at block *i*
@@ -39,8 +39,8 @@ from typing import Any, Self
 
 import numpy as np
 
-from epp.datastore import Endpoint
-from epp.prefix_index import (
+from epp.datalayer.datastore import Endpoint
+from epp.prefix.index import (
     CHARS_PER_TOKEN,
     DEFAULT_BLOCK_SIZE_TOKENS,
     DEFAULT_LRU_CAPACITY_PER_SERVER,
@@ -48,9 +48,9 @@ from epp.prefix_index import (
     PrefixIndex,
     prompt_hashes,
 )
-from epp.registry import Handle, check_parameters
-from epp.request import InferenceRequest
-from epp.scheduling import SchedulingResult
+from epp.scheduling.registry import Handle, check_parameters
+from epp.extproc.parsing import InferenceRequest
+from epp.scheduling.runner import SchedulingResult
 
 __all__ = ["ApproxPrefixCacheProducer", "PrefixCacheScorer", "PrefixMatch", "PrefixParameters"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from epp.registry import Handle, check_parameters
-from epp.scheduling import SingleProfileHandler
+from epp.scheduling.registry import Handle, check_parameters
+from epp.scheduling.runner import SingleProfileHandler
 
 __all__ = ["SingleProfileHandler", "single_profile_handler"]
 

@@ -4,7 +4,7 @@ Upstream semantics: min-max normalisation over the candidates' waiting-queue len
 ``(max - queue) / (max - min)``: the shortest queue scores 1.0, the longest 0.0, and when every
 candidate has the same queue all score 1.0 (nothing to tell them apart).
 
-The queue read is :attr:`epp.datastore.Endpoint.queue_ahead`: the scraped waiting-queue length plus
+The queue read is :attr:`epp.datalayer.datastore.Endpoint.queue_ahead`: the scraped waiting-queue length plus
 the requests this picker sent to the endpoint after that scrape was taken, so a burst between two
 scrapes spreads instead of herding onto the endpoint that looked idle.
 
@@ -12,7 +12,7 @@ Departure from upstream (which reads the scraped waiting queue alone): a request
 counts as queued until its response starts, since a pod prefilling a long prompt reports an empty
 waiting queue yet a new request there waits behind that prefill; and the one the pod is prefilling
 counts between 1 and 0.5 by how much of its expected prefill is left (learned per pod from the
-picker's own requests; :meth:`epp.datastore.InFlight.pending_depth`). With every pod busy
+picker's own requests; :meth:`epp.datalayer.datastore.InFlight.pending_depth`). With every pod busy
 prefilling one prompt, whole counts tie and the KV-cache scorer alone decides, which sends the
 request after a prefill that has just started as readily as after one about to end; on workload c
 of ``bench/routing_quality.py`` (unique prompts, 70% load) that made the default profile's TTFT P90
@@ -30,9 +30,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epp.datastore import Endpoint
-from epp.registry import Handle, check_parameters
-from epp.request import InferenceRequest
+from epp.datalayer.datastore import Endpoint
+from epp.scheduling.registry import Handle, check_parameters
+from epp.extproc.parsing import InferenceRequest
 
 from ._common import lower_is_better
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from epp.datastore import Endpoint
-from epp.request import InferenceRequest
-from epp.scheduling import ScoredEndpoint
+from epp.datalayer.datastore import Endpoint
+from epp.extproc.parsing import InferenceRequest
+from epp.scheduling.runner import ScoredEndpoint
 
 from ._common import CountedPicker
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epp.datastore import Endpoint
-from epp.registry import Handle, check_parameters
-from epp.request import InferenceRequest
+from epp.datalayer.datastore import Endpoint
+from epp.scheduling.registry import Handle, check_parameters
+from epp.extproc.parsing import InferenceRequest
 
 from ._common import lower_is_better
 

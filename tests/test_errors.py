@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from epp.director import admission_error
+from epp.requestcontrol.director import admission_error
 from epp.errors import EppError, Reason, http_answer
 from epp.flowcontrol import DROPPED_REASON_HEADER, FlowControlError, Outcome
 

@@ -22,10 +22,10 @@ def test_wheel_installs_plugins_under_the_epp_namespace(tmp_path: Path) -> None:
     assert "epp/plugins/__init__.py" in names
     assert "epp/plugins/random_picker.py" in names
     assert "epp/py.typed" in names
-    assert [n for n in names if n.startswith("epp/_native.") and n.endswith((".so", ".pyd"))]  # the C extension, built
+    assert [n for n in names if n.startswith("epp/prefix/_native.") and n.endswith((".so", ".pyd"))]  # the C extension, built
     assert not [n for n in names if n.startswith("plugins/")]  # never a bare top-level `plugins`
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "epp = epp.cli:main" in entry_points
+    assert "epp = epp.server.cli:main" in entry_points
 
 
 def test_dockerfile_is_multi_stage_slim_non_root_with_the_upstream_ports() -> None:

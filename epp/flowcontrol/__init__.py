@@ -5,13 +5,13 @@ scheduling each request; it returns once the pool has room (strict priority betw
 fairness policy between flows, FCFS inside a flow), or raises :class:`FlowControlError` carrying the
 HTTP status and the ``x-llm-d-request-dropped-reason`` value. With the gate off,
 :class:`LegacyAdmission` refuses only sheddable requests (priority < 0) while the pool is saturated.
-Saturation comes from :mod:`epp.saturation`.
+Saturation comes from :mod:`epp.flowcontrol.saturation`.
 
 Modules: :mod:`.controller` (the queue and dispatch), :mod:`.outcomes` (outcomes, statuses,
 headers), :mod:`.config` (settings and strict decoding of the upstream config sections),
 :mod:`.metrics` (Prometheus series), :mod:`.wiring` (registry plugin types and assembly),
 :mod:`.objectives` (InferenceObjective name -> priority), :mod:`.capacity` (the KV-cache capacity
-limit). :mod:`epp.director` calls them in that order: objective, capacity check, admission.
+limit). :mod:`epp.requestcontrol.director` calls them in that order: objective, capacity check, admission.
 """
 
 from epp.flowcontrol.config import (

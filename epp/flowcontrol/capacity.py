@@ -11,7 +11,7 @@ from each pod's cache geometry (``num_gpu_blocks`` and ``block_size``, scraped f
 * a prompt larger than **every** pod's whole cache (``num_gpu_blocks × block_size`` tokens) can never
   run anywhere: it is refused with **413** before it queues (:func:`check_prompt_fits`);
 * a prompt that fits no pod's **free** cache (``total × (1 − usage)``, with usage including the
-  prompts this picker sent since the last scrape, :attr:`epp.datastore.Endpoint.kv_usage`) but fits
+  prompts this picker sent since the last scrape, :attr:`epp.datalayer.datastore.Endpoint.kv_usage`) but fits
   some pod's whole cache goes to the pod with the most free cache, where it waits the least
   (:func:`place_by_free_kv`, applied to the candidates after admission, before the scheduler runs;
   ties keep every tied pod and let the scheduler choose among them).
@@ -20,7 +20,7 @@ Where it runs: in the director, around admission. The 413 check runs first (wait
 for capacity that can never exist is pointless); the placement runs on the snapshot taken when the
 request leaves the queue, since free cache is what changes while it waits.
 
-Limits, deliberately: prompt tokens are :attr:`epp.request.InferenceRequest.prompt_tokens`, an
+Limits, deliberately: prompt tokens are :attr:`epp.extproc.parsing.InferenceRequest.prompt_tokens`, an
 estimate at four characters per token (the picker has no tokenizer), and the output the request
 will generate is not counted (vLLM allocates it as it decodes). Both steps act only when every
 candidate reports its geometry: a pod that does not (another engine, not scraped yet) might hold the
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from epp.datastore import Endpoint
+from epp.datalayer.datastore import Endpoint
 from epp.errors import EppError, Reason
 
 __all__ = ["check_prompt_fits", "kv_capacity", "place_by_free_kv"]

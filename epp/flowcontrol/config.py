@@ -46,8 +46,8 @@ from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from types import MappingProxyType
 from typing import Any
 
-from epp.goflags import parse_duration
-from epp.saturation import DETECTOR_TYPES, UTILIZATION_DETECTOR
+from epp.server.flags import parse_duration
+from epp.flowcontrol.saturation import DETECTOR_TYPES, UTILIZATION_DETECTOR
 
 __all__ = [
     "DEFAULT_BAND_MAX_BYTES",
@@ -143,7 +143,7 @@ class DetectorChoice:
     """Which saturation detector the config asks for.
 
     ``plugin_ref`` names a configured plugin to use as is; otherwise build ``type`` with
-    ``parameters`` (:func:`epp.saturation.from_config`).
+    ``parameters`` (:func:`epp.flowcontrol.saturation.from_config`).
     """
 
     plugin_ref: str | None = None

@@ -59,7 +59,7 @@ from typing import Any, Protocol
 from epp.flowcontrol.config import GLOBAL_STRICT, BandConfig, FlowControlConfig
 from epp.flowcontrol.metrics import FlowControlMetrics
 from epp.flowcontrol.outcomes import DEFAULT_FLOW_ID, FlowControlError, Outcome
-from epp.saturation import SATURATION_THRESHOLD
+from epp.flowcontrol.saturation import SATURATION_THRESHOLD
 
 __all__ = ["Admission", "FlowController", "LegacyAdmission"]
 

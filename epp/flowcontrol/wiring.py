@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from epp.datastore import Endpoint
+from epp.datalayer.datastore import Endpoint
 from epp.flowcontrol.config import FCFS, GLOBAL_STRICT, ROUND_ROBIN, AdmissionConfig, DetectorChoice
 from epp.flowcontrol.controller import FlowController, LegacyAdmission
 from epp.flowcontrol.metrics import FlowControlMetrics
-from epp.registry import Registry, check_parameters
-from epp.saturation import CONCURRENCY_DETECTOR, UTILIZATION_DETECTOR, InFlight, SaturationDetector, from_config
+from epp.scheduling.registry import Registry, check_parameters
+from epp.flowcontrol.saturation import CONCURRENCY_DETECTOR, UTILIZATION_DETECTOR, InFlight, SaturationDetector, from_config
 
 __all__ = [
     "PLUGIN_FACTORIES",

@@ -1,6 +1,6 @@
 """Kubernetes discovery: the pool's endpoints from an InferencePool and its Pods.
 
-* :mod:`epp.kube.pods` - InferencePool and Pod objects to :class:`epp.datastore.Endpoint` (pure);
+* :mod:`epp.kube.pods` - InferencePool and Pod objects to :class:`epp.datalayer.datastore.Endpoint` (pure);
 * :mod:`epp.kube.reflector` - list-then-watch of one collection, through 410s, drops and restarts;
 * :mod:`epp.kube.discovery` - the pool and Pod reflectors feeding the datastore;
 * :mod:`epp.kube.client` - kubeconfig or in-cluster configuration.

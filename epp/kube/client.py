@@ -8,7 +8,7 @@ client certificates, exec credential plugins, and the in-cluster token, re-read 
 minute so rotated service-account tokens keep working.
 
 Any failure to find or read a configuration is a :class:`KubeConfigError` that says what was tried;
-it stops startup (it is a :class:`epp.config.ConfigError`, which the CLI turns into exit status 2).
+it stops startup (it is a :class:`epp.scheduling.config.ConfigError`, which the CLI turns into exit status 2).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from epp.config import ConfigError
+from epp.scheduling.config import ConfigError
 
 if TYPE_CHECKING:
     from kubernetes_asyncio.client import ApiClient

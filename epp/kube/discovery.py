@@ -37,7 +37,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from epp.datastore import Datastore, Endpoint
+from epp.datalayer.datastore import Datastore, Endpoint
 from epp.kube.client import api_client
 from epp.kube.objectives import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION, objective_priorities
 from epp.kube.pods import PoolSpec, PoolSpecError, endpoints_for, pool_spec
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from kubernetes_asyncio.client import ApiClient
 
     from epp.flowcontrol.objectives import Objectives
-    from epp.settings import Settings
+    from epp.server.settings import Settings
 
 __all__ = ["POOL_GROUP", "POOL_PLURAL", "POOL_VERSION", "Discovery"]
 

@@ -2,7 +2,7 @@
 
 An InferencePool (``inference.networking.k8s.io/v1``) names its members by ``spec.selector.matchLabels``
 and its serving ports by ``spec.targetPorts[i].number``. Every Pod the selector matches yields one
-:class:`~epp.datastore.Endpoint` per target port, named ``<pod>-rank-<i>`` (``i`` is the port's
+:class:`~epp.datalayer.datastore.Endpoint` per target port, named ``<pod>-rank-<i>`` (``i`` is the port's
 index in ``targetPorts``, as the upstream picker names them), when the Pod
 
 * is Ready (its ``Ready`` condition is ``"True"``, which the kubelet holds at False until every
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from epp.datastore import Endpoint
+from epp.datalayer.datastore import Endpoint
 
 __all__ = [
     "ACTIVE_PORTS_ANNOTATIONS",

@@ -11,14 +11,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from epp.config import load_scheduler
-from epp.datastore import Endpoint, parse_endpoints
-from epp.envoy_bootstrap import BootstrapOptions, render
-from epp.registry import Handle, default_registry
-from epp.request import InferenceRequest
-from epp.scheduling import SchedulingResult
-from epp.server import EndpointPicker
-from epp.settings import Settings
+from epp.scheduling.config import load_scheduler
+from epp.datalayer.datastore import Endpoint, parse_endpoints
+from epp.server.envoy_bootstrap import BootstrapOptions, render
+from epp.scheduling.registry import Handle, default_registry
+from epp.extproc.parsing import InferenceRequest
+from epp.scheduling.runner import SchedulingResult
+from epp.server.server import EndpointPicker
+from epp.server.settings import Settings
 from epp.sim import EngineConfig, SimulatedPool
 from epp.testing.backends import EchoServer, start_echo_servers
 from epp.testing.envoy import EnvoyProcess

@@ -19,14 +19,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from epp.datastore import Endpoint
-from epp.request import InferenceRequest
-from epp.scheduling import SchedulingResult
-from epp.server import EndpointPicker
+from epp.datalayer.datastore import Endpoint
+from epp.extproc.parsing import InferenceRequest
+from epp.scheduling.runner import SchedulingResult
+from epp.server.server import EndpointPicker
 from epp.sim import EngineConfig, SimulatedPool
 from epp.testing.envoy import EnvoyProcess
 
-from .conftest import SimPicker, start_sim_picker
+from tests.e2e.conftest import SimPicker, start_sim_picker
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DROPPED = "x-llm-d-request-dropped-reason"

@@ -11,7 +11,7 @@ import pytest
 
 from epp.testing.envoy import free_port
 
-from .conftest import Stack, StackFactory
+from tests.e2e.conftest import Stack, StackFactory
 
 
 def _completion(prompt: str, **extra: object) -> bytes:

@@ -17,12 +17,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from epp.datastore import Endpoint
-from epp.server import EndpointPicker
+from epp.datalayer.datastore import Endpoint
+from epp.server.server import EndpointPicker
 from epp.sim import EngineConfig, SimulatedPool
 from epp.testing.envoy import EnvoyProcess
 
-from .conftest import SimPicker, start_sim_picker
+from tests.e2e.conftest import SimPicker, start_sim_picker
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "config"

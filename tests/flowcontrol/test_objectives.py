@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from epp.datastore import Datastore
+from epp.datalayer.datastore import Datastore
 from epp.flowcontrol.objectives import Objectives, decode_objectives
 from epp.kube.discovery import Discovery
 from epp.kube.objectives import objective_applies, objective_priorities, selector_matches

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from epp.config import ConfigError
-from epp.datastore import Datastore
+from epp.scheduling.config import ConfigError
+from epp.datalayer.datastore import Datastore
 from epp.kube.client import KubeConfigError, api_client
 from epp.kube.discovery import Discovery
 from epp.testing.fake_apiserver import FakeApiServer, make_pod, make_pool, make_tls
 
-from .conftest import TOKEN
+from tests.conftest import TOKEN
 
 
 async def _pod_names(client: object) -> list[str]:

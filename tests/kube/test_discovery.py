@@ -19,14 +19,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.datastore import Datastore, Metrics
+from epp.datalayer.datastore import Datastore, Metrics
 from epp.kube.discovery import Discovery
 from epp.kube.pods import PoolSpec
-from epp.server import EndpointPicker
-from epp.settings import Settings
+from epp.server.server import EndpointPicker
+from epp.server.settings import Settings
 from epp.testing.fake_apiserver import INFERENCE_POOLS, PODS, FakeApiServer, make_pod, make_pool, write_kubeconfig
 
-from .conftest import eventually
+from tests.conftest import eventually
 
 NS = "default"
 POOL = "pool"

@@ -21,16 +21,16 @@ import aiohttp
 import pytest
 from grpc_health.v1 import health_pb2
 
-from epp.envoy_bootstrap import BootstrapOptions, render
-from epp.server import EndpointPicker
-from epp.settings import Settings
+from epp.server.envoy_bootstrap import BootstrapOptions, render
+from epp.server.server import EndpointPicker
+from epp.server.settings import Settings
 from epp.sim import EngineConfig
 from epp.sim.pool import SimulatedPod
 from epp.testing.envoy import EnvoyProcess, free_port
 from epp.testing.fake_apiserver import PODS, FakeApiServer, make_pod, make_pool
 from epp.testing.harness import PickerProcess, wait_for_picker
 
-from .conftest import eventually
+from tests.conftest import eventually
 
 NS = "default"
 POOL = "sim-pool"

@@ -12,11 +12,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from epp.cli import settings_from_args
-from epp.datastore import ENGINE_TYPE_LABEL, parse_endpoints
+from epp.server.cli import settings_from_args
+from epp.datalayer.datastore import ENGINE_TYPE_LABEL, parse_endpoints
 from epp.kube.pods import PoolSpec, pool_spec
-from epp.server import EndpointPicker
-from epp.settings import Settings
+from epp.server.server import EndpointPicker
+from epp.server.settings import Settings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 OVERLAYS = ("envoy-gateway", "kgateway")

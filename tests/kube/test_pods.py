@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from epp.datastore import ENGINE_TYPE_LABEL
+from epp.datalayer.datastore import ENGINE_TYPE_LABEL
 from epp.kube.pods import (
     PoolSpec,
     PoolSpecError,
@@ -204,5 +204,5 @@ def test_public_api_of_epp_kube() -> None:
         "Discovery", "KubeConfigError", "PoolSpec", "PoolSpecError", "parse_selector", "parse_target_ports",
     ]  # fmt: skip
     # the client library is imported only when discovery starts: a static pool does not pay for it
-    probe = "import sys, epp.server, epp.kube; sys.exit('kubernetes_asyncio' in sys.modules)"
+    probe = "import sys, epp.server.server, epp.kube; sys.exit('kubernetes_asyncio' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from epp.datastore import Endpoint, Metrics
-from epp.request import InferenceRequest
+from epp.datalayer.datastore import Endpoint, Metrics
+from epp.extproc.parsing import InferenceRequest
 
 SCRAPED_AT = 100.0  # the time.monotonic() instant every test pod was last scraped
 

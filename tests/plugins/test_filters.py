@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from epp.datastore import Datastore
+from epp.datalayer.datastore import Datastore
 from epp.plugins.filters import LabelSelectorFilter, LeastKVCacheFilter, LeastQueueFilter, LowQueueFilter
-from epp.registry import Handle
+from epp.scheduling.registry import Handle
 
 from ._helpers import names, pod, request, send
 

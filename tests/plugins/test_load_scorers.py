@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from epp.datastore import Datastore
+from epp.datalayer.datastore import Datastore
 from epp.plugins.active_request_scorer import ActiveRequestScorer
 from epp.plugins.load_aware_scorer import LoadAwareScorer
 from epp.plugins.running_requests_size_scorer import RunningRequestsSizeScorer
-from epp.registry import Handle
+from epp.scheduling.registry import Handle
 
 from ._helpers import SCRAPED_AT, pod, request, send
 

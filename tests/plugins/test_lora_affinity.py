@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from epp.datastore import Datastore
+from epp.datalayer.datastore import Datastore
 from epp.plugins.filters import LoraAffinityFilter
 from epp.plugins.lora_affinity_scorer import LoraAffinityScorer
-from epp.registry import Handle
+from epp.scheduling.registry import Handle
 
 from ._helpers import names, pod, request
 

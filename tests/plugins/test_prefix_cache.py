@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from epp.datastore import Datastore, Endpoint
+from epp.datalayer.datastore import Datastore, Endpoint
 from epp.plugins.prefix_cache import MATCH, ApproxPrefixCacheProducer, PrefixCacheScorer, PrefixParameters
-from epp.registry import Handle
-from epp.request import InferenceRequest
-from epp.scheduling import SchedulingResult
+from epp.scheduling.registry import Handle
+from epp.extproc.parsing import InferenceRequest
+from epp.scheduling.runner import SchedulingResult
 
 from ._helpers import pod
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from epp.datastore import Datastore
-from epp.registry import Handle, Registry, default_registry
-from epp.scheduling import roles
+from epp.datalayer.datastore import Datastore
+from epp.scheduling.registry import Handle, Registry, default_registry
+from epp.scheduling.runner import roles
 
 TYPES = {
     "random-picker": ["Picker"],

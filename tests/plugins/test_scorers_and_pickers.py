@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import pytest
 
-from epp.datastore import Datastore
+from epp.datalayer.datastore import Datastore
 from epp.plugins.kv_cache_utilization_scorer import KVCacheUtilizationScorer
 from epp.plugins.max_score_picker import MaxScorePicker
 from epp.plugins.queue_scorer import QueueScorer
 from epp.plugins.random_picker import RandomPicker
-from epp.registry import Handle, default_registry
-from epp.scheduling import Profile, Scheduler, ScoredEndpoint, WeightedScorer
+from epp.scheduling.registry import Handle, default_registry
+from epp.scheduling.runner import Profile, Scheduler, ScoredEndpoint, WeightedScorer
 
 from ._helpers import SCRAPED_AT, names, pod, request, send
 

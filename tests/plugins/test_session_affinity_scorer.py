@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from epp.datastore import Datastore
+from epp.datalayer.datastore import Datastore
 from epp.plugins.max_score_picker import MaxScorePicker
 from epp.plugins.queue_scorer import QueueScorer
 from epp.plugins.session_affinity_scorer import SessionAffinityScorer, decode_token, encode_token
-from epp.registry import Handle
-from epp.scheduling import Profile, Scheduler, WeightedScorer
+from epp.scheduling.registry import Handle
+from epp.scheduling.runner import Profile, Scheduler, WeightedScorer
 
 from ._helpers import pod, request
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from epp.datastore import Datastore
+from epp.datalayer.datastore import Datastore
 from epp.plugins.weighted_random_picker import WeightedRandomPicker
-from epp.registry import Handle
-from epp.scheduling import ScoredEndpoint
+from epp.scheduling.registry import Handle
+from epp.scheduling.runner import ScoredEndpoint
 
 from ._helpers import names, pod, request
 

@@ -5,7 +5,7 @@ Parameters:
     value (str, required): the preferred value; endpoints carrying it score 1.0, others 0.0.
 """
 
-from epp.registry import check_parameters
+from epp.scheduling.registry import check_parameters
 
 
 class LocalityScorer:

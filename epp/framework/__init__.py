@@ -1,0 +1,1 @@
+"""The plugin API (being assembled: see epp.scheduling.runner for now)."""

@@ -1,0 +1,1 @@
+"""Request control: one request's way from parsed to answered (admission, scheduling, accounting, hooks)."""

@@ -1,0 +1,278 @@
+"""The ``epp`` command: ``epp serve [flags]`` runs the picker, ``epp demo`` the local demo.
+
+Flags keep the upstream Endpoint Picker's names and defaults, parsed the Go way (:mod:`epp.server.flags`),
+so the container arguments of the upstream Helm chart are accepted unchanged. Upstream flags this
+version accepts but does not implement yet are listed at startup, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from epp.datalayer.datastore import check_unique, parse_endpoints, read_endpoints_file
+from epp.server.flags import Duration, FlagError, FlagSet, make_flag
+from epp.scheduling.registry import disabled_from_env
+from epp.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
+
+__all__ = ["SERVE_FLAGS", "main", "settings_from_args"]
+
+log = logging.getLogger("epp")
+
+# Upstream's metric-name flags -> (default selector, what it measures).
+_METRIC_FLAGS = {
+    "total-queued-requests-metric": ("vllm:num_requests_waiting", "requests waiting"),
+    "total-running-requests-metric": ("vllm:num_requests_running", "requests running"),
+    "kv-cache-usage-percentage-metric": ("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1"),
+    "lora-info-metric": ("vllm:lora_requests_info", "LoRA adapters (running/waiting/max labels)"),
+    "cache-info-metric": ("vllm:cache_config_info", "KV-cache block size and count (labels)"),
+}
+
+# The only InferencePool API discovery speaks: inference.networking.k8s.io/v1.
+_POOL_GROUP = "inference.networking.k8s.io"
+
+SERVE_FLAGS = FlagSet(
+    "epp serve",
+    [
+        make_flag("grpc-port", 9002, "gRPC port of the ext_proc service"),
+        make_flag("grpc-health-port", 9003, "gRPC port of the health service"),
+        make_flag("metrics-port", 9090, "port of the Prometheus /metrics endpoint"),
+        make_flag("secure-serving", True, "serve ext_proc over TLS"),
+        make_flag("cert-path", "", "directory with tls.crt and tls.key; empty: a self-signed certificate"),
+        make_flag("config-file", "", "EndpointPickerConfig YAML file"),
+        make_flag("config-text", "", "EndpointPickerConfig YAML, inline (instead of --config-file)"),
+        make_flag("disable-plugin", [], "plugin type to turn off (repeatable, or comma-separated; also $EPP_DISABLE_PLUGINS)"),
+        make_flag("v", 1, "log verbosity: 0-2 info, 3 and up debug"),
+        make_flag("zap-encoder", "console", "log format: console or json"),
+        make_flag("pool-name", "", "InferencePool to serve (Kubernetes discovery)"),
+        make_flag("pool-namespace", "", "namespace of the InferencePool (default $NAMESPACE, else default)"),
+        make_flag(
+            "pool-group",
+            _POOL_GROUP,
+            f"API group of the InferencePool (only {_POOL_GROUP}, InferencePool v1, is supported)",
+            implemented=False,
+        ),
+        make_flag("endpoint-selector", "", "no-CRD discovery: the pods matching these labels (k=v,...) are the pool"),
+        make_flag("endpoint-target-ports", "", "no-CRD discovery: the pods' serving ports, comma-separated"),
+        make_flag("kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, else in-cluster config, else ~/.kube/config)"),
+        make_flag("endpoints", "", "static pool: comma-separated ip:port list (no Kubernetes needed)"),
+        make_flag("endpoints-file", "", "static pool from a file: ip:port per line, # comments"),
+        make_flag("max-request-body-bytes", DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413"),
+        make_flag("bind-address", "0.0.0.0", "address the gRPC, health and metrics servers listen on"),
+        make_flag("shutdown-grace-period", Duration(20.0), "how long in-flight streams get to finish after SIGTERM"),
+        # Accepted for drop-in compatibility with the upstream chart; no effect yet.
+        make_flag("tracing", False, "export OpenTelemetry traces", implemented=False),
+        make_flag("log-level", "info", "older charts' log level (use -v)", implemented=False),
+        make_flag("ha-enable-leader-election", False, "leader election between replicas", implemented=False),
+        make_flag("health-checking", False, "upstream flag: enable health checking", implemented=False),
+        make_flag("enable-pprof", True, "upstream profiling endpoint", implemented=False),
+        make_flag("metrics-endpoint-auth", True, "authenticate /metrics scrapes", implemented=False),
+        make_flag("refresh-prometheus-metrics-interval", Duration(5.0), "upstream: flush interval of its own metrics (ours are live)", implemented=False),
+        # Model-server telemetry.
+        make_flag("refresh-metrics-interval", Duration(0.05), "interval between scrapes of each endpoint's metrics"),
+        make_flag("metrics-staleness-threshold", Duration(2.0), "metrics older than this mark an endpoint stale (treated as fully loaded)"),
+        make_flag("model-server-metrics-path", "/metrics", "path of the model servers' Prometheus metrics"),
+        make_flag("model-server-metrics-scheme", "http", "http or https"),
+        make_flag("model-server-metrics-port", 0, "port of the model servers' metrics; 0: the endpoint's own port"),
+        make_flag("model-server-metrics-https-insecure-skip-verify", True, "do not verify model servers' certificates"),
+        make_flag(
+            "model-server-metrics-name-filter",
+            True,
+            "ask model servers for only the metrics in use (?name[]=..., honoured by prometheus_client: vLLM, SGLang)",
+        ),
+        make_flag("scrape-metrics", True, "scrape model-server metrics (false: route without telemetry, e.g. benchmarks)"),
+        make_flag("metrics-scraper-process", True, "scrape in a child process, off the request path's event loop"),
+        # vLLM metric-name overrides (upstream flags); the config file's core-metrics-extractor is the general form.
+        *(make_flag(name, default, f"vLLM metric selector: {what}") for name, (default, what) in _METRIC_FLAGS.items()),
+    ],
+)
+
+
+def _unquote(value: str) -> str:
+    """``value`` without one pair of surrounding double or single quotes."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        return value[1:-1]
+    return value
+
+
+def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
+    """Settings from ``epp serve`` arguments, and the names of given flags that have no effect yet."""
+    values, positional, given = SERVE_FLAGS.parse(argv)
+    if positional:
+        raise FlagError(f"unexpected argument(s): {' '.join(positional)}")
+    if values["config-file"] and values["config-text"]:
+        raise FlagError("give --config-file or --config-text, not both")
+    config_text: str | None = values["config-text"] or None
+    if values["config-file"]:
+        try:
+            config_text = Path(values["config-file"]).read_text()
+        except OSError as exc:
+            raise FlagError(f"--config-file: {exc}") from None
+    try:
+        endpoints = parse_endpoints(values["endpoints"])
+    except ValueError as exc:
+        raise FlagError(f"--endpoints: {exc}") from None
+    if values["endpoints-file"]:
+        try:
+            endpoints = check_unique(endpoints + read_endpoints_file(values["endpoints-file"]))
+        except (OSError, ValueError) as exc:
+            raise FlagError(f"--endpoints-file: {exc}") from None
+    selector, target_ports = _discovery_flags(values, static=bool(endpoints))
+    if values["zap-encoder"] not in ("console", "json"):
+        raise FlagError(f"--zap-encoder must be console or json, got {values['zap-encoder']!r}")
+    if values["max-request-body-bytes"] < 1:
+        raise FlagError("--max-request-body-bytes must be positive")
+    if values["refresh-metrics-interval"] <= 0:
+        raise FlagError("--refresh-metrics-interval must be positive (use --scrape-metrics=false to turn scraping off)")
+    if values["metrics-staleness-threshold"] <= 0:
+        raise FlagError("--metrics-staleness-threshold must be positive")
+    if values["model-server-metrics-scheme"] not in ("http", "https"):
+        raise FlagError(f"--model-server-metrics-scheme must be http or https, got {values['model-server-metrics-scheme']!r}")
+    if not values["model-server-metrics-path"].startswith("/"):
+        raise FlagError("--model-server-metrics-path must start with /")
+    settings = Settings(
+        endpoints=tuple(endpoints),
+        grpc_port=values["grpc-port"],
+        grpc_health_port=values["grpc-health-port"],
+        metrics_port=values["metrics-port"],
+        bind_address=values["bind-address"],
+        secure_serving=values["secure-serving"],
+        cert_path=values["cert-path"],
+        config_text=config_text,
+        disabled_plugins=tuple(sorted({*values["disable-plugin"], *disabled_from_env()})),
+        max_request_body_bytes=values["max-request-body-bytes"],
+        pool_name=values["pool-name"],
+        pool_namespace=values["pool-namespace"] or os.environ.get("NAMESPACE") or "default",
+        endpoint_selector=selector,
+        endpoint_target_ports=target_ports,
+        kubeconfig=values["kubeconfig"],
+        verbosity=values["v"],
+        log_format=values["zap-encoder"],
+        shutdown_grace_seconds=float(values["shutdown-grace-period"]),
+        scrape_metrics=values["scrape-metrics"],
+        metrics_scraper_process=values["metrics-scraper-process"],
+        refresh_metrics_interval=float(values["refresh-metrics-interval"]),
+        metrics_staleness_threshold=float(values["metrics-staleness-threshold"]),
+        model_server_metrics_path=values["model-server-metrics-path"],
+        model_server_metrics_scheme=values["model-server-metrics-scheme"],
+        model_server_metrics_port=values["model-server-metrics-port"],
+        model_server_metrics_insecure_skip_verify=values["model-server-metrics-https-insecure-skip-verify"],
+        model_server_metrics_name_filter=values["model-server-metrics-name-filter"],
+        # The upstream chart writes some of these as --flag="name": the quotes reach us; drop them.
+        metric_overrides=tuple((name, _unquote(values[name])) for name in _METRIC_FLAGS if name in given),
+    )
+    not_yet = sorted(name for name in given if not SERVE_FLAGS.flags[name].implemented)
+    return settings, not_yet
+
+
+def _discovery_flags(values: dict[str, Any], *, static: bool) -> tuple[tuple[tuple[str, str], ...], tuple[int, ...]]:
+    """Check the discovery flags together; the no-CRD mode's selector and ports (empty without it)."""
+    from epp.kube.pods import PoolSpecError, parse_selector, parse_target_ports
+
+    if values["pool-group"] != _POOL_GROUP:
+        raise FlagError(f"--pool-group {values['pool-group']!r}: only {_POOL_GROUP} (InferencePool v1) is supported")
+    if not values["endpoint-selector"]:
+        if values["endpoint-target-ports"]:
+            raise FlagError("--endpoint-target-ports needs --endpoint-selector")
+        return (), ()
+    if values["pool-name"]:
+        raise FlagError("give --pool-name or --endpoint-selector, not both")
+    if static:
+        raise FlagError("give --endpoints/--endpoints-file or --endpoint-selector, not both")
+    if not values["endpoint-target-ports"]:
+        raise FlagError("--endpoint-selector needs --endpoint-target-ports")
+    try:
+        return parse_selector(values["endpoint-selector"]), parse_target_ports(values["endpoint-target-ports"])
+    except PoolSpecError as exc:
+        raise FlagError(str(exc)) from None
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["error"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(verbosity: int, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbosity >= 3 else logging.INFO)
+
+
+def _run(coroutine: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:  # uvloop has no Windows build
+        asyncio.run(coroutine)
+    else:
+        uvloop.run(coroutine)
+
+
+def _serve(argv: Sequence[str]) -> int:
+    try:
+        settings, not_yet = settings_from_args(argv)
+    except FlagError as exc:
+        if str(exc) == "help requested":
+            print(SERVE_FLAGS.usage(), file=sys.stderr)
+            return 0
+        print(f"epp serve: {exc}\n\n{SERVE_FLAGS.usage()}", file=sys.stderr)
+        return 2
+    configure_logging(settings.verbosity, settings.log_format)
+    for name in not_yet:
+        log.warning("flag --%s is accepted for compatibility with the upstream picker but has no effect yet", name)
+    if settings.pool_name and settings.endpoints:
+        log.info("static pool given (--endpoints): no Kubernetes discovery; --pool-name %s only names the pool", settings.pool_name)
+    elif not settings.kube_discovery and not settings.endpoints:
+        log.warning("no pool: give --pool-name, --endpoint-selector or --endpoints (until then, requests wait in flow control if it is on, else fail)")
+
+    from epp.scheduling.config import ConfigError
+    from epp.scheduling.registry import PluginLoadError
+    from epp.server.server import serve
+
+    try:
+        _run(serve(settings))
+    except ConfigError as exc:
+        log.error("invalid configuration: %s", exc)
+        return 2
+    except PluginLoadError as exc:
+        log.error("plugins: %s", exc)
+        return 2
+    return 0
+
+
+def _demo(argv: Sequence[str]) -> int:
+    from epp.server.demo import main as demo_main
+
+    return demo_main(argv)
+
+
+_COMMANDS = {"serve": _serve, "demo": _demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in _COMMANDS:
+        return _COMMANDS[args[0]](args[1:])
+    if args and args[0].startswith("-") and args[0] not in ("-h", "--help", "-help"):
+        return _serve(args)  # `epp --grpc-port ...`: the upstream binary takes flags directly
+    print("usage: epp serve [flags]   run the endpoint picker (epp serve -h lists the flags)\n"
+          "       epp demo            start the local demo: Envoy + simulated vLLM pods + the picker", file=sys.stderr)
+    return 0 if args and args[0] in ("-h", "--help", "-help") else 2

@@ -1,0 +1,251 @@
+"""The running service: gRPC ext_proc + health servers, metrics, and their lifecycle.
+
+:class:`EndpointPicker` wires the pieces (datastore -> scheduler -> director -> ext_proc servicer)
+and owns every server. :func:`serve` runs one until SIGTERM/SIGINT (or ``shutdown_trigger``).
+
+Admission (:mod:`epp.flowcontrol`) sits in the director: the config's detector and flow-control
+settings build it, its metrics go to the service's registry, and it is woken on every metrics
+update and pool change (and by the director when a response ends). InferenceObjectives come from
+the config file and, with an InferencePool, from the cluster (:mod:`epp.kube.objectives`).
+
+Health (the standard ``grpc.health.v1`` service) is served on the health port, plaintext, for the
+kubelet's gRPC probes, and on the main port too, over the same TLS as ext_proc, for Envoy's
+active health check. Services: ``liveness`` (SERVING while the process runs), ``readiness``,
+``envoy.service.ext_proc.v3.ExternalProcessor`` and ``""`` (SERVING only while the pool has an
+endpoint and the picker is not shutting down). With flow control on, an empty pool is ready too:
+requests then wait in the queue for a pod (``noEndpointRequestTTL``), which is how a pool scaled
+to zero is woken, instead of Envoy failing them before they reach the picker.
+
+Shutdown, in order:
+ 1. every health service but liveness goes NOT_SERVING (load balancers stop sending new streams);
+ 2. admission closes: queued requests are answered 503 (``rejected-shutting-down``) at once, and
+    new ones too (they would otherwise wait out the grace period for nothing);
+ 3. the ext_proc server stops accepting streams and in-flight ones get ``shutdown_grace_seconds``
+    to finish; any still open after that are cancelled;
+ 4. the health server stops, discovery's watches and the scrape loops are cancelled and awaited;
+    the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from epp.scheduling.config import PickerConfig, load_config
+from epp.datalayer.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint
+from epp.requestcontrol.director import Director
+from epp.datalayer.engines import EngineMapping, builtin_engines, engine_from_config
+from epp.extproc.processor import ExternalProcessor
+from epp.flowcontrol import FlowControlMetrics, build_admission, build_detector
+from epp.flowcontrol.objectives import Objectives
+from epp.kube.discovery import Discovery
+from epp.server.metrics import Metrics, start_metrics_server
+from epp.scheduling.registry import Handle, endpoint_in_flight, load_registry
+from epp.datalayer.scraper import ScrapeSettings, Scraper
+from epp.server.settings import Settings
+from epp.server.tls import server_credentials
+
+__all__ = ["EXT_PROC_SERVICE", "EndpointPicker", "serve"]
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# "inference-extension": the service the upstream chart's single-replica probes ask for.
+_READINESS_SERVICES = ("", "readiness", "inference-extension", EXT_PROC_SERVICE)
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Envoy may send a whole request body in one message: leave room above the body limit for the
+# message's other fields.
+_MESSAGE_HEADROOM = 1024 * 1024
+
+
+# Upstream's vLLM metric-name flags -> the core-metrics-extractor engineConfigs key they set.
+_FLAG_KEYS = {
+    "total-queued-requests-metric": "queuedRequestsSpec",
+    "total-running-requests-metric": "runningRequestsSpec",
+    "kv-cache-usage-percentage-metric": "kvUsageSpec",
+    "lora-info-metric": "loraSpec",
+    "cache-info-metric": "cacheInfoSpec",
+}
+
+
+def engines_from_flags(overrides: tuple[tuple[str, str], ...]) -> dict[str, EngineMapping]:
+    """The built-in engine mappings, with vLLM's metric names changed by the upstream flags given."""
+    engines = builtin_engines()
+    if overrides:
+        changes = {_FLAG_KEYS[flag]: value for flag, value in overrides}
+        engines["vllm"] = engine_from_config("vllm", changes, base=engines["vllm"])
+    return engines
+
+
+def _scraper(settings: Settings, config: PickerConfig, datastore: Datastore, metrics: Metrics) -> Scraper:
+    """The scraper the flags and the config file's data layer describe (the config file wins)."""
+    source, extractor = config.metrics_source, config.metrics_extractor
+    scrape = ScrapeSettings(
+        interval=settings.refresh_metrics_interval,
+        staleness=settings.metrics_staleness_threshold,
+        path=source.path if source else settings.model_server_metrics_path,
+        scheme=source.scheme if source else settings.model_server_metrics_scheme,
+        port=settings.model_server_metrics_port,
+        insecure_skip_verify=source.insecure_skip_verify if source else settings.model_server_metrics_insecure_skip_verify,
+        name_filter=settings.model_server_metrics_name_filter,
+    )
+    return Scraper(
+        datastore,
+        extractor.engines if extractor else engines_from_flags(settings.metric_overrides),
+        scrape,
+        metrics,
+        default_engine=extractor.default_engine if extractor else "vllm",
+        engine_label=extractor.engine_label_key if extractor else ENGINE_TYPE_LABEL,
+        in_process=not settings.metrics_scraper_process,
+    )
+
+
+class EndpointPicker:
+    """One picker: build it, ``await start()``, ``await stop()``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.datastore = Datastore(settings.endpoints)
+        registry = load_registry(settings.disabled_plugins, log_sources=True)
+        config = load_config(
+            settings.config_text,
+            registry,
+            Handle(self.datastore, registry=self.metrics.registry),
+            timer=self.metrics.plugin_timer,
+        )
+        for name, (type_name, _) in config.plugins.items():
+            log.info("plugin %s: type %s from %s", name, type_name, registry.source(type_name))
+        self.scheduler = config.scheduler
+        self.config = config
+        # load_config always chooses one; a PickerConfig built by hand may not: upstream's default.
+        self.detector = config.detector or build_detector(config.admission.detector, in_flight=endpoint_in_flight)
+        self.flow_control_metrics = FlowControlMetrics(self.metrics.registry, settings.pool_name)
+        self.admission = build_admission(
+            config.admission, self.detector, self.datastore.endpoints, metrics=self.flow_control_metrics
+        )
+        self.objectives = Objectives(config.objectives)
+        log.info(
+            "admission: flow control %s, saturation detector %s%s",
+            "on" if config.admission.flow_control_enabled else "off",
+            getattr(self.detector, "type_name", type(self.detector).__name__),
+            f", {len(config.objectives)} configured objective(s)" if config.objectives else "",
+        )
+        self.director = Director(
+            self.datastore, self.scheduler, self.metrics, admission=self.admission, objectives=self.objectives
+        )
+        self.processor = ExternalProcessor(
+            self.director, self.metrics, max_request_body_bytes=settings.max_request_body_bytes
+        )
+        self.scraper: Scraper | None = None
+        if settings.scrape_metrics:
+            self.scraper = _scraper(settings, config, self.datastore, self.metrics)
+        # Kubernetes discovery fills the datastore; None for a static pool.
+        self.discovery = (
+            Discovery.from_settings(settings, self.datastore, objectives=self.objectives)
+            if settings.kube_discovery
+            else None
+        )
+        # Capacity may have changed: a queued request may go (cheap when nothing is queued).
+        self.datastore.on_metrics(lambda name: self.admission.wake())
+        self.datastore.subscribe(lambda added, removed: self.admission.wake())
+        self.health = health.aio.HealthServicer()
+        self._stopping = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.grpc_port = 0
+        self.grpc_health_port = 0
+
+    async def start(self) -> None:
+        settings = self.settings
+        if self.discovery is not None:
+            await self.discovery.connect()  # a bad kubeconfig stops startup here, before anything runs
+        limit = settings.max_request_body_bytes + _MESSAGE_HEADROOM
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        self._server = grpc.aio.server(options=options)
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        address = f"{settings.bind_address}:{settings.grpc_port}"
+        if settings.secure_serving:
+            self.grpc_port = self._server.add_secure_port(address, server_credentials(settings.cert_path))
+        else:
+            self.grpc_port = self._server.add_insecure_port(address)
+
+        self._health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.grpc_health_port = self._health_server.add_insecure_port(
+            f"{settings.bind_address}:{settings.grpc_health_port}"
+        )
+
+        if self.scraper is not None:
+            await self.scraper.start()
+        await self.health.set("liveness", _SERVING)
+        self.datastore.subscribe(self._pool_changed)
+        await self._update_readiness()
+        if self.discovery is not None:
+            await self.discovery.start()  # lists and watches in the background; readiness waits for its first sync
+        if settings.metrics_port >= 0:
+            start_metrics_server(self.metrics, settings.metrics_port, settings.bind_address)
+        await self._server.start()
+        await self._health_server.start()
+        log.info(
+            "serving ext_proc on %s:%d (%s), health on :%d, metrics on :%d; pool has %d endpoint(s)",
+            settings.bind_address,
+            self.grpc_port,
+            "TLS" if settings.secure_serving else "plaintext",
+            self.grpc_health_port,
+            settings.metrics_port,
+            len(self.datastore.endpoints()),
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        self._stopping = True
+        await self._update_readiness()  # 1. NOT_SERVING
+        self.admission.close()  # 2. queued requests: 503 rejected-shutting-down
+        if self._server is not None:
+            await self._server.stop(grace)  # 3. drain in-flight streams
+        if self._health_server is not None:
+            await self._health_server.stop(0)  # 4.
+        if self.discovery is not None:
+            await self.discovery.stop()
+        if self.scraper is not None:
+            await self.scraper.stop()
+        log.info("stopped")
+
+    def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
+        task = asyncio.get_running_loop().create_task(self._update_readiness())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _update_readiness(self) -> None:
+        synced = self.discovery is None or self.discovery.synced
+        has_pool = self.datastore.ready or self.config.admission.flow_control_enabled  # see the module docstring
+        ready = has_pool and synced and not self._stopping
+        self.metrics.ready_pods.labels(self.settings.pool_name).set(len(self.datastore.endpoints()))
+        for service in _READINESS_SERVICES:
+            await self.health.set(service, _SERVING if ready else _NOT_SERVING)
+
+
+async def serve(settings: Settings, *, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Run a picker until SIGTERM/SIGINT (or until ``shutdown_trigger()`` returns), then stop it gracefully."""
+    picker = EndpointPicker(settings)
+    await picker.start()
+    if shutdown_trigger is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("signal received: draining for up to %.0fs", settings.shutdown_grace_seconds)
+    else:
+        await shutdown_trigger()
+    await picker.stop()

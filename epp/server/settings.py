@@ -1,0 +1,56 @@
+"""The frozen settings of one picker process, built from the command line (see :mod:`epp.server.cli`).
+
+Configuration flows one way: flags -> :class:`Settings` -> the config file decoded strictly ->
+plugins -> a frozen scheduler. Nothing reads flags or the environment after this point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epp.datalayer.datastore import Endpoint
+
+__all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "Settings"]
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Settings:
+    endpoints: tuple[Endpoint, ...] = ()
+    grpc_port: int = 9002
+    grpc_health_port: int = 9003
+    metrics_port: int = 9090
+    bind_address: str = "0.0.0.0"
+    secure_serving: bool = True
+    cert_path: str = ""  # a directory holding tls.crt and tls.key; empty: self-signed at start
+    config_text: str | None = None
+    disabled_plugins: tuple[str, ...] = ()  # plugin types turned off (--disable-plugin, $EPP_DISABLE_PLUGINS)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    pool_name: str = ""
+    pool_namespace: str = "default"
+    # Kubernetes discovery (epp.kube): the InferencePool named pool_name, or the no-CRD mode's
+    # equality selector and target ports; kubeconfig empty: $KUBECONFIG, in-cluster, ~/.kube/config.
+    endpoint_selector: tuple[tuple[str, str], ...] = ()
+    endpoint_target_ports: tuple[int, ...] = ()
+    kubeconfig: str = ""
+    verbosity: int = 1
+    log_format: str = "console"  # or json (--zap-encoder)
+    shutdown_grace_seconds: float = 20.0
+    # Model-server telemetry (epp.datalayer.scraper).
+    scrape_metrics: bool = True
+    metrics_scraper_process: bool = True  # scrape in a child process, off the request loop
+    refresh_metrics_interval: float = 0.05
+    metrics_staleness_threshold: float = 2.0
+    model_server_metrics_path: str = "/metrics"
+    model_server_metrics_scheme: str = "http"
+    model_server_metrics_port: int = 0  # 0: each endpoint's own port
+    model_server_metrics_insecure_skip_verify: bool = True
+    model_server_metrics_name_filter: bool = True  # ?name[]=... for only the metrics in use
+    # vLLM metric-name overrides from the upstream flags (empty: the engine's default).
+    metric_overrides: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def kube_discovery(self) -> bool:
+        """Whether the pool comes from Kubernetes: a pool name or selector, and no static pool."""
+        return bool(self.pool_name or self.endpoint_selector) and not self.endpoints

@@ -1,0 +1,306 @@
+"""Request parsing (epp.extproc.parsing): each OpenAI API's prompt-bearing field, the routing fields, and a
+400 message that tells the client what is wrong with its body."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from epp.errors import EppError, Reason
+from epp.extproc.parsing import Api, InferenceRequest, api_for_path, parse_request
+
+
+def _headers(path: str, method: str = "POST", **extra: str) -> dict[str, str]:
+    return {":path": path, ":method": method, **extra}
+
+
+def _parse(path: str, body: Any, **kwargs: Any) -> InferenceRequest:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_request(_headers(path), raw, **kwargs)
+
+
+def _bad(path: str, body: Any) -> str:
+    with pytest.raises(EppError) as info:
+        _parse(path, body)
+    assert info.value.reason is Reason.BAD_REQUEST
+    assert info.value.status == 400
+    return info.value.message
+
+
+_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+# -- the prompt of each API ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "api", "prompt"),
+    [
+        # /v1/completions: OpenAI's four prompt forms
+        ("/v1/completions", {"model": "m", "prompt": "Hello"}, Api.COMPLETIONS, "Hello"),
+        ("/v1/completions", {"model": "m", "prompt": ["a", "b"]}, Api.COMPLETIONS, "a\nb"),
+        ("/v1/completions", {"model": "m", "prompt": [1, 2, 3]}, Api.COMPLETIONS, "1 2 3"),
+        ("/v1/completions", {"model": "m", "prompt": [[1, 2], [3]]}, Api.COMPLETIONS, "1 2\n3"),
+        ("/v1/completions", {"model": "m", "prompt": []}, Api.COMPLETIONS, ""),
+        ("/v1/completions", {"model": "m"}, Api.COMPLETIONS, ""),
+        # /v1/chat/completions: role markers, then the text of each message
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+            Api.CHAT_COMPLETIONS,
+            "<|system|>\nBe brief.\n<|user|>\nHi\n",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "What is "}, _IMAGE, {"type": "text", "text": "this?"}]}
+                ],
+            },
+            Api.CHAT_COMPLETIONS,
+            "<|user|>\nWhat is this?\n",  # the image part carries no text
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]},
+            Api.CHAT_COMPLETIONS,
+            "<|assistant|>\n\n",
+        ),
+        ("/v1/chat/completions", {"model": "m", "messages": []}, Api.CHAT_COMPLETIONS, ""),
+        # /v1/embeddings: input has the completions prompt's forms
+        ("/v1/embeddings", {"model": "m", "input": "text"}, Api.EMBEDDINGS, "text"),
+        ("/v1/embeddings", {"model": "m", "input": ["a", "b"]}, Api.EMBEDDINGS, "a\nb"),
+        ("/v1/embeddings", {"model": "m", "input": [7, 8]}, Api.EMBEDDINGS, "7 8"),
+        ("/v1/embeddings", {"model": "m", "input": [[7], [8, 9]]}, Api.EMBEDDINGS, "7\n8 9"),
+        # /v1/responses: instructions become a system turn
+        ("/v1/responses", {"model": "m", "input": "Hi"}, Api.RESPONSES, "<|user|>\nHi\n"),
+        (
+            "/v1/responses",
+            {"model": "m", "input": "Hi", "instructions": "Be brief."},
+            Api.RESPONSES,
+            "<|system|>\nBe brief.\n<|user|>\nHi\n",
+        ),
+        (
+            "/v1/responses",
+            {
+                "model": "m",
+                "instructions": "Be brief.",
+                "input": [
+                    {"role": "user", "content": "Hi"},
+                    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+                    {"role": "user", "content": [{"type": "input_text", "text": "Look: "}, {"type": "input_image", "image_url": "u"}]},
+                    {"type": "function_call_output", "call_id": "c", "output": "42"},
+                ],
+            },
+            Api.RESPONSES,
+            "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello\n<|user|>\nLook: \n<|function_call_output|>\n\n",
+        ),
+    ],
+)
+def test_prompt(path: str, body: dict[str, Any], api: Api, prompt: str) -> None:
+    request = _parse(path, body)
+    assert request.api is api
+    assert request.model == "m"
+    assert request.prompt == prompt
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/completions", "prompt", ["a", 1]),
+        ("/v1/completions", "prompt", [[1, 2], 3]),
+        ("/v1/completions", "prompt", ["a", [1]]),
+        ("/v1/embeddings", "input", [1, "a"]),
+    ],
+)
+def test_mixed_prompt_forms_are_rejected(path: str, field: str, value: list[Any]) -> None:
+    assert _bad(path, {"model": "m", field: value}) == (
+        f"invalid request body: `{field}` must be a string, a list of strings, a list of token ids "
+        "or a list of token-id lists, not a mix"
+    )
+
+
+def test_a_growing_conversation_keeps_its_earlier_rendering_as_a_prefix() -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Describe"}, _IMAGE]},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": "And the colour?"},
+    ]
+    prompts = [_parse("/v1/chat/completions", {"model": "m", "messages": messages[:n]}).prompt for n in range(5)]
+    for shorter, longer in zip(prompts, prompts[1:]):
+        assert longer.startswith(shorter)
+        assert longer != shorter
+
+
+def test_rendering_is_deterministic() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.5}
+    assert _parse("/v1/chat/completions", body).prompt == _parse("/v1/chat/completions", body).prompt
+
+
+# -- routing fields -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "field", "expected"),
+    [
+        ("/v1/completions", {}, "stream", False),
+        ("/v1/completions", {"stream": True}, "stream", True),
+        ("/v1/completions", {"stream": None}, "stream", False),
+        ("/v1/completions", {}, "cache_salt", None),
+        ("/v1/chat/completions", {"cache_salt": "tenant-1"}, "cache_salt", "tenant-1"),
+        ("/v1/completions", {}, "max_tokens", None),
+        ("/v1/completions", {"max_tokens": 16}, "max_tokens", 16),
+        ("/v1/chat/completions", {"max_tokens": 16}, "max_tokens", 16),
+        ("/v1/chat/completions", {"max_completion_tokens": 32}, "max_tokens", 32),
+        # the newer field wins when a client sends both
+        ("/v1/chat/completions", {"max_tokens": 16, "max_completion_tokens": 32}, "max_tokens", 32),
+        ("/v1/responses", {"max_output_tokens": 64}, "max_tokens", 64),
+        ("/v1/responses", {"max_tokens": 16, "max_output_tokens": 64}, "max_tokens", 64),
+        # fields of other APIs mean nothing here
+        ("/v1/completions", {"max_completion_tokens": 32}, "max_tokens", None),
+        ("/v1/embeddings", {"stream": True}, "stream", True),
+    ],
+)
+def test_routing_fields(path: str, extra: dict[str, Any], field: str, expected: Any) -> None:
+    assert getattr(_parse(path, {"model": "m", **extra}), field) == expected
+
+
+@pytest.mark.parametrize(
+    ("model", "base_models", "adapter"),
+    [
+        ("llama-3-8b", frozenset(), "llama-3-8b"),
+        ("llama-3-8b", frozenset({"llama-3-8b"}), None),
+        ("sql-lora", frozenset({"llama-3-8b"}), "sql-lora"),
+    ],
+)
+def test_adapter_is_the_model_unless_it_is_a_base_model(model: str, base_models: frozenset[str], adapter: str | None) -> None:
+    request = _parse("/v1/completions", {"model": model, "prompt": "x"}, base_models=base_models)
+    assert request.model == model
+    assert request.adapter == adapter
+
+
+def test_request_metadata_comes_from_headers() -> None:
+    body = b'{"model":"m","prompt":"x"}'
+    headers = _headers("/v1/completions?debug=1", "POST", **{"x-request-id": "abc-123"})
+    request = parse_request(headers, body)
+    assert request.request_id == "abc-123"
+    assert request.method == "POST"
+    assert request.path == "/v1/completions?debug=1"
+    assert request.headers is headers
+    assert request.body_size == len(body)
+    assert request.api is Api.COMPLETIONS
+    assert request.prompt == "x"
+
+
+@pytest.mark.parametrize(
+    ("path", "api"),
+    [
+        ("/v1/completions", Api.COMPLETIONS),
+        ("/v1/completions/", Api.COMPLETIONS),
+        ("/v1/completions?stream=1", Api.COMPLETIONS),
+        ("/v1/chat/completions", Api.CHAT_COMPLETIONS),
+        ("/v1/embeddings?x=y", Api.EMBEDDINGS),
+        ("/v1/responses", Api.RESPONSES),
+        ("/v1/models", Api.OTHER),
+        ("/v1/completionsX", Api.OTHER),
+        ("/v2/completions", Api.OTHER),
+        ("", Api.OTHER),
+    ],
+)
+def test_api_for_path(path: str, api: Api) -> None:
+    assert api_for_path(path) is api
+
+
+def test_bodyless_get_is_routed_without_a_model() -> None:
+    request = parse_request(_headers("/v1/models", "GET"), b"")
+    assert request.api is Api.OTHER
+    assert request.model == ""
+    assert request.adapter is None
+    assert request.prompt == ""
+    assert request.body_size == 0
+
+
+def test_unknown_path_with_a_body_only_needs_a_model() -> None:
+    request = _parse("/v1/audio/transcriptions", {"model": "whisper", "prompt": "ignored", "messages": 3})
+    assert request.api is Api.OTHER
+    assert request.model == "whisper"
+    assert request.adapter == "whisper"
+    assert request.prompt == ""
+
+
+def test_unknown_path_with_a_body_still_needs_a_model() -> None:
+    assert _bad("/v1/other", {"prompt": "x"}) == "invalid request body for /v1/other: Object missing required field `model`"
+
+
+def test_large_prompt_parses() -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 9_000  # ~400 KB
+    body = json.dumps({"model": "m", "prompt": prompt}).encode()
+    assert len(body) > 400_000
+    request = parse_request(_headers("/v1/completions"), body)
+    assert request.prompt == prompt
+    assert request.body_size == len(body)
+
+
+# -- 400s ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/completions", b'{"model":"m",', "request body is not valid JSON: Input data was truncated"),
+        ("/v1/completions", b'{"model":"m","prompt":"\xff"}', "request body is not valid UTF-8"),
+        ("/v1/completions", {"prompt": "x"}, "invalid request body for /v1/completions: Object missing required field `model`"),
+        ("/v1/completions", {"model": ""}, "invalid request body for /v1/completions: `model` must not be empty"),
+        ("/v1/other", {"model": ""}, "invalid request body for /v1/other: `model` must not be empty"),
+        (
+            "/v1/chat/completions",
+            {"model": 7, "messages": []},
+            "invalid request body for /v1/chat/completions: Expected `str`, got `int` - at `$.model`",
+        ),
+        ("/v1/completions", {"model": None}, "invalid request body for /v1/completions: Expected `str`, got `null` - at `$.model`"),
+        ("/v1/completions", [{"model": "m"}], "invalid request body for /v1/completions: Expected `object`, got `array`"),
+        ("/v1/completions", "m", "invalid request body for /v1/completions: Expected `object`, got `str`"),
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": 5},
+            "invalid request body for /v1/completions: Expected `str | array`, got `int` - at `$.prompt`",
+        ),
+        (
+            "/v1/completions",
+            {"model": "m", "stream": "yes"},
+            "invalid request body for /v1/completions: Expected `bool | null`, got `str` - at `$.stream`",
+        ),
+        (
+            "/v1/completions",
+            {"model": "m", "max_tokens": "16"},
+            "invalid request body for /v1/completions: Expected `int | null`, got `str` - at `$.max_tokens`",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"content": "Hi"}]},
+            "invalid request body for /v1/chat/completions: Object missing required field `role` - at `$.messages[0]`",
+        ),
+        ("/v1/completions", b"", "/v1/completions needs a JSON body with a `model` field"),
+        ("/v1/chat/completions", b"", "/v1/chat/completions needs a JSON body with a `model` field"),
+        ("/v1/embeddings", b"", "/v1/embeddings needs a JSON body with a `model` field"),
+        ("/v1/responses?x=1", b"", "/v1/responses?x=1 needs a JSON body with a `model` field"),
+    ],
+)
+def test_bad_request(path: str, body: Any, message: str) -> None:
+    assert _bad(path, body) == message
+
+
+@pytest.mark.parametrize("body", [b"not json", b"{'model': 'm'}", b'{"model":"m"} trailing'])
+def test_not_json(body: bytes) -> None:
+    # the rest of the message is msgspec's (it names the byte offset)
+    assert _bad("/v1/completions", body).startswith("request body is not valid JSON: JSON is malformed: ")
+
+
+def test_bad_request_keeps_the_decoder_error_as_cause() -> None:
+    with pytest.raises(EppError) as info:
+        _parse("/v1/completions", b"{")
+    assert info.value.__cause__ is not None

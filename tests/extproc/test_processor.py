@@ -1,0 +1,395 @@
+"""The ext_proc stream state machine, driven by a gRPC client that speaks the protocol as Envoy does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epp.datalayer.datastore import parse_endpoints
+from epp.extproc.processor import MAX_STREAMED_CHUNK
+from epp.server.server import EXT_PROC_SERVICE, EndpointPicker
+from epp.server.settings import Settings
+
+Mode = processing_mode_pb2.ProcessingMode
+POOL = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000"
+
+
+@pytest.fixture
+async def picker() -> AsyncIterator[EndpointPicker]:
+    running = EndpointPicker(
+        Settings(
+            endpoints=tuple(parse_endpoints(POOL)),
+            grpc_port=0,
+            grpc_health_port=0,
+            metrics_port=-1,
+            bind_address="127.0.0.1",
+            secure_serving=False,
+            max_request_body_bytes=1_000_000,
+        )
+    )
+    await running.start()
+    yield running
+    await running.stop(0)
+
+
+@pytest.fixture
+async def stub(picker: EndpointPicker) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:
+        yield pb_grpc.ExternalProcessorStub(channel)
+
+
+def headers(pairs: dict[str, str], *, end_of_stream: bool = False, mode: int | None = None, subset: object = None) -> pb.ProcessingRequest:
+    message = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+            ),
+            end_of_stream=end_of_stream,
+        )
+    )
+    if mode is not None:
+        message.protocol_config.request_body_mode = mode
+        message.protocol_config.response_body_mode = Mode.FULL_DUPLEX_STREAMED
+    if subset is not None:
+        fields = message.metadata_context.filter_metadata["envoy.lb.subset_hint"].fields
+        if isinstance(subset, list):
+            fields["x-gateway-destination-endpoint-subset"].list_value.values.extend(
+                struct_pb2.Value(string_value=s) for s in subset
+            )
+        else:
+            fields["x-gateway-destination-endpoint-subset"].string_value = str(subset)
+    return message
+
+
+def body(data: bytes, *, end_of_stream: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+POST = {":method": "POST", ":path": "/v1/completions", "x-request-id": "r1"}
+COMPLETION = json.dumps({"model": "m", "prompt": "hello"}).encode()
+
+
+class Conversation:
+    """Sends messages one at a time and reads what the picker answers in between."""
+
+    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
+        self.call = stub.Process()
+
+    async def send(self, message: pb.ProcessingRequest) -> None:
+        await self.call.write(message)
+
+    async def read(self) -> pb.ProcessingResponse:
+        reply = await self.call.read()
+        assert reply is not grpc.aio.EOF
+        return reply
+
+    async def finish(self) -> list[pb.ProcessingResponse]:
+        await self.call.done_writing()
+        rest = []
+        while (reply := await self.call.read()) is not grpc.aio.EOF:
+            rest.append(reply)
+        return rest
+
+
+def destination(reply: pb.ProcessingResponse, phase: str = "request_headers") -> str:
+    common = getattr(reply, phase).response
+    assert common.clear_route_cache
+    (option,) = common.header_mutation.set_headers
+    assert option.header.key == "x-gateway-destination-endpoint"
+    value = option.header.raw_value.decode()
+    metadata = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+    assert metadata.string_value == value  # the protocol forbids the two from differing
+    return value
+
+
+def streamed(reply: pb.ProcessingResponse, phase: str) -> tuple[bytes, bool]:
+    chunk = getattr(reply, phase).response.body_mutation.streamed_response
+    return chunk.body, chunk.end_of_stream
+
+
+async def test_headers_answer_waits_for_the_body_then_body_streams_back(stub: pb_grpc.ExternalProcessorStub) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers(POST, mode=Mode.FULL_DUPLEX_STREAMED))
+    await talk.send(body(COMPLETION[:10], end_of_stream=False))
+    await talk.send(body(COMPLETION[10:], end_of_stream=False))
+    await talk.send(body(b"", end_of_stream=True))
+    first = await talk.read()
+    assert first.WhichOneof("response") == "request_headers"  # nothing was answered before the end of the body
+    assert destination(first) in POOL.split(",")
+    second = await talk.read()
+    assert streamed(second, "request_body") == (COMPLETION, True)
+    await talk.finish()
+
+
+async def test_large_body_is_streamed_back_in_chunks_of_at_most_62000_bytes(stub: pb_grpc.ExternalProcessorStub) -> None:
+    payload = json.dumps({"model": "m", "prompt": "q" * 200_000}).encode()
+    talk = Conversation(stub)
+    await talk.send(headers(POST))
+    for start in range(0, len(payload), 16384):
+        await talk.send(body(payload[start : start + 16384], end_of_stream=False))
+    await talk.send(body(b"", end_of_stream=True))
+    assert (await talk.read()).WhichOneof("response") == "request_headers"
+    chunks = []
+    while True:
+        data, end = streamed(await talk.read(), "request_body")
+        assert len(data) <= MAX_STREAMED_CHUNK
+        chunks.append(data)
+        if end:
+            break
+    assert b"".join(chunks) == payload
+    assert len(chunks) == -(-len(payload) // MAX_STREAMED_CHUNK)
+    await talk.finish()
+
+
+async def test_bodyless_request_is_routed_on_its_headers(stub: pb_grpc.ExternalProcessorStub) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers({":method": "GET", ":path": "/v1/models"}, end_of_stream=True))
+    assert destination(await talk.read()) in POOL.split(",")
+    await talk.finish()
+
+
+async def test_buffered_mode_continues_headers_and_routes_on_the_body(stub: pb_grpc.ExternalProcessorStub) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers(POST, mode=Mode.BUFFERED))
+    reply = await talk.read()
+    assert reply.WhichOneof("response") == "request_headers"
+    assert not reply.request_headers.response.HasField("header_mutation")
+    await talk.send(body(COMPLETION, end_of_stream=True))
+    assert destination(await talk.read(), "request_body") in POOL.split(",")
+    await talk.finish()
+
+
+async def test_response_phase_passes_headers_and_each_chunk_through(stub: pb_grpc.ExternalProcessorStub) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers(POST))
+    await talk.send(body(COMPLETION, end_of_stream=True))
+    await talk.read()
+    await talk.read()
+    await talk.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]))))
+    reply = await talk.read()
+    assert reply.WhichOneof("response") == "response_headers"
+    assert not reply.response_headers.response.HasField("header_mutation")
+    for i, chunk in enumerate([b"data: 1\n\n", b"data: 2\n\n", b""]):
+        end = i == 2
+        await talk.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=end)))
+        assert streamed(await talk.read(), "response_body") == (chunk, end)  # answered before the next chunk
+    await talk.send(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    assert (await talk.read()).WhichOneof("response") == "response_trailers"
+    assert await talk.finish() == []
+
+
+async def test_request_trailers_end_the_body(stub: pb_grpc.ExternalProcessorStub) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers(POST))
+    await talk.send(body(COMPLETION, end_of_stream=False))
+    await talk.send(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    assert destination(await talk.read()) in POOL.split(",")
+    assert streamed(await talk.read(), "request_body") == (COMPLETION, False)
+    assert (await talk.read()).WhichOneof("response") == "request_trailers"
+    await talk.finish()
+
+
+@pytest.mark.parametrize(
+    ("subset", "allowed"),
+    [
+        (["10.0.0.2:8000"], {"10.0.0.2:8000"}),
+        (["10.0.0.9:8000", "10.0.0.3:8000"], {"10.0.0.3:8000"}),
+        ("10.0.0.1:8000, 10.0.0.3:8000", {"10.0.0.1:8000", "10.0.0.3:8000"}),
+    ],
+)
+async def test_subset_hint_limits_the_candidates(stub: pb_grpc.ExternalProcessorStub, subset: object, allowed: set[str]) -> None:
+    for _ in range(8):
+        talk = Conversation(stub)
+        await talk.send(headers({":method": "GET", ":path": "/v1/models"}, end_of_stream=True, subset=subset))
+        assert destination(await talk.read()) in allowed
+        await talk.finish()
+
+
+@pytest.mark.parametrize("subset", [[], ["10.9.9.9:8000"], ""])
+async def test_empty_or_foreign_subset_is_503(stub: pb_grpc.ExternalProcessorStub, subset: object) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers({":method": "GET", ":path": "/v1/models"}, end_of_stream=True, subset=subset))
+    reply = await talk.read()
+    assert reply.immediate_response.status.code == 503
+    assert "subset" in json.loads(reply.immediate_response.body)["error"]["message"]
+    assert await talk.finish() == []
+
+
+async def test_bad_body_is_an_immediate_400_with_openai_error(stub: pb_grpc.ExternalProcessorStub) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers(POST))
+    await talk.send(body(b'{"prompt": "x"}', end_of_stream=True))
+    reply = await talk.read()
+    immediate = reply.immediate_response
+    assert immediate.status.code == 400
+    error = json.loads(immediate.body)["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "`model`" in error["message"]
+    assert [(h.header.key, h.header.raw_value) for h in immediate.headers.set_headers] == [("content-type", b"application/json")]
+    assert await talk.finish() == []
+
+
+async def test_body_over_the_limit_is_413_before_the_body_ends(stub: pb_grpc.ExternalProcessorStub) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers(POST))
+    await talk.send(body(b"x" * 600_000, end_of_stream=False))
+    await talk.send(body(b"x" * 600_000, end_of_stream=False))  # over 1,000,000: answered now
+    reply = await talk.read()
+    assert reply.immediate_response.status.code == 413
+    assert "1000000" in json.loads(reply.immediate_response.body)["error"]["message"]
+
+
+async def test_unsupported_body_mode_is_a_clear_500(stub: pb_grpc.ExternalProcessorStub) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers(POST, mode=Mode.STREAMED))
+    reply = await talk.read()
+    assert reply.immediate_response.status.code == 500
+    assert "FULL_DUPLEX_STREAMED" in json.loads(reply.immediate_response.body)["error"]["message"]
+
+
+async def test_client_control_headers_are_removed(stub: pb_grpc.ExternalProcessorStub) -> None:
+    talk = Conversation(stub)
+    forged = {
+        **POST,
+        "x-gateway-destination-endpoint": "6.6.6.6:80",
+        "x-gateway-destination-endpoint-subset": "6.6.6.6:80",
+        "x-gateway-destination-endpoint-served": "6.6.6.6:80",
+    }
+    await talk.send(headers(forged))
+    await talk.send(body(COMPLETION, end_of_stream=True))
+    reply = await talk.read()
+    assert destination(reply) in POOL.split(",")  # overwritten
+    removed = set(reply.request_headers.response.header_mutation.remove_headers)
+    assert removed == {"x-gateway-destination-endpoint-subset", "x-gateway-destination-endpoint-served"}
+    await talk.finish()
+
+
+async def test_a_bad_request_does_not_disturb_a_concurrent_one(stub: pb_grpc.ExternalProcessorStub) -> None:
+    good, bad = Conversation(stub), Conversation(stub)
+    await good.send(headers(POST))
+    await bad.send(headers(POST))
+    await good.send(body(COMPLETION[:5], end_of_stream=False))
+    await bad.send(body(b"\xff\xfe", end_of_stream=True))
+    assert (await bad.read()).immediate_response.status.code == 400
+    await good.send(body(COMPLETION[5:], end_of_stream=True))
+    assert destination(await good.read()) in POOL.split(",")
+    assert streamed(await good.read(), "request_body") == (COMPLETION, True)
+    await good.finish()
+
+
+async def test_empty_pool_is_503_and_not_ready(picker: EndpointPicker, stub: pb_grpc.ExternalProcessorStub) -> None:
+    picker.datastore.replace([])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_health_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(50):
+            status = (await health.Check(health_pb2.HealthCheckRequest(service="readiness"))).status
+            if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            await asyncio.sleep(0.01)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        live = await health.Check(health_pb2.HealthCheckRequest(service="liveness"))
+        assert live.status == health_pb2.HealthCheckResponse.SERVING
+    talk = Conversation(stub)
+    await talk.send(headers({":method": "GET", ":path": "/v1/models"}, end_of_stream=True))
+    reply = await talk.read()
+    assert reply.immediate_response.status.code == 503
+    assert "no ready endpoint" in json.loads(reply.immediate_response.body)["error"]["message"]
+
+
+@pytest.mark.parametrize("service", ["", "liveness", "readiness", EXT_PROC_SERVICE])
+async def test_health_services_serve_on_both_ports(picker: EndpointPicker, service: str) -> None:
+    for port in (picker.grpc_health_port, picker.grpc_port):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- admission answers: the dropped-reason header, and a stream that goes away while queued --------
+
+_ADMISSION_CONFIG = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl={gate}]
+plugins:
+- type: random-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: random-picker
+inferenceObjectives:
+- name: bulk
+  priority: -1
+"""
+
+
+async def _admission_picker(gate: bool) -> EndpointPicker:
+    # The pool is never scraped (nothing listens there): stale metrics read as saturated.
+    running = EndpointPicker(
+        Settings(
+            endpoints=tuple(parse_endpoints(POOL)),
+            grpc_port=0,
+            grpc_health_port=0,
+            metrics_port=-1,
+            bind_address="127.0.0.1",
+            secure_serving=False,
+            scrape_metrics=False,
+            config_text=_ADMISSION_CONFIG.format(gate="true" if gate else "false"),
+        )
+    )
+    await running.start()
+    return running
+
+
+async def test_a_shed_request_gets_429_with_the_dropped_reason_header() -> None:
+    running = await _admission_picker(gate=False)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+            talk = Conversation(pb_grpc.ExternalProcessorStub(channel))
+            await talk.send(headers({**POST, "x-gateway-inference-objective": "bulk"}))
+            await talk.send(body(COMPLETION, end_of_stream=True))
+            immediate = (await talk.read()).immediate_response
+            assert immediate.status.code == 429
+            assert json.loads(immediate.body)["error"]["type"] == "rate_limit_exceeded"
+            assert [(h.header.key, h.header.raw_value) for h in immediate.headers.set_headers] == [
+                ("content-type", b"application/json"),
+                ("x-llm-d-request-dropped-reason", b"rejected-saturated"),
+            ]
+            assert immediate.details == "epp_shed"
+            assert await talk.finish() == []
+    finally:
+        await running.stop(0)
+
+
+async def test_a_stream_cancelled_while_queued_leaves_the_queue() -> None:
+    running = await _admission_picker(gate=True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+            talk = Conversation(pb_grpc.ExternalProcessorStub(channel))
+            await talk.send(headers(POST))
+            await talk.send(body(COMPLETION, end_of_stream=True))
+            for _ in range(500):
+                if running.admission.queued == 1:  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.01)
+            assert running.admission.queued == 1  # type: ignore[union-attr]
+            talk.call.cancel()  # what Envoy does when the client goes away
+            for _ in range(500):
+                if running.admission.queued == 0:  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.01)
+            assert running.admission.queued == 0  # type: ignore[union-attr]
+        value = running.metrics.registry.get_sample_value
+        assert value("inference_extension_flow_control_queue_size", {"priority": "0", "inference_pool": ""}) == 0
+        assert value("llm_d_epp_flow_control_requests_total", {"outcome": "EvictedContextCancelled", "priority": "0", "inference_pool": ""}) == 1
+    finally:
+        await running.stop(0)
