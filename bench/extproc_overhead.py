@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from epp.server.envoy_bootstrap import BootstrapOptions, render, render_round_robin
+from epp.envoy.bootstrap import BootstrapOptions, render, render_round_robin
 from epp.testing.envoy import EnvoyProcess, free_port
 from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from epp.scheduling.config import DEFAULT_CONFIG
-from epp.server.envoy_bootstrap import BootstrapOptions, render, render_round_robin
+from epp.envoy.bootstrap import BootstrapOptions, render, render_round_robin
 from epp.sim.config import EngineConfig
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, wait_for_picker

@@ -91,7 +91,7 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from epp.server.envoy_bootstrap import BootstrapOptions, render, render_round_robin
+from epp.envoy.bootstrap import BootstrapOptions, render, render_round_robin
 from epp.sim.config import EngineConfig
 from epp.sim.kvcache import BLOCK_SIZE, block_hashes, model_seed
 from epp.sim.tokens import BYTES_PER_TOKEN, plan_output, render_chat

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from extproc_overhead import run_wrk  # noqa: E402
 
-from epp.server.envoy_bootstrap import BootstrapOptions, render  # noqa: E402
+from epp.envoy.bootstrap import BootstrapOptions, render  # noqa: E402
 from epp.testing.envoy import EnvoyProcess  # noqa: E402
 from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker  # noqa: E402
 

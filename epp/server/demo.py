@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from epp.server.envoy_bootstrap import BootstrapOptions, render
+from epp.envoy.bootstrap import BootstrapOptions, render
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, wait_for_picker
 

@@ -1,6 +1,6 @@
 """Run a real Envoy for tests, the demo and benchmarks, and never leave one behind.
 
-`EnvoyProcess` writes a bootstrap (usually from `epp.server.envoy_bootstrap.render`) to a work directory,
+`EnvoyProcess` writes a bootstrap (usually from `epp.envoy.bootstrap.render`) to a work directory,
 starts `envoy` in its own session (so it can be stopped as a process group by its PID and outlives
 no one: an `atexit` hook stops whatever this interpreter started and did not stop), waits for the
 admin `/ready` endpoint, and reads the real listener and admin ports back from Envoy, so bootstraps

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.server.envoy_bootstrap import EPP_CLUSTER
+from epp.envoy.bootstrap import EPP_CLUSTER
 from epp.testing.envoy import EnvoyProcess, free_port
 
 __all__ = ["PickerProcess", "cpu_seconds", "wait_for_picker"]

@@ -13,7 +13,7 @@ import pytest
 
 from epp.scheduling.config import load_scheduler
 from epp.datalayer.datastore import Endpoint, parse_endpoints
-from epp.server.envoy_bootstrap import BootstrapOptions, render
+from epp.envoy.bootstrap import BootstrapOptions, render
 from epp.scheduling.registry import Handle, default_registry
 from epp.extproc.parsing import InferenceRequest
 from epp.scheduling.runner import SchedulingResult

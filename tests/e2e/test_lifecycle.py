@@ -9,7 +9,7 @@ import urllib.request
 import aiohttp
 from grpc_health.v1 import health_pb2
 
-from epp.server.envoy_bootstrap import BootstrapOptions, render
+from epp.envoy.bootstrap import BootstrapOptions, render
 from epp.testing.backends import start_echo_servers
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, wait_for_picker

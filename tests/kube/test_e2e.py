@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from grpc_health.v1 import health_pb2
 
-from epp.server.envoy_bootstrap import BootstrapOptions, render
+from epp.envoy.bootstrap import BootstrapOptions, render
 from epp.server.server import EndpointPicker
 from epp.server.settings import Settings
 from epp.sim import EngineConfig

@@ -26,7 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epp.server.envoy_bootstrap import (
+from epp.envoy.bootstrap import (
     DEPLOY_VARIANTS,
     DESTINATION_HEADER,
     FALLBACK_CLUSTER,
@@ -62,7 +62,7 @@ def test_check_fails_on_a_stale_file(tmp_path: Path) -> None:
 def test_yaml_says_how_to_regenerate_and_matches_the_dict() -> None:
     options = DEPLOY_VARIANTS["envoy-failopen.yaml"]
     text = render_yaml(options)
-    assert "python -m epp.server.envoy_bootstrap --write deploy/envoy" in text.splitlines()[1]
+    assert "python -m epp.envoy.bootstrap --write deploy/envoy" in text.splitlines()[1]
     assert yaml.safe_load(text) == render(options)
 
 
