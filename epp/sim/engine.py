@@ -46,8 +46,8 @@ import numpy as np
 
 from epp.sim.config import EngineConfig
 from epp.sim.kvcache import KVCache, block_hashes, model_seed
-from epp.sim.metrics import EngineStats, LoraInfoHistory
 from epp.sim.request import RequestState, SimRequest, Sink
+from epp.sim.stats import EngineStats, LoraInfoHistory
 from epp.sim.tokens import plan_output
 
 __all__ = ["Engine"]

@@ -8,7 +8,8 @@ Endpoints
   ``stream`` and ``stream_options.include_usage``; ``n`` must be 1; other sampling fields are accepted and
   ignored. Non-streaming responses are one JSON object with ``usage``; streaming responses are Server-Sent
   Events, one ``data: {...}`` chunk per generated token as the engine produces it (chat starts with a role
-  chunk, sent with the first token, after the prefill, as vLLM does), then a usage chunk with empty ``choices`` if asked, then ``data: [DONE]``.
+  chunk, sent with the first token, after the prefill, as vLLM does), then a usage chunk with empty
+  ``choices`` if asked, then ``data: [DONE]``.
 * ``GET /v1/models`` (base model and served adapters), ``GET /health``, ``GET /metrics``
   (:mod:`epp.sim.metrics`), and vLLM's runtime adapter endpoints ``POST /v1/load_lora_adapter`` and
   ``POST /v1/unload_lora_adapter`` (``{"lora_name": ..., "lora_path": ...}``; need LoRA enabled).
@@ -34,7 +35,8 @@ import numpy as np
 from aiohttp import web
 
 from epp.sim.engine import Engine
-from epp.sim.metrics import CONTENT_TYPE, HttpStats, MetricsPage, restrict_page
+from epp.sim.exposition import CONTENT_TYPE, restrict_page
+from epp.sim.metrics import HttpStats, MetricsPage
 from epp.sim.request import SimRequest, Sink
 from epp.sim.tokens import render_chat, render_completion
 

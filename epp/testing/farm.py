@@ -24,7 +24,7 @@ import signal
 import sys
 from urllib.parse import unquote_to_bytes
 
-from epp.sim.metrics import restrict_page
+from epp.sim.exposition import restrict_page
 
 __all__ = ["MetricsFarm", "realistic_pages"]
 

@@ -125,7 +125,7 @@ async def test_multi_turn_chat_reuses_the_cached_answer(make_pool, session) -> N
                             json={"model": MODEL, "messages": turn1, "max_tokens": 64, "ignore_eos": True}) as r:
         first = await r.json()
     answer = first["choices"][0]["message"]["content"]
-    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+    turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
     async with session.post(pool.url(0) + "/v1/chat/completions", json={"model": MODEL, "messages": turn2}) as r:
         hits = int(r.headers["x-sim-prefix-hit-tokens"])
     computed = first["usage"]["prompt_tokens"] + 64 - 1  # the last sampled token is never fed back
@@ -315,3 +315,17 @@ async def test_same_seed_same_answers_over_http(make_pool, session) -> None:
 
     assert await answers(1) == await answers(1)
     assert await answers(1) != await answers(2)
+
+
+# The simulator answers /metrics?name[]=... as vLLM's prometheus_client does: only those families.
+async def test_name_filter_restricts_the_page_to_the_named_families() -> None:
+    config = EngineConfig(time_scale=0.05, max_model_len=4096, num_gpu_blocks=1024)
+    async with SimulatedPool(1, config) as pool, aiohttp.ClientSession() as session:
+        async with session.get(pool.url(0) + "/metrics") as response:
+            whole = await response.read()
+        query = "?name[]=vllm:num_requests_waiting&name[]=vllm:cache_config_info"
+        async with session.get(pool.url(0) + "/metrics" + query) as response:
+            restricted = await response.read()
+    families = {f.name for f in text_string_to_metric_families(restricted.decode())}
+    assert families == {"vllm:num_requests_waiting", "vllm:cache_config_info"}
+    assert len(restricted) < len(whole) / 20
