@@ -35,19 +35,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from epp.datalayer.datastore import Datastore, Endpoint
 from epp.kube.client import api_client
 from epp.kube.objectives import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION, objective_priorities
 from epp.kube.pods import PoolSpec, PoolSpecError, endpoints_for, pool_spec
-from epp.kube.reflector import WATCH_TIMEOUT_RANGE, Backoff, Reflector
+from epp.kube.reflector import WATCH_TIMEOUT_RANGE, Backoff, ListCall, Reflector
 
 if TYPE_CHECKING:
     from kubernetes_asyncio.client import ApiClient
 
     from epp.flowcontrol.objectives import Objectives
-    from epp.server.settings import Settings
 
 __all__ = ["POOL_GROUP", "POOL_PLURAL", "POOL_VERSION", "Discovery"]
 
@@ -100,20 +100,6 @@ class Discovery:
         self._synced = asyncio.Event()
         self._missing_logged = False
 
-    @classmethod
-    def from_settings(cls, settings: Settings, datastore: Datastore, *, objectives: Objectives | None = None) -> Discovery:
-        spec = None
-        if settings.endpoint_selector:
-            spec = PoolSpec(selector=settings.endpoint_selector, target_ports=settings.endpoint_target_ports)
-        return cls(
-            datastore,
-            namespace=settings.pool_namespace,
-            pool_name="" if spec else settings.pool_name,
-            spec=spec,
-            kubeconfig=settings.kubeconfig,
-            objectives=objectives,
-        )
-
     @property
     def synced(self) -> bool:
         """True once the pool (and its Pods) have been listed: the datastore is complete."""
@@ -158,7 +144,11 @@ class Discovery:
             self._spawn(self.pool_reflector.run(), "epp-discovery-pool")
             if self.objectives is not None:
                 list_objectives = functools.partial(
-                    custom.list_namespaced_custom_object, OBJECTIVE_GROUP, OBJECTIVE_VERSION, self.namespace, OBJECTIVE_PLURAL
+                    custom.list_namespaced_custom_object,
+                    OBJECTIVE_GROUP,
+                    OBJECTIVE_VERSION,
+                    self.namespace,
+                    OBJECTIVE_PLURAL,
                 )
                 self.objective_reflector = self._reflector(
                     f"{OBJECTIVE_PLURAL} in {self.namespace}", list_objectives, self._objectives_changed
@@ -176,12 +166,12 @@ class Discovery:
             await self._client.close()
             self._client = None
 
-    def _reflector(self, what: str, list_call: Any, on_change: Any) -> Reflector:
+    def _reflector(self, what: str, list_call: ListCall, on_change: Callable[[], None]) -> Reflector:
         return Reflector(
             what, list_call, on_change, backoff=Backoff(*self._backoff), watch_timeout=self._watch_timeout
         )
 
-    def _spawn(self, coroutine: Any, name: str) -> asyncio.Task[None]:
+    def _spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coroutine, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -189,13 +179,18 @@ class Discovery:
         return task
 
     def _watch_pods(self, spec: PoolSpec) -> None:
-        """(Re)start the Pod reflector for ``spec``'s selector; the old one's objects stay published until the new one lists."""
+        """(Re)start the Pod reflector for ``spec``'s selector; the old one's objects stay published until the
+        new one lists."""
         if self._pod_task is not None:
             self._pod_task.cancel()
-        list_pods = functools.partial(self._core.list_namespaced_pod, self.namespace, label_selector=spec.label_selector)
-        reflector = self._reflector(
-            f"pods {spec.label_selector} in {self.namespace}", list_pods, lambda: self._pods_changed(reflector)
+        list_pods = functools.partial(
+            self._core.list_namespaced_pod, self.namespace, label_selector=spec.label_selector
         )
+
+        def on_change() -> None:  # names its own reflector, to ignore one that is being replaced
+            self._pods_changed(reflector)
+
+        reflector = self._reflector(f"pods {spec.label_selector} in {self.namespace}", list_pods, on_change)
         self.pod_reflector = reflector
         self._pod_task = self._spawn(reflector.run(), "epp-discovery-pods")
 
@@ -238,7 +233,8 @@ class Discovery:
         try:
             spec = pool_spec(pool)
         except PoolSpecError as exc:
-            log.error("discovery: %s; %s", exc, "keeping the previous pool" if self.spec else "waiting for a valid pool")
+            keeping = "keeping the previous pool" if self.spec else "waiting for a valid pool"
+            log.error("discovery: %s; %s", exc, keeping)
             return
         previous, self.spec = self.spec, spec
         if previous is None or spec.selector != previous.selector or self.pod_reflector is None:

@@ -45,6 +45,7 @@ from epp.extproc.processor import ExternalProcessor
 from epp.flowcontrol import FlowControlMetrics, build_admission, build_detector
 from epp.flowcontrol.objectives import Objectives
 from epp.kube.discovery import Discovery
+from epp.kube.pods import PoolSpec
 from epp.server.metrics import Metrics, start_metrics_server
 from epp.scheduling.registry import Handle, endpoint_in_flight, load_registry
 from epp.datalayer.scraper import ScrapeSettings, Scraper
@@ -107,6 +108,21 @@ def _scraper(settings: Settings, config: PickerConfig, datastore: Datastore, met
     )
 
 
+def _discovery(settings: Settings, datastore: Datastore, objectives: Objectives) -> Discovery:
+    """The discovery the flags ask for: the Pods --endpoint-selector matches if given, else the InferencePool."""
+    spec = None
+    if settings.endpoint_selector:
+        spec = PoolSpec(selector=settings.endpoint_selector, target_ports=settings.endpoint_target_ports)
+    return Discovery(
+        datastore,
+        namespace=settings.pool_namespace,
+        pool_name="" if spec else settings.pool_name,
+        spec=spec,
+        kubeconfig=settings.kubeconfig,
+        objectives=objectives,
+    )
+
+
 class EndpointPicker:
     """One picker: build it, ``await start()``, ``await stop()``."""
 
@@ -149,7 +165,7 @@ class EndpointPicker:
             self.scraper = _scraper(settings, config, self.datastore, self.metrics)
         # Kubernetes discovery fills the datastore; None for a static pool.
         self.discovery = (
-            Discovery.from_settings(settings, self.datastore, objectives=self.objectives)
+            _discovery(settings, self.datastore, self.objectives)
             if settings.kube_discovery
             else None
         )
