@@ -8,7 +8,8 @@ client certificates, exec credential plugins, and the in-cluster token, re-read 
 minute so rotated service-account tokens keep working.
 
 Any failure to find or read a configuration is a :class:`KubeConfigError` that says what was tried;
-it stops startup (it is a :class:`epp.scheduling.config.ConfigError`, which the CLI turns into exit status 2).
+it stops startup, and the CLI reports it as an invalid configuration (exit status 2), as it does the
+config file's errors. It is a ``ValueError`` of its own: this layer knows nothing of the config file.
 """
 
 from __future__ import annotations
@@ -20,17 +21,15 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from epp.scheduling.config import ConfigError
-
 if TYPE_CHECKING:
     from kubernetes_asyncio.client import ApiClient
 
-__all__ = ["KubeConfigError", "SERVICE_ACCOUNT_DIR", "api_client"]
+__all__ = ["SERVICE_ACCOUNT_DIR", "KubeConfigError", "api_client"]
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
-class KubeConfigError(ConfigError):
+class KubeConfigError(ValueError):
     """No usable Kubernetes client configuration."""
 
 
@@ -70,7 +69,9 @@ async def api_client(
                     "no Kubernetes configuration: give --kubeconfig or $KUBECONFIG, or run in a cluster "
                     f"(KUBERNETES_SERVICE_HOST is not set and {default} does not exist)"
                 )
-            await config.load_kube_config(config_file=str(default), client_configuration=configuration, persist_config=False)
+            await config.load_kube_config(
+                config_file=str(default), client_configuration=configuration, persist_config=False
+            )
     except ConfigException as exc:
         raise KubeConfigError(f"{where}: {exc}") from exc
     except (OSError, ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError) as exc:

@@ -243,13 +243,14 @@ def _serve(argv: Sequence[str]) -> int:
     elif not settings.kube_discovery and not settings.endpoints:
         log.warning("no pool: give --pool-name, --endpoint-selector or --endpoints (until then, requests wait in flow control if it is on, else fail)")
 
+    from epp.kube.client import KubeConfigError
     from epp.scheduling.config import ConfigError
     from epp.scheduling.registry import PluginLoadError
     from epp.server.server import serve
 
     try:
         _run(serve(settings))
-    except ConfigError as exc:
+    except (ConfigError, KubeConfigError) as exc:
         log.error("invalid configuration: %s", exc)
         return 2
     except PluginLoadError as exc:

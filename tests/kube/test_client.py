@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
 import pytest
 
-from epp.scheduling.config import ConfigError
+import epp.server.server
 from epp.datalayer.datastore import Datastore
 from epp.kube.client import KubeConfigError, api_client
 from epp.kube.discovery import Discovery
 from epp.testing.fake_apiserver import FakeApiServer, make_pod, make_pool, make_tls
 
 from tests.conftest import TOKEN
+
+
+async def _cli_reports(error: Exception, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """What ``epp serve`` does when serving raises ``error``: its exit status and what it logs."""
+    from epp.server.cli import main
+
+    async def serve(settings: object) -> None:
+        raise error
+
+    monkeypatch.setattr(epp.server.server, "serve", serve)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        # In a thread: main runs its own event loop.
+        status = await asyncio.to_thread(main, ["serve", "--pool-name", "p", "--metrics-port", "-1"])
+    finally:
+        root.handlers[:] = handlers  # main configures logging for the whole process
+        root.setLevel(level)
+    return status, capsys.readouterr().err
 
 
 async def _pod_names(client: object) -> list[str]:
@@ -83,13 +104,21 @@ async def test_discovery_through_in_cluster_config(tmp_path: Path) -> None:
     ],
 )
 async def test_missing_configuration_is_a_clear_error(
-    kubeconfig: str, environ: dict[str, str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kubeconfig: str,
+    environ: dict[str, str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("HOME", environ.get("HOME", str(tmp_path)))  # no ~/.kube/config
     with pytest.raises(KubeConfigError) as info:
         await api_client(kubeconfig, environ=environ, service_account_dir=tmp_path / "no-account")
     assert message in str(info.value)
-    assert isinstance(info.value, ConfigError)  # the CLI's "invalid configuration", exit status 2
+    # The CLI's "invalid configuration", exit status 2.
+    status, log = await _cli_reports(info.value, monkeypatch, capsys)
+    assert status == 2
+    assert f"invalid configuration: {info.value}" in log
 
 
 @pytest.mark.parametrize(

@@ -232,3 +232,4 @@ async def test_the_cli_stops_on_a_missing_kubeconfig(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert f"kubeconfig {tmp_path / 'absent'}: no such file" in result.stderr
+    assert f"invalid configuration: kubeconfig {tmp_path / 'absent'}: no such file" in result.stderr
