@@ -47,13 +47,16 @@ def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> 
             return False
         key, operator = expression.get("key"), expression.get("operator")
         values = expression.get("values") or []
-        if operator == "In" and labels.get(key) not in values:
+        # A key that is not a string (the CRD forbids it) names no label: the label counts as absent.
+        value = labels.get(key) if isinstance(key, str) else None
+        present = value is not None  # label values are strings, never None
+        if operator == "In" and value not in values:
             return False
-        if operator == "NotIn" and key in labels and labels[key] in values:
+        if operator == "NotIn" and present and value in values:
             return False
-        if operator == "Exists" and key not in labels:
+        if operator == "Exists" and not present:
             return False
-        if operator == "DoesNotExist" and key in labels:
+        if operator == "DoesNotExist" and present:
             return False
         if operator not in ("In", "NotIn", "Exists", "DoesNotExist"):
             return False  # an operator the API does not define selects nothing
