@@ -164,6 +164,7 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
     bracketed = host.startswith("[") and host.endswith("]")
     if bracketed:
         host = host[1:-1]
+    version: int  # 4 or 6; 0 for what is no IP literal
     try:
         version = ipaddress.ip_address(host).version
         port_number = int(port)

@@ -125,7 +125,9 @@ class _Watcher:
 
 
 def _split_requirements(text: str) -> list[str]:
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if char == "(":
             depth += 1
@@ -143,27 +145,39 @@ def _split_requirements(text: str) -> list[str]:
 _SET_REQUIREMENT = re.compile(r"^(\S+)\s+(in|notin)\s+\((.*)\)$")
 
 
+_LabelTest = Callable[[Mapping[str, str]], bool]
+
+
+def _value_in(key: str, values: set[str], negate: bool) -> _LabelTest:
+    return lambda labels: (labels.get(key) in values) != negate
+
+
+def _value_is(key: str, value: str, negate: bool) -> _LabelTest:
+    return lambda labels: (labels.get(key) == value) != negate
+
+
+def _has_key(key: str, negate: bool) -> _LabelTest:
+    return lambda labels: (key in labels) != negate
+
+
 def label_matcher(text: str) -> Callable[[Mapping[str, str]], bool]:
     """A predicate over a label map for a Kubernetes label selector; ValueError if malformed."""
-    tests: list[Callable[[Mapping[str, str]], bool]] = []
+    tests: list[_LabelTest] = []
     for requirement in _split_requirements(text):
         match = _SET_REQUIREMENT.match(requirement)
         if match:
             key, op, values = match.group(1), match.group(2), {v.strip() for v in match.group(3).split(",")}
-            if op == "in":
-                tests.append(lambda labels, k=key, vs=values: labels.get(k) in vs)
-            else:
-                tests.append(lambda labels, k=key, vs=values: labels.get(k) not in vs)
+            tests.append(_value_in(key, values, negate=op == "notin"))
         elif "!=" in requirement:
             key, _, value = requirement.partition("!=")
-            tests.append(lambda labels, k=key.strip(), v=value.strip(): labels.get(k) != v)
+            tests.append(_value_is(key.strip(), value.strip(), negate=True))
         elif "=" in requirement:
             key, _, value = requirement.replace("==", "=", 1).partition("=")
-            tests.append(lambda labels, k=key.strip(), v=value.strip(): labels.get(k) == v)
+            tests.append(_value_is(key.strip(), value.strip(), negate=False))
         elif requirement.startswith("!"):
-            tests.append(lambda labels, k=requirement[1:].strip(): k not in labels)
+            tests.append(_has_key(requirement[1:].strip(), negate=True))
         elif re.fullmatch(r"[\w./-]+", requirement):
-            tests.append(lambda labels, k=requirement: k in labels)
+            tests.append(_has_key(requirement, negate=False))
         else:
             raise ValueError(f"unable to parse requirement: {requirement!r}")
     return lambda labels: all(test(labels) for test in tests)
@@ -171,9 +185,16 @@ def label_matcher(text: str) -> Callable[[Mapping[str, str]], bool]:
 
 _FIELDS = {"metadata.name": ("metadata", "name"), "metadata.namespace": ("metadata", "namespace")}
 
+_FieldTest = Callable[[Mapping[str, Any]], bool]
+
+
+def _field_is(outer: str, inner: str, value: str, negate: bool) -> _FieldTest:
+    return lambda obj: (obj.get(outer, {}).get(inner) == value) != negate
+
 
 def field_matcher(text: str) -> Callable[[Mapping[str, Any]], bool]:
-    tests: list[Callable[[Mapping[str, Any]], bool]] = []
+    """A predicate over an object for a field selector on ``metadata.name``/``namespace``; ValueError otherwise."""
+    tests: list[_FieldTest] = []
     for requirement in _split_requirements(text):
         negate = "!=" in requirement
         path, _, value = requirement.replace("!=", "=", 1).replace("==", "=", 1).partition("=")
@@ -181,7 +202,7 @@ def field_matcher(text: str) -> Callable[[Mapping[str, Any]], bool]:
         if path not in _FIELDS:
             raise ValueError(f'field label not supported: "{path}"')
         outer, inner = _FIELDS[path]
-        tests.append(lambda obj, o=outer, i=inner, v=value.strip(), n=negate: (obj.get(o, {}).get(i) == v) != n)
+        tests.append(_field_is(outer, inner, value.strip(), negate))
     return lambda obj: all(test(obj) for test in tests)
 
 
@@ -189,7 +210,7 @@ def field_matcher(text: str) -> Callable[[Mapping[str, Any]], bool]:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def make_pod(
@@ -277,7 +298,7 @@ def make_tls(directory: str | Path, host: str = "127.0.0.1") -> tuple[ssl.SSLCon
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fake-apiserver")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder()
         .subject_name(name)

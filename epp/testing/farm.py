@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import re
@@ -158,7 +159,8 @@ class MetricsFarm:
         for i in range(self.pods):
             rotated = self._pages[i % len(self._pages) :] + self._pages[: i % len(self._pages)]
             host = "127.0.0.1" if self.host_prefix is None else f"{self.host_prefix}{i + 1}"
-            server = await loop.create_server(lambda r=rotated, c={}: _Pod(r, c), host, self.port)
+            # One answer cache per pod, shared by its connections (see _Pod).
+            server = await loop.create_server(functools.partial(_Pod, rotated, {}), host, self.port)
             self._servers.append(server)
             self.hostports.append(f"{host}:{server.sockets[0].getsockname()[1]}")
 
