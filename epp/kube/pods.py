@@ -108,7 +108,9 @@ def parse_selector(text: str) -> tuple[tuple[str, str], ...]:
         key, sep, value = item.replace("==", "=", 1).partition("=")
         key, value = key.strip(), value.strip()
         if not sep or key.endswith("!"):
-            raise PoolSpecError(f"--endpoint-selector: {item!r} is not key=value (only equality selectors are supported)")
+            raise PoolSpecError(
+                f"--endpoint-selector: {item!r} is not key=value (only equality selectors are supported)"
+            )
         _check_label(key, value, "--endpoint-selector")
         if key in pairs and pairs[key] != value:
             raise PoolSpecError(f"--endpoint-selector: label {key} is given twice")

@@ -148,7 +148,7 @@ class Reflector:
                 log.warning("%s: %s; retrying in %.1fs", self.what, exc, delay)
                 relist = True
                 await asyncio.sleep(delay)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, msgspec.DecodeError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError) as exc:
                 delay = self._backoff.next()
                 log.warning(
                     "%s: %s: %s; %s in %.1fs",
@@ -192,7 +192,9 @@ class Reflector:
         """Watch until the server ends the stream; True if any event (bookmarks included) arrived."""
         low, high = self._watch_timeout
         server_timeout = int(random.uniform(low, high))
-        timeout = aiohttp.ClientTimeout(sock_connect=_CONNECT_TIMEOUT_SECONDS, sock_read=server_timeout + _READ_GRACE_SECONDS)
+        timeout = aiohttp.ClientTimeout(
+            sock_connect=_CONNECT_TIMEOUT_SECONDS, sock_read=server_timeout + _READ_GRACE_SECONDS
+        )
         response = await self._list_call(
             watch=True,
             resource_version=self.resource_version,
@@ -235,7 +237,9 @@ class Reflector:
             raise ApiError(500, f"malformed watch event: {line[:200]!r}")
         if kind == "ERROR":
             code = int(obj.get("code") or 500)
-            raise (Gone if code == 410 else ApiError)(code, str(obj.get("message") or obj.get("reason") or "watch error"))
+            raise (Gone if code == 410 else ApiError)(
+                code, str(obj.get("message") or obj.get("reason") or "watch error")
+            )
         metadata = obj.get("metadata") or {}
         version = metadata.get("resourceVersion")
         if version:

@@ -1,6 +1,7 @@
 """Echo model servers: the simplest honest upstreams for protocol tests and overhead benchmarks.
 
-Each :class:`EchoServer` answers every request (but ``GET /metrics``, a minimal vLLM page for the picker's scraper) with JSON that proves what it received (its own
+Each :class:`EchoServer` answers every request (but ``GET /metrics``, a minimal vLLM page for the
+picker's scraper) with JSON that proves what it received (its own
 name and port, the body's length and SHA-256, the headers) and records it, so a test can assert
 that a request reached the endpoint the picker chose with its body byte-identical. A body with
 ``"stream": true`` is answered as an OpenAI-style SSE stream of ``max_tokens`` events spaced
@@ -90,10 +91,17 @@ class EchoServer:
         stream, tokens = _stream_request(body)
         if not stream:
             return web.json_response(answer, headers=headers)
-        response = web.StreamResponse(headers={**headers, "content-type": "text/event-stream", "cache-control": "no-cache"})
+        response = web.StreamResponse(
+            headers={**headers, "content-type": "text/event-stream", "cache-control": "no-cache"}
+        )
         await response.prepare(request)
         for index in range(tokens):
-            chunk = {"object": "text_completion", "backend": self.name, "index": index, "choices": [{"text": f"t{index} "}]}
+            chunk = {
+                "object": "text_completion",
+                "backend": self.name,
+                "index": index,
+                "choices": [{"text": f"t{index} "}],
+            }
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await asyncio.sleep(self.token_interval)
         await response.write(b"data: [DONE]\n\n")

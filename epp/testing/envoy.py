@@ -14,6 +14,7 @@ clash.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -287,10 +288,8 @@ def _read_admin_address(path: Path) -> tuple[str, int] | None:
 
 
 def _signal_group(pid: int, signum: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # already gone
         os.killpg(pid, signum)
-    except ProcessLookupError:
-        pass  # already gone
 
 
 @atexit.register

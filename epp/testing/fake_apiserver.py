@@ -450,7 +450,9 @@ class FakeApiServer:
         self._emit(_Event(self._rv, "ADDED" if old is None else "MODIFIED", key, old, new))
         return copy.deepcopy(new)
 
-    def update(self, resource: Resource, namespace: str, name: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    def update(
+        self, resource: Resource, namespace: str, name: str, change: Callable[[dict[str, Any]], None]
+    ) -> dict[str, Any]:
         """Apply ``change`` to a copy of the stored object and write it back (MODIFIED)."""
         current = self.get(resource, namespace, name)
         if current is None:
@@ -609,9 +611,19 @@ class FakeApiServer:
             return await self._watch(request, resource, namespace, matches, query)
         return self._list(resource, namespace, matches, query)
 
-    def _list(self, resource: Resource, namespace: str | None, matches: Callable[[Mapping[str, Any]], bool], query: Mapping[str, str]) -> web.Response:
+    def _list(
+        self,
+        resource: Resource,
+        namespace: str | None,
+        matches: Callable[[Mapping[str, Any]], bool],
+        query: Mapping[str, str],
+    ) -> web.Response:
         items = sorted(
-            (obj for (res, ns, _), obj in self._objects.items() if res is resource and namespace in (None, ns) and matches(obj)),
+            (
+                obj
+                for (res, ns, _), obj in self._objects.items()
+                if res is resource and namespace in (None, ns) and matches(obj)
+            ),
             key=lambda obj: (obj["metadata"]["namespace"], obj["metadata"]["name"]),
         )
         rv = self._rv
@@ -663,7 +675,9 @@ class FakeApiServer:
             await response.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
 
         async def send_gone() -> None:
-            await send("ERROR", _status(410, "Expired", f"too old resource version: {since} ({self._history_floor + 1})"))
+            await send(
+                "ERROR", _status(410, "Expired", f"too old resource version: {since} ({self._history_floor + 1})")
+            )
 
         try:
             if gone:
@@ -688,7 +702,7 @@ class FakeApiServer:
                     wait = left if wait is None else min(wait, left)
                 try:
                     item = await asyncio.wait_for(watcher.queue.get(), wait)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     item = "bookmark" if watcher.bookmarks else "tick"
                 if item == "close":
                     return response
@@ -697,8 +711,14 @@ class FakeApiServer:
                     break
                 if item == "bookmark":
                     if watcher.bookmarks:
-                        await send("BOOKMARK", {"kind": resource.kind, "apiVersion": resource.api_version,
-                                                "metadata": {"resourceVersion": str(self._rv)}})
+                        await send(
+                            "BOOKMARK",
+                            {
+                                "kind": resource.kind,
+                                "apiVersion": resource.api_version,
+                                "metadata": {"resourceVersion": str(self._rv)},
+                            },
+                        )
                     continue
                 if isinstance(item, _Event):
                     await self._send_event(send, watcher, item)
@@ -709,7 +729,9 @@ class FakeApiServer:
             self._watchers.discard(watcher)
         return response
 
-    async def _send_event(self, send: Callable[[str, Mapping[str, Any]], Any], watcher: _Watcher, event: _Event) -> None:
+    async def _send_event(
+        self, send: Callable[[str, Mapping[str, Any]], Any], watcher: _Watcher, event: _Event
+    ) -> None:
         was = event.old is not None and event.type != "ADDED" and watcher.matches(event.old)
         now = watcher.matches(event.new)
         if event.type == "DELETED":

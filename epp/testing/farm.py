@@ -41,7 +41,14 @@ async def _sample_page() -> bytes:
 
     from epp.sim import EngineConfig, SimulatedPool
 
-    config = EngineConfig(time_scale=0.01, max_model_len=8192, num_gpu_blocks=8192, lora_adapters=("sql-lora", "chat-lora"), max_loras=2, seed=7)
+    config = EngineConfig(
+        time_scale=0.01,
+        max_model_len=8192,
+        num_gpu_blocks=8192,
+        lora_adapters=("sql-lora", "chat-lora"),
+        max_loras=2,
+        seed=7,
+    )
     async with SimulatedPool(1, config) as pool, aiohttp.ClientSession() as session:
         url = pool.url(0)
         bodies = [
@@ -84,7 +91,9 @@ def realistic_pages(variants: int = 64, seed: int = 1) -> list[bytes]:
 
 
 def _http(page: bytes) -> bytes:
-    return b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n" % len(page) + page
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n" % len(page) + page
+    )
 
 
 class _Pod(asyncio.Protocol):
@@ -123,7 +132,11 @@ class _Pod(asyncio.Protocol):
                 responses = self._cache.get(target)
                 if responses is None:
                     query = target.partition(b"?")[2]
-                    names = {unquote_to_bytes(v) for k, _, v in (p.partition(b"=") for p in query.split(b"&")) if k == b"name[]"}
+                    names = {
+                        unquote_to_bytes(v)
+                        for k, _, v in (p.partition(b"=") for p in query.split(b"&"))
+                        if k == b"name[]"
+                    }
                     responses = [_http(restrict_page(p, names) if names else p) for p in self._pages]
                     self._cache[target] = responses
                 self._transport.write(responses[next(self._turn) % len(responses)])

@@ -11,7 +11,7 @@ import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import pytest
@@ -122,7 +122,7 @@ def test_invalid_options_are_rejected(overrides: dict[str, Any], message: str) -
 def _self_signed_ca(path: Path) -> Path:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "epp test ca")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -222,7 +222,7 @@ class FakePicker(ext_proc_grpc.ExternalProcessorServicer):
     """Answers every ext_proc message in BUFFERED mode and picks `destination` (nothing if None)
     when answering the request headers; counts the ext_proc streams it is sent."""
 
-    _EMPTY_REPLY: dict[str, Callable[[], Any]] = {
+    _EMPTY_REPLY: ClassVar[dict[str, Callable[[], Any]]] = {
         "request_body": ext_proc_pb2.BodyResponse,
         "response_headers": ext_proc_pb2.HeadersResponse,
         "response_body": ext_proc_pb2.BodyResponse,
@@ -234,7 +234,7 @@ class FakePicker(ext_proc_grpc.ExternalProcessorServicer):
         self.destination = destination
         self.streams = 0
 
-    async def Process(  # noqa: N802 - the gRPC method name
+    async def Process(  # the gRPC method name
         self, requests: AsyncIterator[ext_proc_pb2.ProcessingRequest], context: Any
     ) -> AsyncIterator[ext_proc_pb2.ProcessingResponse]:
         self.streams += 1
@@ -319,11 +319,10 @@ async def envoy() -> AsyncIterator[EnvoyFactory]:
 
 async def _send(envoy: EnvoyProcess, forged: str, method: str = "POST") -> tuple[int, str]:
     url = f"http://127.0.0.1:{envoy.listen_port}/v1/completions"
-    async with ClientSession() as session:
-        async with session.request(
-            method, url, headers={DESTINATION_HEADER: forged}, json={"prompt": "hi"}
-        ) as response:
-            return response.status, await response.text()
+    async with ClientSession() as session, session.request(
+        method, url, headers={DESTINATION_HEADER: forged}, json={"prompt": "hi"}
+    ) as response:
+        return response.status, await response.text()
 
 
 @needs_envoy

@@ -13,11 +13,12 @@ from epp.datalayer.datastore import Datastore
 from epp.kube.client import KubeConfigError, api_client
 from epp.kube.discovery import Discovery
 from epp.testing.fake_apiserver import FakeApiServer, make_pod, make_pool, make_tls
-
 from tests.conftest import TOKEN
 
 
-async def _cli_reports(error: Exception, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+async def _cli_reports(
+    error: Exception, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
     """What ``epp serve`` does when serving raises ``error``: its exit status and what it logs."""
     from epp.server.cli import main
 

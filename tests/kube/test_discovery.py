@@ -25,7 +25,6 @@ from epp.kube.pods import PoolSpec
 from epp.server.server import EndpointPicker
 from epp.server.settings import Settings
 from epp.testing.fake_apiserver import INFERENCE_POOLS, PODS, FakeApiServer, make_pod, make_pool, write_kubeconfig
-
 from tests.conftest import eventually
 
 NS = "default"
@@ -69,7 +68,9 @@ def _pods_watch_open(api: FakeApiServer) -> Callable[[], bool]:
 # -- the first sync -----------------------------------------------------------------------------------
 
 
-async def test_first_sync_lists_the_pool_then_its_ready_pods_and_watches_from_the_list(api: FakeApiServer, discover: Start) -> None:
+async def test_first_sync_lists_the_pool_then_its_ready_pods_and_watches_from_the_list(
+    api: FakeApiServer, discover: Start
+) -> None:
     api.apply(make_pool(POOL, APP, [8000]))
     api.apply(make_pool("other-pool", {"app": "other"}, [9000]))
     api.apply(make_pod("ready", "10.0.0.1", labels=APP))
@@ -187,7 +188,9 @@ async def test_target_port_change_recomputes_the_endpoints(api: FakeApiServer, d
     discovery = await synced(discover)
     assert names(discovery) == ["a-rank-0"]  # b serves only on 8001, not a target port yet
 
-    api.update(INFERENCE_POOLS, NS, POOL, lambda pool: pool["spec"].update(targetPorts=[{"number": 8000}, {"number": 8001}]))
+    api.update(
+        INFERENCE_POOLS, NS, POOL, lambda pool: pool["spec"].update(targetPorts=[{"number": 8000}, {"number": 8001}])
+    )
     await eventually(lambda: names(discovery) == ["a-rank-0", "a-rank-1", "b-rank-1"], "the second port")
     assert discovery.datastore.get("b-rank-1").hostport == "10.0.0.2:8001"
 
@@ -195,7 +198,12 @@ async def test_target_port_change_recomputes_the_endpoints(api: FakeApiServer, d
     await eventually(lambda: names(discovery) == ["a-rank-0", "b-rank-0"], "8001 only, now rank 0")
     assert {e.hostport for e in discovery.datastore.endpoints()} == {"10.0.0.1:8001", "10.0.0.2:8001"}
 
-    api.update(PODS, NS, "b", lambda pod: pod["metadata"]["annotations"].update({"inference.networking.k8s.io/active-ports": "8000"}))
+    api.update(
+        PODS,
+        NS,
+        "b",
+        lambda pod: pod["metadata"]["annotations"].update({"inference.networking.k8s.io/active-ports": "8000"}),
+    )
     await eventually(lambda: names(discovery) == ["a-rank-0"], "b's active port is no target port")
     # the pod copy already held every selected pod: ports changed without a re-list
     assert len(api.list_requests(PODS)) == 1
@@ -283,7 +291,9 @@ async def test_bookmarks_keep_a_quiet_watch_position_fresh(api: FakeApiServer, d
     assert len(api.list_requests(PODS)) == 1  # no re-list was needed
 
 
-async def test_api_server_restart_while_things_change(api: FakeApiServer, discover: Start, caplog: pytest.LogCaptureFixture) -> None:
+async def test_api_server_restart_while_things_change(
+    api: FakeApiServer, discover: Start, caplog: pytest.LogCaptureFixture
+) -> None:
     api.apply(make_pool(POOL, APP, [8000]))
     api.apply(make_pod("a", "10.0.0.1", labels=APP))
     api.apply(make_pod("b", "10.0.0.2", labels=APP))
@@ -302,7 +312,9 @@ async def test_api_server_restart_while_things_change(api: FakeApiServer, discov
     assert names(discovery) == ["b-rank-0", "c-rank-0"]  # no empty pool on the way (it is only ever replaced)
 
 
-async def test_crd_not_installed_then_installed(api: FakeApiServer, discover: Start, caplog: pytest.LogCaptureFixture) -> None:
+async def test_crd_not_installed_then_installed(
+    api: FakeApiServer, discover: Start, caplog: pytest.LogCaptureFixture
+) -> None:
     api.apply(make_pool(POOL, APP, [8000]))
     api.apply(make_pod("a", "10.0.0.1", labels=APP))
     api.set_installed(INFERENCE_POOLS, False)
@@ -316,7 +328,9 @@ async def test_crd_not_installed_then_installed(api: FakeApiServer, discover: St
     assert names(discovery) == ["a-rank-0"]
 
 
-async def test_forbidden_pods_are_retried_and_logged(api: FakeApiServer, discover: Start, caplog: pytest.LogCaptureFixture) -> None:
+async def test_forbidden_pods_are_retried_and_logged(
+    api: FakeApiServer, discover: Start, caplog: pytest.LogCaptureFixture
+) -> None:
     api.apply(make_pool(POOL, APP, [8000]))
     api.apply(make_pod("a", "10.0.0.1", labels=APP))
     api.forbid(PODS)
@@ -329,7 +343,9 @@ async def test_forbidden_pods_are_retried_and_logged(api: FakeApiServer, discove
     assert names(discovery) == ["a-rank-0"]
 
 
-async def test_a_wrong_token_is_a_401_in_the_log(api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_wrong_token_is_a_401_in_the_log(
+    api: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     api.apply(make_pool(POOL, APP, [8000]))
     path = write_kubeconfig(tmp_path / "wrong", api.url, token="wrong")
     discovery = Discovery(Datastore(), namespace=NS, pool_name=POOL, kubeconfig=str(path), backoff=(0.02, 0.2))
@@ -363,7 +379,9 @@ async def test_endpoint_selector_mode_watches_pods_only(api: FakeApiServer, disc
 
 async def _health(port: int, service: str) -> int:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2
+        )
         return reply.status
 
 

@@ -29,7 +29,6 @@ from epp.sim.pool import SimulatedPod
 from epp.testing.envoy import EnvoyProcess, free_port
 from epp.testing.fake_apiserver import PODS, FakeApiServer, make_pod, make_pool
 from epp.testing.harness import PickerProcess, wait_for_picker
-
 from tests.conftest import eventually
 
 NS = "default"
@@ -93,7 +92,7 @@ class Load:
                 async with session.post(self.url + "/v1/completions", data=body) as response:
                     await response.read()
                     self.results.append((start, response.status, response.headers.get("x-sim-pod", "")))
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
             finally:
                 del self.in_flight[number]

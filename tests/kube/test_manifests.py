@@ -12,9 +12,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from epp.server.cli import settings_from_args
 from epp.datalayer.datastore import ENGINE_TYPE_LABEL, parse_endpoints
 from epp.kube.pods import PoolSpec, pool_spec
+from epp.server.cli import settings_from_args
 from epp.server.server import EndpointPicker
 from epp.server.settings import Settings
 
@@ -50,14 +50,16 @@ def one(kind: str, name: str | None = None, objects: list[tuple[Path, dict[str, 
 def test_every_object_is_a_known_kind() -> None:
     kinds = {doc["kind"] for _, doc in ALL}
     assert kinds <= CORE_KINDS | CRD_KINDS, kinds - CORE_KINDS - CRD_KINDS
-    assert CORE_KINDS <= kinds and CRD_KINDS <= kinds
+    assert kinds >= CORE_KINDS and kinds >= CRD_KINDS
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize(
     ("path", "doc"),
     [(p, d) for p, d in ALL if d["kind"] in CORE_KINDS],
-    ids=lambda v: v.name if isinstance(v, Path) else f"{v['kind']}/{v['metadata']['name']}" if isinstance(v, dict) else str(v),
+    ids=lambda v: (
+        v.name if isinstance(v, Path) else f"{v['kind']}/{v['metadata']['name']}" if isinstance(v, dict) else str(v)
+    ),
 )
 def test_core_kinds_validate_against_the_kubernetes_schema(path: Path, doc: dict[str, Any], version: str) -> None:
     kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError naming the field
@@ -103,7 +105,11 @@ def test_gateway_and_route_fit_together(overlay: str) -> None:
     assert parent == {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway["metadata"]["name"]}
     (rule,) = route["spec"]["rules"]
     (backend,) = rule["backendRefs"]
-    assert backend == {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": one("InferencePool")["metadata"]["name"]}
+    assert backend == {
+        "group": "inference.networking.k8s.io",
+        "kind": "InferencePool",
+        "name": one("InferencePool")["metadata"]["name"],
+    }
     assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
     assert set(rule["timeouts"]) <= {"request", "backendRequest"}
     if overlay == "envoy-gateway":
@@ -118,7 +124,8 @@ def test_gateway_and_route_fit_together(overlay: str) -> None:
 def test_gateway_helm_values_turn_inference_pools_on() -> None:
     eg = yaml.safe_load((DEPLOY / "envoy-gateway" / "envoy-gateway-values.yaml").read_text())
     manager = eg["config"]["envoyGateway"]["extensionManager"]
-    assert {"group": "inference.networking.k8s.io", "kind": "InferencePool", "version": "v1"} in manager["backendResources"]
+    pools = {"group": "inference.networking.k8s.io", "kind": "InferencePool", "version": "v1"}
+    assert pools in manager["backendResources"]
     assert manager["service"]["fqdn"]["hostname"].startswith("ai-gateway-controller.")
     kgw = yaml.safe_load((DEPLOY / "kgateway" / "kgateway-values.yaml").read_text())
     assert kgw == {"inferenceExtension": {"enabled": True}}
@@ -133,7 +140,8 @@ def test_kustomizations_list_files_that_exist(directory: str) -> None:
     if directory != "base":
         assert "../base" in kustomization["resources"]
     else:
-        assert {p.name for p in (DEPLOY / "base").glob("*.yaml")} - {"kustomization.yaml"} == set(kustomization["resources"])
+        files = {p.name for p in (DEPLOY / "base").glob("*.yaml")} - {"kustomization.yaml"}
+        assert files == set(kustomization["resources"])
 
 
 # -- the picker's invariants --------------------------------------------------------------------------
@@ -167,7 +175,7 @@ def test_picker_runs_locked_down_with_resource_requests() -> None:
 
 
 def test_picker_arguments_start_discovery_of_the_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    deployment, pod, container = _picker()
+    _, pod, container = _picker()
     config = one("ConfigMap", "vllm-qwen-epp-config")
     # the config file the args name is the ConfigMap's key, mounted read-only
     (config_arg,) = [container["args"][i + 1] for i, a in enumerate(container["args"]) if a == "--config-file"]
@@ -219,7 +227,11 @@ def test_rbac_is_least_privilege_in_the_namespace() -> None:
     account = one("ServiceAccount")
     assert pod["spec"]["serviceAccountName"] == account["metadata"]["name"]
     role, binding = one("Role"), one("RoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
     granted = {}
     for rule in role["rules"]:

@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 
 from epp.testing.fake_apiserver import INFERENCE_POOLS, PODS, FakeApiServer, make_pod, make_pool
-
 from tests.conftest import TOKEN
 
 PODS_PATH = "/api/v1/namespaces/default/pods"
@@ -107,7 +106,9 @@ async def test_watch_streams_events_after_the_resource_version_with_selector_tra
     assert versions == sorted(versions) and versions[-1] == api.resource_version
 
 
-async def test_watch_without_resource_version_starts_with_the_current_state(api: FakeApiServer, http: aiohttp.ClientSession) -> None:
+async def test_watch_without_resource_version_starts_with_the_current_state(
+    api: FakeApiServer, http: aiohttp.ClientSession
+) -> None:
     api.apply(make_pool("p", {"app": "vllm"}, [8000]))
     api.apply(make_pool("q", {"app": "vllm"}, [8000]))
     path = "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools"
@@ -117,7 +118,9 @@ async def test_watch_without_resource_version_starts_with_the_current_state(api:
     assert event["object"]["metadata"]["name"] == "q"
 
 
-async def test_bookmarks_carry_only_the_current_resource_version(api: FakeApiServer, http: aiohttp.ClientSession) -> None:
+async def test_bookmarks_carry_only_the_current_resource_version(
+    api: FakeApiServer, http: aiohttp.ClientSession
+) -> None:
     api.apply(make_pod("a"))
     params = {"watch": "true", "resourceVersion": str(api.resource_version), "allowWatchBookmarks": "true"}
     async with http.get(api.url + PODS_PATH, params=params) as response:
@@ -125,10 +128,16 @@ async def test_bookmarks_carry_only_the_current_resource_version(api: FakeApiSer
         api.send_bookmarks()
         (event,) = await events(response, 1)
     assert event["type"] == "BOOKMARK"
-    assert event["object"] == {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(api.resource_version)}}
+    assert event["object"] == {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {"resourceVersion": str(api.resource_version)},
+    }
 
 
-async def test_too_old_resource_version_is_410_as_an_error_event_or_as_http(api: FakeApiServer, http: aiohttp.ClientSession) -> None:
+async def test_too_old_resource_version_is_410_as_an_error_event_or_as_http(
+    api: FakeApiServer, http: aiohttp.ClientSession
+) -> None:
     api.apply(make_pod("a"))
     old = api.resource_version
     api.apply(make_pod("b"))
