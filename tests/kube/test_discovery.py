@@ -448,14 +448,3 @@ async def test_large_objects_cross_network_reads(api: FakeApiServer, discover: S
     api.apply(make_pod("a", "10.0.0.1", labels=APP, annotations=big))
     await eventually(lambda: names(discovery) == ["a-rank-0"], "the large pod")
     assert discovery.pod_reflector.objects["a"]["metadata"]["annotations"] == big
-
-
-def test_backoff_grows_and_is_bounded() -> None:
-    from epp.kube.reflector import Backoff
-
-    backoff = Backoff(0.1, 2.0)
-    delays = [backoff.next() for _ in range(30)]
-    assert all(0 < d <= 2.0 for d in delays)
-    assert max(delays[:2]) <= 0.2 < max(delays[-5:])  # it grows to the cap
-    backoff.reset()
-    assert backoff.next() <= 0.1
