@@ -43,7 +43,6 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -51,8 +50,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from epp.scheduling.config import DEFAULT_CONFIG
 from epp.envoy.bootstrap import BootstrapOptions, render, render_round_robin
+from epp.scheduling.config import DEFAULT_CONFIG
 from epp.sim.config import EngineConfig
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, wait_for_picker

@@ -20,7 +20,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epp.extproc.processor import _CONTINUE_RESPONSE_HEADERS, _CONTINUE_RESPONSE_TRAILERS, _streamed_request_body, _streamed_response_body
+from epp.extproc.processor import (
+    _CONTINUE_RESPONSE_HEADERS,
+    _CONTINUE_RESPONSE_TRAILERS,
+    _streamed_request_body,
+    _streamed_response_body,
+)
 
 
 def _destination_reply(hostport: str) -> pb.ProcessingResponse:

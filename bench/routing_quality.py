@@ -679,7 +679,6 @@ def write_chart(results: Sequence[Result], path: Path) -> bool:
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import ScalarFormatter
 
     kinds = list(dict.fromkeys(r.workload for r in results))

@@ -21,12 +21,12 @@ import random
 import statistics
 import time
 
-from epp.scheduling.config import load_config
-from epp.datalayer.datastore import Datastore, Endpoint, Metrics
+from epp.datalayer.datastore import Datastore
+from epp.framework import Endpoint, Handle, InferenceRequest, Metrics
 from epp.requestcontrol.director import Director
+from epp.scheduling.config import load_config
+from epp.scheduling.registry import default_registry
 from epp.server.metrics import Metrics as PickerMetrics
-from epp.scheduling.registry import Handle, default_registry
-from epp.extproc.parsing import InferenceRequest
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -34,7 +34,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from extproc_overhead import run_wrk  # noqa: E402
 
 from epp.envoy.bootstrap import BootstrapOptions, render  # noqa: E402
 from epp.testing.envoy import EnvoyProcess  # noqa: E402

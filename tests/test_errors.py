@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from epp.requestcontrol.director import admission_error
 from epp.errors import EppError, Reason, http_answer
 from epp.flowcontrol import DROPPED_REASON_HEADER, FlowControlError, Outcome
+from epp.requestcontrol.director import admission_error
 
 _EXPECTED = [
     (Reason.BAD_REQUEST, 400, "invalid_request_error"),

@@ -26,14 +26,32 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from epp.datalayer.datastore import ENGINE_TYPE_LABEL
-from epp.datalayer.engines import EngineMapping, builtin_engines, engine_from_config
-from epp.scheduling.registry import Handle, check_parameters
+from epp.datalayer.engines import ENGINE_TYPE_LABEL, EngineMapping, builtin_engines, engine_from_config
+from epp.framework import Handle, check_parameters
 
-__all__ = ["CoreMetricsExtractor", "MetricsDataSource"]
+__all__ = ["CoreMetricsExtractor", "MetricsDataSource", "MetricsExtractor", "MetricsSource"]
 
+
+@runtime_checkable
+class MetricsSource(Protocol):
+    """A data-layer plugin saying where pods serve their metrics."""
+
+    name: str
+    scheme: str
+    path: str
+    insecure_skip_verify: bool
+
+
+@runtime_checkable
+class MetricsExtractor(Protocol):
+    """A data-layer plugin saying how to read a pod's metrics page, per engine."""
+
+    name: str
+    engines: Mapping[str, EngineMapping]
+    default_engine: str
+    engine_label_key: str
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote
 
-from epp.datalayer.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, Metrics
-from epp.datalayer.engines import EngineMapping, EngineMetrics
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.engines import ENGINE_TYPE_LABEL, EngineMapping, EngineMetrics
 from epp.datalayer.httpget import GetConnection, HttpGetError, connect, request_bytes
-from epp.server.metrics import Metrics as ServiceMetrics
 from epp.datalayer.worker import WorkerClient
+from epp.framework import Endpoint, Metrics
+from epp.server.metrics import Metrics as ServiceMetrics
 
 __all__ = ["ScrapeLoops", "ScrapeSettings", "Scraper", "Target"]
 

@@ -35,8 +35,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from epp.datalayer.datastore import Metrics
 from epp.datalayer.engines import EngineMapping
+from epp.framework import Metrics
 
 __all__ = ["WorkerClient"]
 

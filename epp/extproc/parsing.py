@@ -20,72 +20,15 @@ always yields the same text, and a conversation that grows keeps its earlier tex
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 import msgspec
 
 from epp.errors import EppError, Reason
+from epp.framework import Api, InferenceRequest
 
-__all__ = ["Api", "InferenceRequest", "parse_request"]
-
-
-class Api(enum.Enum):
-    """The OpenAI-compatible API a request addresses (from its path)."""
-
-    COMPLETIONS = "completions"
-    CHAT_COMPLETIONS = "chat_completions"
-    EMBEDDINGS = "embeddings"
-    RESPONSES = "responses"
-    OTHER = "other"
-
-
-@dataclass(slots=True)
-class InferenceRequest:
-    """One request as the scheduler sees it. Built by :func:`parse_request`; treat as read-only.
-
-    Attributes:
-        request_id: the ``x-request-id`` header Envoy sets (or "" when absent).
-        method, path: from the ``:method`` and ``:path`` pseudo-headers.
-        headers: request headers, lower-case names (pseudo-headers included).
-        api: which API the path addresses.
-        model: the requested model ("" for body-less requests).
-        adapter: the LoRA adapter the request names: the requested model unless it is one of the
-            pool's known base models; None when there is no model.
-        prompt: the text used for prefix-cache affinity ("" when the body has none).
-        stream: whether the client asked for a streamed (SSE) answer.
-        cache_salt: vLLM's ``cache_salt``; prefix hashes must be salted with it.
-        max_tokens: the requested output budget, when given.
-        body_size: bytes of request body received.
-        objective: the InferenceObjective the request names (``x-llm-d-inference-objective``,
-            or ``x-gateway-inference-objective``); "" when none. Set by the director.
-        priority: the objective's priority (0 by default; < 0 is sheddable). Set by the director.
-        state: per-request data that plugins share during the request's life, keyed by the data
-            names plugins declare in ``produces``/``consumes`` (see :mod:`epp.scheduling.runner`).
-    """
-
-    request_id: str
-    method: str
-    path: str
-    headers: Mapping[str, str]
-    api: Api = Api.OTHER
-    model: str = ""
-    adapter: str | None = None
-    prompt: str = ""
-    stream: bool = False
-    cache_salt: str | None = None
-    max_tokens: int | None = None
-    body_size: int = 0
-    objective: str = ""
-    priority: int = 0
-    state: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """The prompt's length in tokens, estimated at 4 characters per token (no tokenizer here)."""
-        return (len(self.prompt) + 3) // 4
+__all__ = ["api_for_path", "parse_request"]
 
 
 # --- the typed views of each API's body: only what routing reads --------------------------------
@@ -168,18 +111,11 @@ def parse_request(
     """Parse one request. Raises :class:`EppError` (BAD_REQUEST) saying what is wrong with the body."""
     path = headers.get(":path", "")
     api = api_for_path(path)
-    request = InferenceRequest(
-        request_id=headers.get("x-request-id", ""),
-        method=headers.get(":method", ""),
-        path=path,
-        headers=headers,
-        api=api,
-        body_size=len(body),
-    )
+    request_id, method = headers.get("x-request-id", ""), headers.get(":method", "")
     if not body:
         if api is not Api.OTHER:
             raise EppError(Reason.BAD_REQUEST, f"{path} needs a JSON body with a `model` field")
-        return request
+        return InferenceRequest(request_id, method, path, headers, api)
 
     try:
         parsed = _DECODERS[api].decode(body)
@@ -193,24 +129,34 @@ def parse_request(
 
     if not parsed.model:
         raise EppError(Reason.BAD_REQUEST, f"invalid request body for {path}: `model` must not be empty")
-    request.model = parsed.model
-    request.adapter = None if parsed.model in base_models else parsed.model
-    request.stream = bool(parsed.stream)
-    request.cache_salt = parsed.cache_salt
-    request.max_tokens = parsed.max_tokens
+    max_tokens = parsed.max_tokens
+    prompt = ""
     if isinstance(parsed, _Completion):
-        request.prompt = _prompt_text(parsed.prompt, "prompt")
+        prompt = _prompt_text(parsed.prompt, "prompt")
     elif isinstance(parsed, _ChatCompletion):
-        request.prompt = _render_messages(parsed.messages)
+        prompt = _render_messages(parsed.messages)
         if parsed.max_completion_tokens is not None:
-            request.max_tokens = parsed.max_completion_tokens
+            max_tokens = parsed.max_completion_tokens
     elif isinstance(parsed, _Embedding):
-        request.prompt = _prompt_text(parsed.input, "input")
+        prompt = _prompt_text(parsed.input, "input")
     elif isinstance(parsed, _Response):
-        request.prompt = _render_response_input(parsed)
+        prompt = _render_response_input(parsed)
         if parsed.max_output_tokens is not None:
-            request.max_tokens = parsed.max_output_tokens
-    return request
+            max_tokens = parsed.max_output_tokens
+    return InferenceRequest(
+        request_id,
+        method,
+        path,
+        headers,
+        api,
+        model=parsed.model,
+        adapter=None if parsed.model in base_models else parsed.model,
+        prompt=prompt,
+        stream=bool(parsed.stream),
+        cache_salt=parsed.cache_salt,
+        max_tokens=max_tokens,
+        body_size=len(body),
+    )
 
 
 def _prompt_text(value: str | list[str | int | list[int]], name: str) -> str:
@@ -228,11 +174,12 @@ def _prompt_text(value: str | list[str | int | list[int]], name: str) -> str:
             "or a list of token-id lists, not a mix",
         )
     kind = kinds.pop()
+    # One kind of item throughout (checked above): the casts name which.
     if kind is str:
-        return "\n".join(value)  # type: ignore[arg-type]
+        return "\n".join(cast(list[str], value))
     if kind is int:
-        return _token_text(value)  # type: ignore[arg-type]
-    return "\n".join(_token_text(ids) for ids in value)  # type: ignore[union-attr]
+        return _token_text(cast(list[int], value))
+    return "\n".join(_token_text(ids) for ids in cast(list[list[int]], value))
 
 
 def _token_text(ids: list[int]) -> str:

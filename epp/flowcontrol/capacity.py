@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from epp.datalayer.datastore import Endpoint
 from epp.errors import EppError, Reason
+from epp.framework import Endpoint
 
 __all__ = ["check_prompt_fits", "kv_capacity", "place_by_free_kv"]
 
@@ -83,4 +83,4 @@ def place_by_free_kv(prompt_tokens: int, candidates: Sequence[Endpoint]) -> Sequ
             return candidates
         capacities.append(capacity)
     most = max(free for _, free in capacities)
-    return [endpoint for endpoint, (_, free) in zip(candidates, capacities) if free == most]
+    return [endpoint for endpoint, (_, free) in zip(candidates, capacities, strict=False) if free == most]

@@ -46,19 +46,19 @@ from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from types import MappingProxyType
 from typing import Any
 
-from epp.server.flags import parse_duration
 from epp.flowcontrol.saturation import DETECTOR_TYPES, UTILIZATION_DETECTOR
+from epp.framework import parse_duration
 
 __all__ = [
     "DEFAULT_BAND_MAX_BYTES",
     "DEFAULT_BAND_MAX_REQUESTS",
     "DEFAULT_REQUEST_TTL",
     "FAIRNESS_POLICIES",
+    "FCFS",
     "FLOW_CONTROL_GATE",
     "GLOBAL_STRICT",
     "KNOWN_FEATURE_GATES",
     "ORDERING_POLICIES",
-    "FCFS",
     "ROUND_ROBIN",
     "AdmissionConfig",
     "BandConfig",
@@ -101,9 +101,13 @@ class BandConfig:
         if self.max_requests <= 0 or self.max_bytes <= 0:
             raise ValueError(f"band {self.priority}: maxRequests and maxBytes must be > 0")
         if self.fairness not in FAIRNESS_POLICIES:
-            raise ValueError(f"band {self.priority}: unknown fairness policy {self.fairness!r}; known: {list(FAIRNESS_POLICIES)}")
+            raise ValueError(
+                f"band {self.priority}: unknown fairness policy {self.fairness!r}; known: {list(FAIRNESS_POLICIES)}"
+            )
         if self.ordering not in ORDERING_POLICIES:
-            raise ValueError(f"band {self.priority}: unknown ordering policy {self.ordering!r}; known: {list(ORDERING_POLICIES)}")
+            raise ValueError(
+                f"band {self.priority}: unknown ordering policy {self.ordering!r}; known: {list(ORDERING_POLICIES)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,19 +219,32 @@ def decode_flow_control(value: Any, *, plugin_types: Mapping[str, str] | None = 
     where = "flowControl"
     _check_mapping(value, _FLOW_CONTROL_KEYS, where)
     if "usageLimitPolicyPluginRef" in value:
-        raise ValueError(f"{where}.usageLimitPolicyPluginRef: usage-limit policies are an upstream feature this version does not implement")
+        raise ValueError(
+            f"{where}.usageLimitPolicyPluginRef: usage-limit policies are an upstream feature "
+            "this version does not implement"
+        )
     eviction = value.get("enableEviction", False)
     if not isinstance(eviction, bool):
         raise ValueError(f"{where}.enableEviction must be true or false, got {eviction!r}")
     if eviction:
-        raise ValueError(f"{where}.enableEviction: in-flight eviction is an upstream feature this version does not implement")
+        raise ValueError(
+            f"{where}.enableEviction: in-flight eviction is an upstream feature this version does not implement"
+        )
     types = plugin_types or {}
     default_band = BandConfig()
     if value.get("defaultPriorityBand") is not None:
-        default_band = _band(value["defaultPriorityBand"], f"{where}.defaultPriorityBand", types, BandConfig(), template=True)
+        default_band = _band(
+            value["defaultPriorityBand"], f"{where}.defaultPriorityBand", types, BandConfig(), template=True
+        )
     negative = None
     if value.get("defaultNegativePriorityBand") is not None:
-        negative = _band(value["defaultNegativePriorityBand"], f"{where}.defaultNegativePriorityBand", types, BandConfig(), template=True)
+        negative = _band(
+            value["defaultNegativePriorityBand"],
+            f"{where}.defaultNegativePriorityBand",
+            types,
+            BandConfig(),
+            template=True,
+        )
     bands: dict[int, BandConfig] = {}
     raw_bands = value.get("priorityBands") or []
     if not isinstance(raw_bands, list):
@@ -279,7 +296,9 @@ def decode_saturation_detector(
             return DetectorChoice(type=ref)
         raise ValueError(f"{where}.pluginRef {ref!r} names no plugin; defined: {', '.join(types) or 'none'}")
     if plugin_type not in DETECTOR_TYPES:
-        raise ValueError(f"{where}.pluginRef {ref!r} is a {plugin_type}, not a saturation detector ({', '.join(DETECTOR_TYPES)})")
+        raise ValueError(
+            f"{where}.pluginRef {ref!r} is a {plugin_type}, not a saturation detector ({', '.join(DETECTOR_TYPES)})"
+        )
     return DetectorChoice(plugin_ref=ref, type=plugin_type)
 
 
@@ -297,7 +316,9 @@ def decode_admission(
     """
     gates = decode_feature_gates(doc.get("featureGates"), known_gates)
     flow_control = decode_flow_control(doc.get("flowControl"), plugin_types=plugin_types)
-    detector = decode_saturation_detector(doc.get("flowControl"), doc.get("saturationDetector"), plugin_types=plugin_types)
+    detector = decode_saturation_detector(
+        doc.get("flowControl"), doc.get("saturationDetector"), plugin_types=plugin_types
+    )
     section = doc.get("flowControl")
     given = isinstance(section, Mapping) and any(key != "saturationDetector" for key in section)
     return AdmissionConfig(
@@ -317,9 +338,7 @@ def _check_mapping(value: Any, valid: tuple[str, ...], where: str) -> None:
             raise ValueError(f"{where}: unknown key {key!r}; valid keys: {', '.join(valid)}")
 
 
-def _band(
-    raw: Any, where: str, types: Mapping[str, str], base: BandConfig | None, *, template: bool
-) -> BandConfig:
+def _band(raw: Any, where: str, types: Mapping[str, str], base: BandConfig | None, *, template: bool) -> BandConfig:
     _check_mapping(raw, _BAND_KEYS, where)
     if template:
         if "priority" in raw:
@@ -335,10 +354,14 @@ def _band(
     max_bytes = _quantity(raw, "maxBytes", where, 0) or base.max_bytes
     fairness = _policy(raw, "fairnessPolicyRef", where, types, FAIRNESS_POLICIES, base.fairness)
     ordering = _policy(raw, "orderingPolicyRef", where, types, ORDERING_POLICIES, base.ordering)
-    return BandConfig(priority=priority, max_requests=max_requests, max_bytes=max_bytes, fairness=fairness, ordering=ordering)
+    return BandConfig(
+        priority=priority, max_requests=max_requests, max_bytes=max_bytes, fairness=fairness, ordering=ordering
+    )
 
 
-def _policy(raw: Mapping[str, Any], key: str, where: str, types: Mapping[str, str], known: tuple[str, ...], default: str) -> str:
+def _policy(
+    raw: Mapping[str, Any], key: str, where: str, types: Mapping[str, str], known: tuple[str, ...], default: str
+) -> str:
     ref = raw.get(key)
     if ref is None or ref == "":
         return default

@@ -68,6 +68,19 @@ log = logging.getLogger(__name__)
 Saturation = Callable[[], "float | bool"]
 
 
+class _Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    """Where request TTLs are read and timed: the running event loop (its ``time`` and ``call_at``)
+    unless one is given, as tests give a manual one."""
+
+    def time(self) -> float: ...
+
+    def call_at(self, when: float, callback: Callable[..., object], *args: Any) -> _Timer: ...
+
+
 class _Request(Protocol):
     priority: int
     flow_id: str
@@ -85,9 +98,11 @@ class Admission(Protocol):
 
 
 class _Entry:
-    __slots__ = ("seq", "request", "future", "enqueued_at", "band", "flow_id", "byte_size", "timer", "queued")
+    __slots__ = ("band", "byte_size", "enqueued_at", "flow_id", "future", "queued", "request", "seq", "timer")
 
-    def __init__(self, seq: int, request: Any, future: asyncio.Future[float], now: float, band: _Band, flow_id: str, size: int) -> None:
+    def __init__(
+        self, seq: int, request: Any, future: asyncio.Future[float], now: float, band: _Band, flow_id: str, size: int
+    ) -> None:
         self.seq = seq
         self.request = request
         self.future = future
@@ -95,14 +110,14 @@ class _Entry:
         self.band = band
         self.flow_id = flow_id
         self.byte_size = size
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: _Timer | None = None
         self.queued = True
 
 
 class _Band:
     """One priority's queue: every entry in arrival order, and per flow."""
 
-    __slots__ = ("config", "entries", "flows", "count", "bytes", "configured")
+    __slots__ = ("bytes", "config", "configured", "count", "entries", "flows")
 
     def __init__(self, config: BandConfig, configured: bool) -> None:
         self.config = config
@@ -157,6 +172,7 @@ class FlowController:
         has_endpoints: Callable[[], bool] = lambda: True,
         metrics: FlowControlMetrics | None = None,
         safety_interval: float = 0.25,
+        clock: Clock | None = None,
     ) -> None:
         if not safety_interval > 0:
             raise ValueError(f"safety_interval must be > 0, got {safety_interval}")
@@ -166,6 +182,7 @@ class FlowController:
         self._metrics = metrics
         self._safety_interval = safety_interval
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._clock: Clock | None = clock  # None: the running loop's clock and timers
         self._bands: dict[int, _Band] = {}
         self._order: list[int] = []  # band priorities, highest first
         self._count = 0
@@ -193,6 +210,9 @@ class FlowController:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
+        clock = self._clock
+        if clock is None:
+            clock = self._clock = loop
         if self._count == 0 and not self._saturated():
             self._record(priority, Outcome.DISPATCHED, 0.0)
             return 0.0
@@ -210,7 +230,7 @@ class FlowController:
 
         self._check_regime()
         self._seq += 1
-        entry = _Entry(self._seq, request, loop.create_future(), loop.time(), band, flow_id, size)
+        entry = _Entry(self._seq, request, loop.create_future(), clock.time(), band, flow_id, size)
         band.add(entry)
         self._count += 1
         self._bytes += size
@@ -282,9 +302,12 @@ class FlowController:
         if cfg.max_bytes and self._bytes + size > cfg.max_bytes:
             return f"{self._bytes} + {size} bytes over global maxBytes {cfg.max_bytes}"
         if band.count + 1 > band.config.max_requests:
-            return f"{band.count} requests queued at priority {band.config.priority}, maxRequests {band.config.max_requests}"
+            config = band.config
+            return f"{band.count} requests queued at priority {config.priority}, maxRequests {config.max_requests}"
         if band.bytes + size > band.config.max_bytes:
-            return f"{band.bytes} + {size} bytes over maxBytes {band.config.max_bytes} at priority {band.config.priority}"
+            return (
+                f"{band.bytes} + {size} bytes over maxBytes {band.config.max_bytes} at priority {band.config.priority}"
+            )
         return ""
 
     def _saturated(self) -> bool:
@@ -355,7 +378,8 @@ class FlowController:
             entry.timer.cancel()
             entry.timer = None
         self._drop_band_if_idle(band)
-        waited = self._loop.time() - entry.enqueued_at  # type: ignore[union-attr]
+        assert self._clock is not None
+        waited = self._clock.time() - entry.enqueued_at
         priority = band.config.priority
         if self._metrics is not None:
             self._metrics.record_queued(priority, -1, -entry.byte_size)
@@ -384,12 +408,12 @@ class FlowController:
                     self._arm_ttl(entry, None)
 
     def _arm_ttl(self, entry: _Entry, ttl: float | None) -> None:
-        loop = self._loop
-        assert loop is not None
+        clock = self._clock
+        assert clock is not None
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
-        now = loop.time()
+        now = clock.time()
         if ttl is not None:
             deadline = entry.enqueued_at + ttl
         else:
@@ -401,7 +425,7 @@ class FlowController:
             if cfg.default_request_ttl > 0 and cfg.no_endpoint_request_ttl > 0:
                 # A regime change grants a fresh budget but never past the longer one overall.
                 deadline = min(deadline, entry.enqueued_at + max(cfg.default_request_ttl, cfg.no_endpoint_request_ttl))
-        entry.timer = loop.call_at(max(deadline, now), self._expire, entry)
+        entry.timer = clock.call_at(max(deadline, now), self._expire, entry)
 
     def _expire(self, entry: _Entry) -> None:
         entry.timer = None
@@ -438,7 +462,9 @@ class LegacyAdmission:
             if not value < SATURATION_THRESHOLD:
                 if self._metrics is not None:
                     self._metrics.record_outcome(priority, Outcome.REJECTED_SATURATED, 0.0)
-                raise FlowControlError(Outcome.REJECTED_SATURATED, "the pool is saturated and this request is sheddable")
+                raise FlowControlError(
+                    Outcome.REJECTED_SATURATED, "the pool is saturated and this request is sheddable"
+                )
         return 0.0
 
     def wake(self) -> None:

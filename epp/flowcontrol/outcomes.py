@@ -2,20 +2,10 @@
 
 Design
 ------
-:class:`Outcome` values are upstream's ``QueueOutcome`` names (they are metric label values).
-Every non-dispatch outcome maps, in the one table ``_ANSWERS``, to the HTTP status upstream answers
-with and the value of the ``x-llm-d-request-dropped-reason`` response header:
-
-==========================  ======  ===============================  ====================================
-outcome                     status  dropped reason                   when
-==========================  ======  ===============================  ====================================
-RejectedCapacity            429     rejected-saturated               a queue limit is full
-RejectedSaturated           429     rejected-saturated               no flow control: sheddable while saturated
-RejectedNoEndpoints         503     rejected-no-endpoints            a limit is full and the pool is empty
-EvictedTTL                  503     rejected-ttl-expired             waited ``defaultRequestTTL``
-EvictedNoEndpoints          503     rejected-no-endpoints            waited ``noEndpointRequestTTL``, no pod
-RejectedOther/EvictedOther  503     rejected-shutting-down           the controller is closed
-==========================  ======  ===============================  ====================================
+:class:`Outcome` values are upstream's ``QueueOutcome`` names (they are metric label values). A
+refusal's HTTP status and ``x-llm-d-request-dropped-reason`` value are those of the refusal of the
+same name in the service's one table of refusals (:data:`epp.errors.REFUSALS`), so flow control
+decides no status of its own: :class:`FlowControlError` reads them from there.
 
 A client that goes away while queued is not an error here: the awaiting task is cancelled, its
 entry leaves the queue at once, and ``CancelledError`` propagates (outcome
@@ -27,6 +17,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from epp.errors import DROPPED_REASON_HEADER, REFUSALS, Refusal
+
 __all__ = [
     "DEFAULT_FLOW_ID",
     "DROPPED_REASON_HEADER",
@@ -37,7 +29,6 @@ __all__ = [
 ]
 
 # Upstream header names and the flow id used when a request names none.
-DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 DEFAULT_FLOW_ID = "default-flow"
 
@@ -54,28 +45,19 @@ class Outcome(enum.Enum):
     EVICTED_OTHER = "EvictedOther"
 
 
-# Outcome -> (HTTP status, x-llm-d-request-dropped-reason). The one place these are decided.
-_ANSWERS: dict[Outcome, tuple[int, str]] = {
-    Outcome.REJECTED_CAPACITY: (429, "rejected-saturated"),
-    Outcome.REJECTED_SATURATED: (429, "rejected-saturated"),
-    Outcome.REJECTED_NO_ENDPOINTS: (503, "rejected-no-endpoints"),
-    Outcome.REJECTED_OTHER: (503, "rejected-shutting-down"),
-    Outcome.EVICTED_TTL: (503, "rejected-ttl-expired"),
-    Outcome.EVICTED_NO_ENDPOINTS: (503, "rejected-no-endpoints"),
-    Outcome.EVICTED_CANCELLED: (503, "rejected-context-cancelled"),
-    Outcome.EVICTED_OTHER: (503, "rejected-shutting-down"),
-}
-
-
 class FlowControlError(Exception):
-    """A request admission refused or gave up on: ``status``, ``reason`` (the dropped-reason
-    header value) and a ``message`` for the client."""
+    """A request admission refused or gave up on: ``outcome``, a ``message`` for the client, and from
+    the refusal of the outcome's name (:data:`epp.errors.REFUSALS`) its HTTP ``status`` and ``reason``
+    (the dropped-reason header value)."""
 
     def __init__(self, outcome: Outcome, message: str) -> None:
         super().__init__(message)
         self.outcome = outcome
         self.message = message
-        self.status, self.reason = _ANSWERS[outcome]
+        self.refusal = Refusal[outcome.name]  # KeyError for an outcome nobody is answered with
+        answer = REFUSALS[self.refusal]
+        self.status = answer.status
+        self.reason = answer.dropped_reason or ""
 
     @property
     def headers(self) -> dict[str, str]:

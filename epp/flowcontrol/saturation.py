@@ -47,9 +47,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from epp.datalayer.datastore import Endpoint
-from epp.server.flags import parse_duration
-from epp.scheduling.registry import check_parameters
+from epp.framework import (
+    DEFAULT_SATURATION_DETECTOR,
+    Endpoint,
+    check_parameters,
+    duration_parameter,
+    float_parameter,
+    int_parameter,
+    str_parameter,
+)
 
 __all__ = [
     "CONCURRENCY_DETECTOR",
@@ -134,6 +140,17 @@ class UtilizationDetector:
     """``utilization-detector``: average over endpoints of the tighter of queue and KV-cache ratios."""
 
     type_name = UTILIZATION_DETECTOR
+    # Upstream's default detector: admission uses it when the config names none.
+    default_for = (DEFAULT_SATURATION_DETECTOR,)
+
+    @classmethod
+    def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Any) -> UtilizationDetector:
+        """The ``utilization-detector`` plugin factory; ``handle.in_flight`` enables scrape-lag compensation."""
+        detector = from_config(
+            UTILIZATION_DETECTOR, parameters, name=name, in_flight=getattr(handle, "in_flight", None)
+        )
+        assert isinstance(detector, UtilizationDetector)
+        return detector
 
     def __init__(
         self,
@@ -281,7 +298,13 @@ _UTILIZATION_PARAMETERS = (
     "stalenessPolicy",
     "inFlightLoadProducerName",
 )
-_CONCURRENCY_PARAMETERS = ("concurrencyMode", "maxConcurrency", "maxTokenConcurrency", "headroom", "inFlightLoadProducerName")
+_CONCURRENCY_PARAMETERS = (
+    "concurrencyMode",
+    "maxConcurrency",
+    "maxTokenConcurrency",
+    "headroom",
+    "inFlightLoadProducerName",
+)
 
 
 def from_config(
@@ -303,29 +326,31 @@ def from_config(
         raise ValueError(f"{name}: parameters must be a mapping, got {type(parameters).__name__}")
     if type_name == UTILIZATION_DETECTOR:
         check_parameters(name, parameters, _UTILIZATION_PARAMETERS)
-        p = _Params(name, parameters)
         config = _build(
             name,
             UtilizationConfig,
-            queue_depth_threshold=p.integer("queueDepthThreshold", 5),
-            kv_cache_util_threshold=p.number("kvCacheUtilThreshold", 0.8),
-            metrics_staleness_threshold=p.duration("metricsStalenessThreshold", 0.2),
-            headroom=p.number("headroom", 0.0),
-            staleness_policy=p.string("stalenessPolicy", "saturated"),
-            in_flight_load_producer_name=p.string("inFlightLoadProducerName", ""),
+            queue_depth_threshold=int_parameter(name, parameters, "queueDepthThreshold", 5),
+            kv_cache_util_threshold=float_parameter(name, parameters, "kvCacheUtilThreshold", 0.8),
+            metrics_staleness_threshold=duration_parameter(name, parameters, "metricsStalenessThreshold", 0.2),
+            headroom=float_parameter(name, parameters, "headroom", 0.0),
+            staleness_policy=str_parameter(name, parameters, "stalenessPolicy", "saturated"),
+            in_flight_load_producer_name=str_parameter(
+                name, parameters, "inFlightLoadProducerName", "", allow_empty=True
+            ),
         )
         return UtilizationDetector(config, name=name, in_flight=in_flight, clock=clock)
     if type_name == CONCURRENCY_DETECTOR:
         check_parameters(name, parameters, _CONCURRENCY_PARAMETERS)
-        p = _Params(name, parameters)
         config = _build(
             name,
             ConcurrencyConfig,
-            max_concurrency=p.integer("maxConcurrency", 100),
-            max_token_concurrency=p.integer("maxTokenConcurrency", 1_000_000),
-            mode=p.string("concurrencyMode", "requests"),
-            headroom=p.number("headroom", 0.0),
-            in_flight_load_producer_name=p.string("inFlightLoadProducerName", ""),
+            max_concurrency=int_parameter(name, parameters, "maxConcurrency", 100),
+            max_token_concurrency=int_parameter(name, parameters, "maxTokenConcurrency", 1_000_000),
+            mode=str_parameter(name, parameters, "concurrencyMode", "requests"),
+            headroom=float_parameter(name, parameters, "headroom", 0.0),
+            in_flight_load_producer_name=str_parameter(
+                name, parameters, "inFlightLoadProducerName", "", allow_empty=True
+            ),
         )
         if in_flight is None:
             raise ValueError(f"{name}: concurrency-detector needs the picker's in-flight tracker, and none was given")
@@ -338,43 +363,3 @@ def _build(name: str, cls: type, **fields: Any) -> Any:
         return cls(**fields)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
-
-
-class _Params:
-    """Typed reads of a plugin's parameter mapping, with errors that name the plugin and the key."""
-
-    def __init__(self, name: str, parameters: Mapping[str, Any]) -> None:
-        self._name = name
-        self._parameters = parameters
-
-    def _bad(self, key: str, want: str) -> ValueError:
-        return ValueError(f"{self._name}: {key} must be {want}, got {self._parameters[key]!r}")
-
-    def integer(self, key: str, default: int) -> int:
-        value = self._parameters.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise self._bad(key, "an integer")
-        return value
-
-    def number(self, key: str, default: float) -> float:
-        value = self._parameters.get(key, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-            raise self._bad(key, "a number")
-        return float(value)
-
-    def string(self, key: str, default: str) -> str:
-        value = self._parameters.get(key, default)
-        if not isinstance(value, str):
-            raise self._bad(key, "a string")
-        return value
-
-    def duration(self, key: str, default: float) -> float:
-        value = self._parameters.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            raise self._bad(key, 'a Go duration string such as "200ms"')
-        try:
-            return float(parse_duration(value))
-        except ValueError:
-            raise self._bad(key, 'a Go duration string such as "200ms"') from None

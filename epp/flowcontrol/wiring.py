@@ -13,14 +13,20 @@ detector, and :func:`build_admission` makes the admitter the director awaits.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from epp.datalayer.datastore import Endpoint
 from epp.flowcontrol.config import FCFS, GLOBAL_STRICT, ROUND_ROBIN, AdmissionConfig, DetectorChoice
 from epp.flowcontrol.controller import FlowController, LegacyAdmission
 from epp.flowcontrol.metrics import FlowControlMetrics
-from epp.scheduling.registry import Registry, check_parameters
-from epp.flowcontrol.saturation import CONCURRENCY_DETECTOR, UTILIZATION_DETECTOR, InFlight, SaturationDetector, from_config
+from epp.flowcontrol.saturation import (
+    CONCURRENCY_DETECTOR,
+    UTILIZATION_DETECTOR,
+    InFlight,
+    SaturationDetector,
+    UtilizationDetector,
+    from_config,
+)
+from epp.framework import Endpoint, check_parameters
 
 __all__ = [
     "PLUGIN_FACTORIES",
@@ -45,8 +51,8 @@ class PolicyPlugin:
 
 
 def utilization_detector(name: str, parameters: Mapping[str, Any], handle: Any) -> object:
-    """Plugin factory for ``utilization-detector`` (entry point ``epp.flowcontrol.wiring:utilization_detector``)."""
-    return from_config(UTILIZATION_DETECTOR, parameters, name=name, in_flight=getattr(handle, "in_flight", None))
+    """Plugin factory for ``utilization-detector`` (:meth:`UtilizationDetector.from_config`)."""
+    return UtilizationDetector.from_config(name, parameters, handle)
 
 
 def concurrency_detector(name: str, parameters: Mapping[str, Any], handle: Any) -> object:
@@ -79,7 +85,13 @@ PLUGIN_FACTORIES: Mapping[str, Callable[[str, Mapping[str, Any], Any], object]] 
 }
 
 
-def register(registry: Registry, *, source: str = "epp.flowcontrol") -> None:
+class _Registering(Protocol):
+    def register(
+        self, type_name: str, factory: Callable[[str, Mapping[str, Any], Any], object], *, source: str
+    ) -> None: ...
+
+
+def register(registry: _Registering, *, source: str = "epp.flowcontrol") -> None:
     """Register every type of :data:`PLUGIN_FACTORIES` (for registries not built from entry points)."""
     for type_name, factory in PLUGIN_FACTORIES.items():
         registry.register(type_name, factory, source=source)

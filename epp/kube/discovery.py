@@ -38,7 +38,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from epp.datalayer.datastore import Datastore, Endpoint
+from epp.datalayer.datastore import Datastore
+from epp.framework import Endpoint
 from epp.kube.client import api_client
 from epp.kube.objectives import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION, objective_priorities
 from epp.kube.pods import PoolSpec, PoolSpecError, endpoints_for, pool_spec

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from epp.datalayer.datastore import Endpoint
+from epp.framework import Endpoint
 
 __all__ = [
     "ACTIVE_PORTS_ANNOTATIONS",

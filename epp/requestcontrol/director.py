@@ -25,8 +25,9 @@ Admission, in ``route``, before anything else:
 3. **Admission** (:class:`epp.flowcontrol.Admission`): ``await admission.admit(...)`` returns when
    the request may be scheduled. With flow control on it waits in the central queue until the pool
    has room; with it off (upstream's default) a sheddable request (priority < 0) is refused while
-   the pool is saturated and everything else passes at once. A refusal becomes an
-   :class:`~epp.errors.EppError` (429/503) carrying the ``x-llm-d-request-dropped-reason`` header;
+   the pool is saturated and everything else passes at once. A refusal becomes the
+   :class:`~epp.errors.EppError` of the outcome's refusal (429/503, with the
+   ``x-llm-d-request-dropped-reason`` header; :data:`epp.errors.REFUSALS`);
    a client that goes away while queued cancels the awaiting task, which removes its entry.
 
 Only then is the pool snapshot taken, so the request is scheduled on what the pool looks like
@@ -34,7 +35,7 @@ when it leaves the queue. From the end of admission to the in-flight add there i
 the flow controller lets one request go per event-loop turn and reads saturation again on the
 next, by which time the released request already counts in flight. Capacity wakes the queue
 without polling: every metrics update and pool change (the server subscribes ``admission.wake``)
-and every response that ends (``finish``, after its in-flight release).
+and every response that ends (after its in-flight release).
 
 A prompt that fits no pod's *free* KV-cache (but some pod's whole cache) is narrowed to the pods
 with the most free cache before the scheduler runs.
@@ -42,47 +43,30 @@ with the most free cache before the scheduler runs.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from dataclasses import replace
 
-from epp.datalayer.datastore import Datastore, Endpoint
-from epp.errors import EppError, Reason
+from epp.datalayer.datastore import Datastore
+from epp.errors import EppError, Reason, Refusal
 from epp.flowcontrol.capacity import check_prompt_fits, place_by_free_kv
 from epp.flowcontrol.controller import Admission
 from epp.flowcontrol.objectives import Objectives
-from epp.flowcontrol.outcomes import DEFAULT_FLOW_ID, AdmissionRequest, FlowControlError, Outcome
-from epp.server.metrics import Metrics
-from epp.extproc.parsing import InferenceRequest
-from epp.scheduling.runner import Scheduler, SchedulingResult
+from epp.flowcontrol.outcomes import DEFAULT_FLOW_ID, AdmissionRequest, FlowControlError
+from epp.framework import Endpoint, InferenceRequest
+from epp.requestcontrol.lifecycle import RoutedRequest
+from epp.requestcontrol.metrics import RequestMetrics
+from epp.scheduling.runner import Scheduler
 
-__all__ = ["FAIRNESS_HEADERS", "Director", "Routing", "admission_error"]
-
-log = logging.getLogger(__name__)
+__all__ = ["FAIRNESS_HEADERS", "Director", "admission_error"]
 
 # llm-d's name first, then GIE's (both are read upstream).
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 
-# Admission outcome -> the error reason the client is answered with. The status each reason gets
-# (errors._ANSWERS) agrees with the one upstream gives the outcome (flowcontrol.outcomes; a test
-# checks it); the dropped-reason header comes from the FlowControlError. EvictedContextCancelled
-# is never raised: nobody is left to answer.
-_ADMISSION_REASONS: dict[Outcome, Reason] = {
-    Outcome.REJECTED_CAPACITY: Reason.QUEUE_FULL,
-    Outcome.REJECTED_SATURATED: Reason.SHED,
-    Outcome.REJECTED_NO_ENDPOINTS: Reason.NO_ENDPOINT,
-    Outcome.EVICTED_TTL: Reason.QUEUE_TIMEOUT,
-    Outcome.EVICTED_NO_ENDPOINTS: Reason.NO_ENDPOINT,
-    Outcome.REJECTED_OTHER: Reason.SHUTTING_DOWN,
-    Outcome.EVICTED_OTHER: Reason.SHUTTING_DOWN,
-}
-
 
 def admission_error(error: FlowControlError) -> EppError:
-    """The client's answer to an admission refusal: its reason, message and dropped-reason header."""
-    reason = _ADMISSION_REASONS.get(error.outcome, Reason.INTERNAL)
-    return EppError(reason, error.message, headers=error.headers)
+    """The client's answer to an admission refusal: the refusal of its outcome, with its message."""
+    return EppError(Refusal[error.outcome.name], error.message)
 
 
 def _flow_id(headers: Mapping[str, str]) -> str:
@@ -93,54 +77,12 @@ def _flow_id(headers: Mapping[str, str]) -> str:
     return DEFAULT_FLOW_ID
 
 
-class Routing:
-    """A routed request: its pick, and the hooks called while its response streams back."""
-
-    __slots__ = ("request", "result", "endpoints", "_director", "_ticket", "_finished", "_answering", "status")
-
-    def __init__(self, director: Director, request: InferenceRequest, result: SchedulingResult, ticket: Any) -> None:
-        self.request = request
-        self.result = result
-        self.endpoints = result.endpoints
-        self.status = 0
-        self._director = director
-        self._ticket = ticket
-        self._finished = False
-        self._answering = False
-
-    @property
-    def destination(self) -> str:
-        """The ``x-gateway-destination-endpoint`` value: primary first, then fallbacks."""
-        return ",".join(endpoint.hostport for endpoint in self.endpoints)
-
-    def response_headers(self, headers: Mapping[str, str]) -> dict[str, str] | None:
-        """The response headers arrived; returns the headers plugins ask to set on the response."""
-        status = headers.get(":status", "")
-        self.status = int(status) if status.isdigit() else 0
-        return self._director._response_received(self, headers)
-
-    def response_body_started(self) -> None:
-        """The first response body bytes arrived: the pod has finished queueing and prefill."""
-        if not self._answering and not self._finished:
-            self._answering = True
-            self.endpoints[0].inflight.answering(self._ticket)
-
-    def finish(self, outcome: str = "complete") -> None:
-        """The response ended (``complete``), failed (``error``) or the stream went away (``cancelled``)."""
-        if self._finished:
-            return
-        self._finished = True
-        if outcome == "complete" and self.status >= 500:
-            outcome = "error"
-        self._director._finished(self, outcome)
-
-
 class Director:
     def __init__(
         self,
         datastore: Datastore,
         scheduler: Scheduler,
-        metrics: Metrics,
+        metrics: RequestMetrics | None = None,
         *,
         base_models: frozenset[str] = frozenset(),
         admission: Admission | None = None,
@@ -148,21 +90,22 @@ class Director:
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
-        self.metrics = metrics
+        self.metrics = metrics if metrics is not None else RequestMetrics()
         self.base_models = base_models
         self.admission = admission  # None: every request passes at once
         self.objectives = objectives if objectives is not None else Objectives()
-        self._succeeded = metrics.scheduler_attempts.labels("success")
-        self._failed = metrics.scheduler_attempts.labels("failure")
+        self._wake = admission.wake if admission is not None else _nothing
 
-    async def route(self, request: InferenceRequest, subset: Collection[str] | None = None) -> Routing:
+    async def route(self, request: InferenceRequest, subset: Collection[str] | None = None) -> RoutedRequest:
         """Admit ``request``, then pick its endpoints; raises EppError when refused or when no
         endpoint can take it (NO_ENDPOINT).
 
         ``subset``: the gateway's hint (``ip:port`` strings); when given, only those pool members
         are candidates.
         """
-        request.objective, request.priority = self.objectives.resolve(request.headers)
+        objective, priority = self.objectives.resolve(request.headers)
+        if objective or priority:
+            request = replace(request, objective=objective, priority=priority)
         tokens = request.prompt_tokens
         check_prompt_fits(tokens, self.datastore.endpoints())
         admission = self.admission
@@ -179,58 +122,47 @@ class Director:
             except FlowControlError as exc:
                 raise admission_error(exc) from None
         # No await from here to the in-flight add (see the module docstring).
+        metrics = self.metrics
         started = time.perf_counter()
         candidates: Sequence[Endpoint] = self.datastore.endpoints()
         if subset is not None:
             by_hostport = self.datastore.by_hostport()
             candidates = [by_hostport[hostport] for hostport in subset if hostport in by_hostport]
             if not candidates:
-                self._failed.inc()
+                metrics.unscheduled.inc()
                 raise EppError(
                     Reason.NO_ENDPOINT,
                     "no pool endpoint matches the gateway's subset hint"
                     + (f" ({', '.join(list(subset)[:5])})" if subset else " (the hint is empty)"),
                 )
         if not candidates:
-            self._failed.inc()
+            metrics.unscheduled.inc()
             raise EppError(Reason.NO_ENDPOINT, "the inference pool has no ready endpoint")
         candidates = place_by_free_kv(tokens, candidates)
         scheduler = self.scheduler
         try:
             result = scheduler.run(request, candidates)
-        except Exception:
-            self._failed.inc()
+        except Exception:  # plugins are isolated by the runner: this is a bug in the runner itself
+            metrics.unscheduled.inc()
             raise
         endpoints = result.endpoints
-        if not endpoints:
-            self._failed.inc()
-            raise EppError(Reason.NO_ENDPOINT, f"no endpoint can take this request ({len(candidates)} candidates filtered out)")
-        self._succeeded.inc()
-        self.metrics.scheduler_e2e.observe(time.perf_counter() - started)
-        # The request counts toward its primary's load from now until its response ends.
-        ticket = endpoints[0].inflight.add(request.prompt_tokens)
-        self.metrics.for_model(request.model).running.inc()
-        routing = Routing(self, request, result, ticket)
-        try:
-            scheduler.pre_request(request, result)
-        except Exception:
-            log.exception("a pre-request plugin failed for request %s", request.request_id or "?")
-        return routing
+        in_flight = self.datastore.in_flight(endpoints[0].name) if endpoints else None
+        if in_flight is None:
+            metrics.unscheduled.inc()
+            raise EppError(
+                Reason.NO_ENDPOINT, f"no endpoint can take this request ({len(candidates)} candidates filtered out)"
+            )
+        metrics.scheduled.inc()
+        metrics.scheduler_e2e.observe(time.perf_counter() - started)
+        per_model = metrics.for_model(request.model)
+        per_model.requests.inc()
+        metrics.routed.inc()
+        if request.body_size:
+            per_model.sizes.observe(request.body_size)
+        routed = RoutedRequest(request, result, scheduler, in_flight, per_model, wake=self._wake)
+        scheduler.pre_request(request, result)
+        return routed
 
-    def _response_received(self, routing: Routing, headers: Mapping[str, str]) -> dict[str, str] | None:
-        try:
-            return self.scheduler.response_received(routing.request, routing.endpoints[0], headers)
-        except Exception:
-            log.exception("a response-received plugin failed for request %s", routing.request.request_id or "?")
-            return None
 
-    def _finished(self, routing: Routing, outcome: str) -> None:
-        primary = routing.endpoints[0]
-        primary.inflight.release(routing._ticket, answered=routing._answering)
-        self.metrics.for_model(routing.request.model).running.dec()
-        if self.admission is not None:
-            self.admission.wake()  # a slot freed: a queued request may go
-        try:
-            self.scheduler.response_complete(routing.request, primary, outcome)
-        except Exception:
-            log.exception("a response-complete plugin failed for request %s", routing.request.request_id or "?")
+def _nothing() -> None:
+    pass

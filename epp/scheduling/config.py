@@ -14,20 +14,25 @@ Upstream's defaults, applied after decoding:
 * no ``schedulingProfiles``: one profile ``default`` using every filter, scorer and picker defined.
 * a profile without a picker gets a ``max-score-picker``; a scorer without a weight gets 1.
 * one profile and no profile handler: ``single-profile-handler``. Several profiles need a handler.
-* a plugin that consumes data (``consumes``) no configured plugin produces gets the producer the
-  registry names for it, built from the consumer's ``producer_parameters`` (upstream's
-  ``prefix-cache-scorer`` alone brings its own index this way).
+* a plugin that consumes data (``consumes``) no configured plugin produces gets the type the registry
+  records as that data's default producer, built from the consumer's ``producer_parameters``
+  (upstream's ``prefix-cache-scorer`` alone brings its own index this way).
 
-Plugin roles are found by method (:func:`epp.scheduling.runner.roles`): in a profile a plugin acts as
-every one of filter, scorer and picker it implements; producers and lifecycle hooks run for every
-configured plugin, whether or not a profile references it.
+The defaults are the types that declare themselves so (``default_for``, see
+:mod:`epp.framework.roles`), looked up in the registry: this module names no plugin type.
+
+Plugin roles are found by method (:func:`epp.framework.roles`): in a profile a plugin acts as every
+one of filter, scorer and picker it implements; producers and lifecycle hooks run for every
+configured plugin, whether or not a profile references it. The data layer's plugins and saturation
+detectors are found by their protocols too (:class:`epp.datalayer.plugins.MetricsSource`,
+:class:`epp.datalayer.plugins.MetricsExtractor`, :class:`epp.flowcontrol.saturation.SaturationDetector`).
 
 Admission (:mod:`epp.flowcontrol`): ``featureGates`` (``flowControl`` turns the central queue on;
 ``dataLayer`` is accepted and changes nothing, the data layer being always on here),
 ``flowControl`` and ``saturationDetector`` are upstream's sections, decoded strictly by
 :func:`epp.flowcontrol.decode_admission` after the plugins exist (policy and detector references
-name plugins). The saturation detector is the plugin they name, else upstream's default: a
-``utilization-detector`` with default parameters (a declared plugin of that name is used). A
+name plugins). The saturation detector is the plugin they name, else the registry's default detector with default
+parameters (upstream's ``utilization-detector``; a declared plugin of that name is used). A
 saturation detector acts as a scheduling filter only in a profile that references it. The
 section ``inferenceObjectives`` (name and priority of each objective the request header may name)
 is this project's extension (:mod:`epp.flowcontrol.objectives`); upstream reads objectives only
@@ -38,36 +43,40 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from importlib import resources
+from typing import Any, cast
 
 import yaml
 
-from epp.datalayer.plugins import CoreMetricsExtractor, MetricsDataSource
+from epp.datalayer.plugins import MetricsExtractor, MetricsSource
 from epp.flowcontrol.config import FLOW_CONTROL_GATE, KNOWN_FEATURE_GATES, AdmissionConfig, decode_admission
 from epp.flowcontrol.objectives import decode_objectives
-from epp.flowcontrol.wiring import build_detector
-from epp.scheduling.registry import Handle, Registry
 from epp.flowcontrol.saturation import SaturationDetector
-from epp.scheduling.runner import (
+from epp.framework import (
+    DEFAULT_PICKER,
+    DEFAULT_SATURATION_DETECTOR,
     DataProducer,
     Filter,
+    Handle,
     Picker,
     Profile,
     ProfileHandler,
-    Scheduler,
     Scorer,
     WeightedScorer,
-    _no_observer,
+    declared_keys,
+    default_producer_of,
     roles,
 )
+from epp.scheduling.metrics import PluginCallMetrics
+from epp.scheduling.registry import Registry
+from epp.scheduling.runner import Scheduler, no_instrument
 
 __all__ = [
     "API_VERSIONS",
-    "ConfigError",
     "DEFAULT_CONFIG",
-    "DEFAULT_PRODUCERS",
+    "ConfigError",
     "PickerConfig",
     "default_config",
     "load_config",
@@ -78,29 +87,9 @@ log = logging.getLogger(__name__)
 
 API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1", "llm-d.ai/v1alpha1")
 
-# Upstream's default profile, used when no config is given.
-DEFAULT_CONFIG = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: max-score-picker
-"""
-
-# The producer type to add when a consumed data name has no configured producer.
-DEFAULT_PRODUCERS = {"prefix-cache-match": "approx-prefix-cache-producer"}
+# Upstream's default profile, used when no config is given: a data file, so that the code names no
+# plugin type (deploy/config/default-plugins.yaml writes the same profile out with its parameters).
+DEFAULT_CONFIG = resources.files("epp.scheduling").joinpath("default-config.yaml").read_text()
 
 # Type names upstream has renamed: the old name still loads (and says so).
 _RENAMED = {"kv-cache-scorer": "kv-cache-utilization-scorer"}
@@ -124,9 +113,6 @@ _NOT_YET = {"requestControl", "requestHandler", "parser"}
 _FEATURE_GATES = {**KNOWN_FEATURE_GATES, "dataLayer": False}
 
 
-Timer = Callable[[str, str, str], Callable[[float], None]]
-
-
 class ConfigError(ValueError):
     """The configuration cannot be used; the message says where and why."""
 
@@ -148,8 +134,8 @@ class PickerConfig:
     """
 
     scheduler: Scheduler
-    metrics_source: MetricsDataSource | None = None
-    metrics_extractor: CoreMetricsExtractor | None = None
+    metrics_source: MetricsSource | None = None
+    metrics_extractor: MetricsExtractor | None = None
     plugins: Mapping[str, tuple[str, object]] = field(default_factory=dict)
     admission: AdmissionConfig = field(default_factory=lambda: decode_admission({}))
     detector: SaturationDetector | None = None
@@ -172,11 +158,12 @@ def load_scheduler(text: str | None, registry: Registry, handle: Handle) -> Sche
     return load_config(text, registry, handle).scheduler
 
 
-def load_config(text: str | None, registry: Registry, handle: Handle, *, timer: Timer | None = None) -> PickerConfig:
+def load_config(
+    text: str | None, registry: Registry, handle: Handle, *, metrics: PluginCallMetrics | None = None
+) -> PickerConfig:
     """Decode ``text`` (None: the default config) strictly and build what it describes.
 
-    ``timer(extension_point, plugin_type, plugin_name)`` gives the callable that records each call's
-    duration (the service binds it to ``inference_extension_plugin_duration_seconds``).
+    ``metrics``: where every plugin call's duration and failures are recorded (none: not recorded).
     """
     doc = _load_yaml(default_config(registry) if text is None else text)
     _check_keys(doc, _TOP_KEYS, "the config")
@@ -195,7 +182,7 @@ def load_config(text: str | None, registry: Registry, handle: Handle, *, timer: 
         types[spec.name] = spec.type if spec.type in registry.types() else _RENAMED.get(spec.type, spec.type)
     _add_missing_producers(plugins, types, registry, handle)
     producers = _ordered_producers(plugins)
-    admission, detector = _admission(doc, plugins, types, handle)
+    admission, detector = _admission(doc, plugins, types, registry, handle)
     try:
         objectives = decode_objectives(doc.get("inferenceObjectives"))
     except ValueError as exc:
@@ -222,10 +209,10 @@ def load_config(text: str | None, registry: Registry, handle: Handle, *, timer: 
         raise ConfigError(
             f"schedulingProfiles: {len(profiles)} profiles need a profile handler plugin to choose between them"
         )
-    handler = plugins[handlers[0]] if handlers else None
+    handler = cast(ProfileHandler, plugins[handlers[0]]) if handlers else None
 
-    sources = [p for p in plugins.values() if isinstance(p, MetricsDataSource)]
-    extractors = [p for p in plugins.values() if isinstance(p, CoreMetricsExtractor)]
+    sources = [p for p in plugins.values() if isinstance(p, MetricsSource)]
+    extractors = [p for p in plugins.values() if isinstance(p, MetricsExtractor)]
     for kind, found in (("metrics-data-source", sources), ("core-metrics-extractor", extractors)):
         if len(found) > 1:
             raise ConfigError(f"plugins: at most one {kind} is supported, got {len(found)}")
@@ -233,18 +220,12 @@ def load_config(text: str | None, registry: Registry, handle: Handle, *, timer: 
     if data_key in doc:
         _check_data_layer(doc[data_key], data_key, plugins)
 
-    def observe(extension_point: str, plugin: object) -> Callable[[float], None]:
-        if timer is None:
-            return _no_observer(extension_point, plugin)
-        name = getattr(plugin, "name", "")
-        return timer(extension_point, types.get(name, type(plugin).__name__), name)
-
     scheduler = Scheduler(
         profiles,
-        handler=handler,  # type: ignore[arg-type]
+        handler=handler,
         producers=producers,
         hooks=list(plugins.values()),
-        observe=observe,
+        instrument=metrics.instrument(types) if metrics is not None else no_instrument,
     )
     return PickerConfig(
         scheduler=scheduler,
@@ -258,14 +239,31 @@ def load_config(text: str | None, registry: Registry, handle: Handle, *, timer: 
 
 
 def _admission(
-    doc: Mapping[str, Any], plugins: Mapping[str, object], types: Mapping[str, str], handle: Handle
+    doc: Mapping[str, Any],
+    plugins: Mapping[str, object],
+    types: Mapping[str, str],
+    registry: Registry,
+    handle: Handle,
 ) -> tuple[AdmissionConfig, SaturationDetector]:
     """The admission sections, decoded, and the saturation detector they choose."""
     try:
         admission = decode_admission(doc, plugin_types=types, known_gates=_FEATURE_GATES)
-        detector = build_detector(admission.detector, plugins, in_flight=getattr(handle, "in_flight", None))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    choice = admission.detector
+    if choice.plugin_ref is not None:
+        plugin = plugins.get(choice.plugin_ref)
+        if not isinstance(plugin, SaturationDetector):
+            raise ConfigError(f"saturationDetector: plugin {choice.plugin_ref!r} is not a saturation detector")
+        detector = plugin
+    else:
+        # Inline thresholds name their type; otherwise the registry's default detector.
+        type_name = choice.type if choice.parameters else registry.default(DEFAULT_SATURATION_DETECTOR) or choice.type
+        spec = _PluginSpec(type_name, type_name, choice.parameters)
+        built = _create(registry, spec, "saturationDetector", handle)
+        if not isinstance(built, SaturationDetector):
+            raise ConfigError(f"saturationDetector: plugin type {type_name!r} is not a saturation detector")
+        detector = built
     if admission.flow_control_section_given:
         log.warning("flowControl: the section is ignored while the %s feature gate is off", FLOW_CONTROL_GATE)
     if admission.feature_gates.get("dataLayer"):
@@ -286,19 +284,16 @@ def _create(registry: Registry, spec: _PluginSpec, where: str, handle: Handle) -
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def _declared(plugin: object, attribute: str) -> tuple[str, ...]:
-    value = getattr(plugin, attribute, ())
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
-def _add_missing_producers(plugins: dict[str, object], types: dict[str, str], registry: Registry, handle: Handle) -> None:
+def _add_missing_producers(
+    plugins: dict[str, object], types: dict[str, str], registry: Registry, handle: Handle
+) -> None:
     """Add the default producer of every consumed data name nobody produces; refuse the rest."""
     for name, plugin in list(plugins.items()):
-        for data in _declared(plugin, "consumes"):
-            if any(data in _declared(other, "produces") for other in plugins.values()):
+        for data in declared_keys(plugin, "consumes"):
+            if any(data in declared_keys(other, "produces") for other in plugins.values()):
                 continue
-            producer_type = DEFAULT_PRODUCERS.get(data)
-            if producer_type is None or producer_type not in registry.types():
+            producer_type = registry.default(default_producer_of(data))
+            if producer_type is None:
                 raise ConfigError(
                     f"plugins: {name!r} consumes {data!r}, which no configured plugin produces"
                     + (f" (add a {producer_type} plugin)" if producer_type else "")
@@ -321,12 +316,12 @@ def _ordered_producers(plugins: Mapping[str, object]) -> list[DataProducer]:
         if state.get(name) == "done":
             return
         if state.get(name) == "visiting":
-            raise ConfigError(f"plugins: data producers depend on each other in a cycle: {' -> '.join(chain + (name,))}")
+            raise ConfigError(f"plugins: data producers depend on each other in a cycle: {' -> '.join((*chain, name))}")
         state[name] = "visiting"
-        for data in _declared(producers[name], "consumes"):
+        for data in declared_keys(producers[name], "consumes"):
             for other, plugin in producers.items():
-                if other != name and data in _declared(plugin, "produces"):
-                    visit(other, chain + (name,))
+                if other != name and data in declared_keys(plugin, "produces"):
+                    visit(other, (*chain, name))
         state[name] = "done"
         ordered.append(producers[name])
 
@@ -346,15 +341,17 @@ def _check_data_layer(raw: Any, where: str, plugins: Mapping[str, object]) -> No
         if not isinstance(source, dict):
             raise ConfigError(f"{at} must be a mapping with pluginRef and extractors")
         _check_keys(source, {"pluginRef", "extractors"}, at)
-        if not isinstance(plugins.get(source.get("pluginRef")), MetricsDataSource):
+        if not isinstance(plugins.get(str(source.get("pluginRef"))), MetricsSource):
             raise ConfigError(f"{at}: pluginRef {source.get('pluginRef')!r} names no metrics-data-source plugin")
         for ext_index, extractor in enumerate(_as_list(source.get("extractors"), f"{at}.extractors")):
             ext_at = f"{at}.extractors[{ext_index}]"
             if not isinstance(extractor, dict):
                 raise ConfigError(f"{ext_at} must be a mapping with pluginRef")
             _check_keys(extractor, {"pluginRef"}, ext_at)
-            if not isinstance(plugins.get(extractor.get("pluginRef")), CoreMetricsExtractor):
-                raise ConfigError(f"{ext_at}: pluginRef {extractor.get('pluginRef')!r} names no core-metrics-extractor plugin")
+            if not isinstance(plugins.get(str(extractor.get("pluginRef"))), MetricsExtractor):
+                raise ConfigError(
+                    f"{ext_at}: pluginRef {extractor.get('pluginRef')!r} names no core-metrics-extractor plugin"
+                )
 
 
 def _load_yaml(text: str) -> dict[str, Any]:
@@ -430,19 +427,23 @@ def _profile(
         if "weight" in ref and "Scorer" not in found:
             log.warning("%s: weight given to %r, which is not a scorer: ignored", ref_where, plugin_name)
         if "Filter" in found:
-            filters.append(plugin)  # type: ignore[arg-type]
+            filters.append(cast(Filter, plugin))
         if "Scorer" in found:
-            scorers.append(WeightedScorer(plugin, float(weight)))  # type: ignore[arg-type]
+            scorers.append(WeightedScorer(cast(Scorer, plugin), float(weight)))
         if "Picker" in found:
-            pickers.append(plugin)  # type: ignore[arg-type]
+            pickers.append(cast(Picker, plugin))
     if len(pickers) > 1:
         raise ConfigError(f"{where}: a profile takes one picker, got {len(pickers)}: {[p.name for p in pickers]}")
     if not pickers:
-        picker_name = "max-score-picker"
+        picker_type = registry.default(DEFAULT_PICKER)
+        if picker_type is None:
+            raise ConfigError(f"{where}: the profile has no picker, and no installed plugin type is the default picker")
+        picker_name = picker_type
         if picker_name in plugins and not isinstance(plugins[picker_name], Picker):
-            picker_name = f"max-score-picker-for-{name}"
+            picker_name = f"{picker_type}-for-{name}"
         if picker_name not in plugins:
-            plugins[picker_name] = _create(registry, _PluginSpec(picker_name, "max-score-picker", {}), f"{where} (default picker)", handle)
-            types[picker_name] = "max-score-picker"
-        pickers.append(plugins[picker_name])  # type: ignore[arg-type]
+            spec = _PluginSpec(picker_name, picker_type, {})
+            plugins[picker_name] = _create(registry, spec, f"{where} (default picker)", handle)
+            types[picker_name] = picker_type
+        pickers.append(cast(Picker, plugins[picker_name]))
     return Profile(name=name, picker=pickers[0], filters=tuple(filters), scorers=tuple(scorers))

@@ -14,8 +14,14 @@ environment variable ``EPP_DISABLE_PLUGINS`` (comma-separated) name types that a
 imported (the way to start with a third-party plugin that is broken). A config that uses a
 disabled type is refused with a message saying it is disabled.
 
-Factories check their parameters with :func:`check_parameters`, so every plugin refuses unknown
-parameters the same way.
+Factories check their parameters with :func:`epp.framework.check_parameters`, so every plugin
+refuses unknown parameters the same way.
+
+Defaults. A plugin type may declare what it is the default of (``default_for`` on its factory, see
+:mod:`epp.framework.roles`): the picker a profile without one gets, the saturation detector admission
+uses when the config names none, the producer added for a consumed key nobody produces. The registry
+records these declarations as types are loaded (:meth:`Registry.default`); two enabled types claiming
+one default stop startup, naming both. The core thus knows no plugin type by name.
 """
 
 from __future__ import annotations
@@ -23,23 +29,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from epp.datalayer.datastore import Datastore, Endpoint
+from epp.framework import Handle
 
 __all__ = [
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
-    "Handle",
     "PluginFactory",
     "PluginLoadError",
     "Registry",
-    "check_parameters",
+    "declared_defaults",
     "default_registry",
     "disabled_from_env",
-    "endpoint_in_flight",
     "load_registry",
 ]
 
@@ -48,40 +51,17 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "epp.plugins"
 DISABLE_ENV = "EPP_DISABLE_PLUGINS"
 
-
-def endpoint_in_flight(endpoint: Endpoint) -> tuple[int, int]:
-    """(requests, estimated prompt tokens) this picker sent to ``endpoint`` whose responses have not ended."""
-    record = endpoint.inflight
-    return record.requests, record.tokens
-
-
-@dataclass(frozen=True, slots=True)
-class Handle:
-    """What a plugin factory may use from the running service.
-
-    ``datastore``: the pool (subscribe to membership changes, read endpoints).
-    ``registry``: a Prometheus ``CollectorRegistry`` for the plugin's own metrics (None in tests).
-    ``in_flight``: ``in_flight(endpoint) -> (requests, tokens)``, what the picker has dispatched to
-    an endpoint and not yet seen finish (the director's in-flight accounting); saturation
-    detectors read it (``concurrency-detector`` needs it).
-    """
-
-    datastore: Datastore
-    registry: Any = None
-    in_flight: Callable[[Endpoint], tuple[int, int]] = endpoint_in_flight
-
-
 PluginFactory = Callable[[str, Mapping[str, Any], Handle], object]
 
 
-def check_parameters(name: str, parameters: Mapping[str, Any], valid: Iterable[str] = ()) -> None:
-    """For plugin factories: ValueError naming any parameter not in ``valid``, and listing those that are."""
-    valid = tuple(valid)
-    unknown = sorted(set(parameters) - set(valid))
-    if unknown and not valid:
-        raise ValueError(f"{name}: takes no parameters, got {unknown}")
-    if unknown:
-        raise ValueError(f"{name}: unknown parameter(s) {unknown}; valid: {list(valid)}")
+def declared_defaults(factory: PluginFactory) -> tuple[str, ...]:
+    """What a factory's plugin type declares itself the default of (``default_for``).
+
+    Read from the class of a ``Class.from_config`` factory, else from the factory itself.
+    """
+    owner = getattr(factory, "__self__", factory)
+    value = getattr(owner, "default_for", ())
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 class PluginLoadError(ValueError):
@@ -91,6 +71,7 @@ class PluginLoadError(ValueError):
 class Registry:
     def __init__(self, *, disabled: Iterable[str] = ()) -> None:
         self._factories: dict[str, tuple[PluginFactory, str]] = {}
+        self._defaults: dict[str, str] = {}  # role -> type name (see the module docstring)
         self.disabled: frozenset[str] = frozenset(disabled)
 
     def register(self, type_name: str, factory: PluginFactory, *, source: str) -> None:
@@ -98,7 +79,20 @@ class Registry:
             raise ValueError(
                 f"plugin type {type_name!r} is registered twice: by {self._factories[type_name][1]} and by {source}"
             )
+        for role in declared_defaults(factory):
+            other = self._defaults.get(role)
+            if other is not None:
+                raise PluginLoadError(
+                    f"plugin types {other!r} ({self._factories[other][1]}) and {type_name!r} ({source}) "
+                    f"both declare themselves the default {role}; disable one with --disable-plugin"
+                )
         self._factories[type_name] = (factory, source)
+        for role in declared_defaults(factory):
+            self._defaults[role] = type_name
+
+    def default(self, role: str) -> str | None:
+        """The type name declared the default of ``role`` (None: no enabled type declares it)."""
+        return self._defaults.get(role)
 
     def types(self) -> list[str]:
         return sorted(self._factories)

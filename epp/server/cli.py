@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from epp.datalayer.datastore import check_unique, parse_endpoints, read_endpoints_file
-from epp.server.flags import Duration, FlagError, FlagSet, make_flag
+from epp.datalayer.static import check_unique, parse_endpoints, read_endpoints_file
+from epp.framework import Duration
 from epp.scheduling.registry import disabled_from_env
+from epp.server.flags import FlagError, FlagSet, make_flag
 from epp.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 
 __all__ = ["SERVE_FLAGS", "main", "settings_from_args"]
@@ -47,7 +48,9 @@ SERVE_FLAGS = FlagSet(
         make_flag("cert-path", "", "directory with tls.crt and tls.key; empty: a self-signed certificate"),
         make_flag("config-file", "", "EndpointPickerConfig YAML file"),
         make_flag("config-text", "", "EndpointPickerConfig YAML, inline (instead of --config-file)"),
-        make_flag("disable-plugin", [], "plugin type to turn off (repeatable, or comma-separated; also $EPP_DISABLE_PLUGINS)"),
+        make_flag(
+            "disable-plugin", [], "plugin type to turn off (repeatable, or comma-separated; also $EPP_DISABLE_PLUGINS)"
+        ),
         make_flag("v", 1, "log verbosity: 0-2 info, 3 and up debug"),
         make_flag("zap-encoder", "console", "log format: console or json"),
         make_flag("pool-name", "", "InferencePool to serve (Kubernetes discovery)"),
@@ -60,7 +63,9 @@ SERVE_FLAGS = FlagSet(
         ),
         make_flag("endpoint-selector", "", "no-CRD discovery: the pods matching these labels (k=v,...) are the pool"),
         make_flag("endpoint-target-ports", "", "no-CRD discovery: the pods' serving ports, comma-separated"),
-        make_flag("kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, else in-cluster config, else ~/.kube/config)"),
+        make_flag(
+            "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, else in-cluster config, else ~/.kube/config)"
+        ),
         make_flag("endpoints", "", "static pool: comma-separated ip:port list (no Kubernetes needed)"),
         make_flag("endpoints-file", "", "static pool from a file: ip:port per line, # comments"),
         make_flag("max-request-body-bytes", DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413"),
@@ -73,10 +78,19 @@ SERVE_FLAGS = FlagSet(
         make_flag("health-checking", False, "upstream flag: enable health checking", implemented=False),
         make_flag("enable-pprof", True, "upstream profiling endpoint", implemented=False),
         make_flag("metrics-endpoint-auth", True, "authenticate /metrics scrapes", implemented=False),
-        make_flag("refresh-prometheus-metrics-interval", Duration(5.0), "upstream: flush interval of its own metrics (ours are live)", implemented=False),
+        make_flag(
+            "refresh-prometheus-metrics-interval",
+            Duration(5.0),
+            "upstream: flush interval of its own metrics (ours are live)",
+            implemented=False,
+        ),
         # Model-server telemetry.
         make_flag("refresh-metrics-interval", Duration(0.05), "interval between scrapes of each endpoint's metrics"),
-        make_flag("metrics-staleness-threshold", Duration(2.0), "metrics older than this mark an endpoint stale (treated as fully loaded)"),
+        make_flag(
+            "metrics-staleness-threshold",
+            Duration(2.0),
+            "metrics older than this mark an endpoint stale (treated as fully loaded)",
+        ),
         make_flag("model-server-metrics-path", "/metrics", "path of the model servers' Prometheus metrics"),
         make_flag("model-server-metrics-scheme", "http", "http or https"),
         make_flag("model-server-metrics-port", 0, "port of the model servers' metrics; 0: the endpoint's own port"),
@@ -86,7 +100,9 @@ SERVE_FLAGS = FlagSet(
             True,
             "ask model servers for only the metrics in use (?name[]=..., honoured by prometheus_client: vLLM, SGLang)",
         ),
-        make_flag("scrape-metrics", True, "scrape model-server metrics (false: route without telemetry, e.g. benchmarks)"),
+        make_flag(
+            "scrape-metrics", True, "scrape model-server metrics (false: route without telemetry, e.g. benchmarks)"
+        ),
         make_flag("metrics-scraper-process", True, "scrape in a child process, off the request path's event loop"),
         # vLLM metric-name overrides (upstream flags); the config file's core-metrics-extractor is the general form.
         *(make_flag(name, default, f"vLLM metric selector: {what}") for name, (default, what) in _METRIC_FLAGS.items()),
@@ -133,7 +149,9 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
     if values["metrics-staleness-threshold"] <= 0:
         raise FlagError("--metrics-staleness-threshold must be positive")
     if values["model-server-metrics-scheme"] not in ("http", "https"):
-        raise FlagError(f"--model-server-metrics-scheme must be http or https, got {values['model-server-metrics-scheme']!r}")
+        raise FlagError(
+            f"--model-server-metrics-scheme must be http or https, got {values['model-server-metrics-scheme']!r}"
+        )
     if not values["model-server-metrics-path"].startswith("/"):
         raise FlagError("--model-server-metrics-path must start with /")
     settings = Settings(
@@ -239,9 +257,15 @@ def _serve(argv: Sequence[str]) -> int:
     for name in not_yet:
         log.warning("flag --%s is accepted for compatibility with the upstream picker but has no effect yet", name)
     if settings.pool_name and settings.endpoints:
-        log.info("static pool given (--endpoints): no Kubernetes discovery; --pool-name %s only names the pool", settings.pool_name)
+        log.info(
+            "static pool given (--endpoints): no Kubernetes discovery; --pool-name %s only names the pool",
+            settings.pool_name,
+        )
     elif not settings.kube_discovery and not settings.endpoints:
-        log.warning("no pool: give --pool-name, --endpoint-selector or --endpoints (until then, requests wait in flow control if it is on, else fail)")
+        log.warning(
+            "no pool: give --pool-name, --endpoint-selector or --endpoints "
+            "(until then, requests wait in flow control if it is on, else fail)"
+        )
 
     from epp.kube.client import KubeConfigError
     from epp.scheduling.config import ConfigError
@@ -274,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[args[0]](args[1:])
     if args and args[0].startswith("-") and args[0] not in ("-h", "--help", "-help"):
         return _serve(args)  # `epp --grpc-port ...`: the upstream binary takes flags directly
-    print("usage: epp serve [flags]   run the endpoint picker (epp serve -h lists the flags)\n"
-          "       epp demo            start the local demo: Envoy + simulated vLLM pods + the picker", file=sys.stderr)
+    print(
+        "usage: epp serve [flags]   run the endpoint picker (epp serve -h lists the flags)\n"
+        "       epp demo            start the local demo: Envoy + simulated vLLM pods + the picker",
+        file=sys.stderr,
+    )
     return 0 if args and args[0] in ("-h", "--help", "-help") else 2

@@ -49,7 +49,12 @@ def _requests() -> list[tuple[str, str, str, dict | None]]:
     }
     return [
         ("list models", "GET", "/v1/models", None),
-        ("completion", "POST", "/v1/completions", {"model": _MODEL, "prompt": "The capital of France is", "max_tokens": 16}),
+        (
+            "completion",
+            "POST",
+            "/v1/completions",
+            {"model": _MODEL, "prompt": "The capital of France is", "max_tokens": 16},
+        ),
         ("chat", "POST", "/v1/chat/completions", chat("How do I fix a flat tyre?")),
         ("chat, same system prompt", "POST", "/v1/chat/completions", chat("How tight should brake cables be?")),
         ("chat, streamed", "POST", "/v1/chat/completions", {**chat("What oil for a chain?"), "stream": True}),
@@ -58,7 +63,9 @@ def _requests() -> list[tuple[str, str, str, dict | None]]:
     ]
 
 
-async def _send(session: aiohttp.ClientSession, url: str, method: str, path: str, body: dict | None) -> tuple[int, str, float, str]:
+async def _send(
+    session: aiohttp.ClientSession, url: str, method: str, path: str, body: dict | None
+) -> tuple[int, str, float, str]:
     started = time.perf_counter()
     data = json.dumps(body).encode() if body is not None else None
     async with session.request(method, url + path, data=data, headers={"content-type": "application/json"}) as response:
@@ -80,12 +87,22 @@ async def _send(session: aiohttp.ClientSession, url: str, method: str, path: str
 # prefill is long enough to see: ~0.24 s on the simulated GPU), then a short question.
 _FAMILY_TOKENS = 6000
 _FAMILIES = {
-    "bicycle shop": ("You are the service desk of a bicycle repair shop.",
-                     ("Quote prices for parts and labour separately.", "Never promise a repair by a fixed date.",
-                      "Suggest a safety check for any bicycle older than five years.")),
-    "tax office": ("You are the help line of a municipal tax office.",
-                   ("Name the form a citizen needs before anything else.", "Do not give legal advice.",
-                    "Point out the filing deadline whenever a question mentions a year.")),
+    "bicycle shop": (
+        "You are the service desk of a bicycle repair shop.",
+        (
+            "Quote prices for parts and labour separately.",
+            "Never promise a repair by a fixed date.",
+            "Suggest a safety check for any bicycle older than five years.",
+        ),
+    ),
+    "tax office": (
+        "You are the help line of a municipal tax office.",
+        (
+            "Name the form a citizen needs before anything else.",
+            "Do not give legal advice.",
+            "Point out the filing deadline whenever a question mentions a year.",
+        ),
+    ),
 }
 _QUESTIONS = [
     ("bicycle shop", "How do I fix a flat tyre?"),
@@ -175,12 +192,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="epp demo", description=__doc__.splitlines()[0])
     parser.add_argument("--pods", type=int, default=3, help="simulated vLLM pods")
     parser.add_argument("--port", type=int, default=8081, help="Envoy's listener on 127.0.0.1 (0: any free port)")
-    parser.add_argument("--time-scale", type=float, default=0.2, help="wall seconds per simulated second (0.2 = 5x faster than a real GPU)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.2,
+        help="wall seconds per simulated second (0.2 = 5x faster than a real GPU)",
+    )
     parser.add_argument("--once", action="store_true", help="send the requests, then stop everything")
     args = parser.parse_args(argv)
 
     sim = subprocess.Popen(
-        [sys.executable, "-m", "epp.sim", "--pods", str(args.pods), "--seed", "1", "--time-scale", str(args.time_scale)],
+        [
+            sys.executable,
+            "-m",
+            "epp.sim",
+            "--pods",
+            str(args.pods),
+            "--seed",
+            "1",
+            "--time-scale",
+            str(args.time_scale),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -192,9 +224,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"simulated vLLM pods: {', '.join(pods)}")
         picker = PickerProcess(pods)
         picker.start()
-        print(f"picker: gRPC ext_proc on 127.0.0.1:{picker.grpc_port}, metrics http://127.0.0.1:{picker.metrics_port}/metrics, log {picker.log_path}")
+        print(
+            f"picker: gRPC ext_proc on 127.0.0.1:{picker.grpc_port}, "
+            f"metrics http://127.0.0.1:{picker.metrics_port}/metrics, log {picker.log_path}"
+        )
         envoy = EnvoyProcess(
-            render(BootstrapOptions(listen_address="127.0.0.1", listen_port=args.port, admin_port=0, picker_port=picker.grpc_port))
+            render(
+                BootstrapOptions(
+                    listen_address="127.0.0.1", listen_port=args.port, admin_port=0, picker_port=picker.grpc_port
+                )
+            )
         )
         envoy.start()
         wait_for_picker(envoy)
@@ -207,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"\nEverything keeps running. Try:\n"
             f"  curl -s {url}/v1/completions -H 'content-type: application/json' \\\n"
-            f"       -d '{{\"model\": \"{_MODEL}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'\n"
+            f'       -d \'{{"model": "{_MODEL}", "prompt": "Hello", "max_tokens": 8}}\'\n'
             "Ctrl-C stops the demo."
         )
         try:

@@ -14,9 +14,10 @@ replacement must accept exactly those forms:
 from __future__ import annotations
 
 from collections.abc import Sequence
-import re
 from dataclasses import dataclass
 from typing import Any
+
+from epp.framework.parameters import Duration, format_duration, parse_duration
 
 __all__ = ["Duration", "Flag", "FlagError", "FlagSet", "parse_duration"]
 
@@ -26,44 +27,6 @@ _FALSE = {"0", "f", "F", "FALSE", "false", "False"}
 
 class FlagError(ValueError):
     pass
-
-
-class Duration(float):
-    """Seconds, given on the command line as a Go duration ("50ms", "2s", "1m30s")."""
-
-    def __repr__(self) -> str:
-        return format_duration(self)
-
-
-# Go's time.ParseDuration units, in seconds.
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-
-
-def parse_duration(text: str) -> Duration:
-    """Go's time.ParseDuration: a signed sequence of decimal numbers with units; "0" alone is allowed."""
-    body = text[1:] if text[:1] in "+-" else text
-    if body == "0":
-        return Duration(0.0)
-    position, total = 0, 0.0
-    while position < len(body):
-        match = _DURATION_PART.match(body, position)
-        if match is None:
-            raise ValueError(f"time: invalid duration {text!r}")
-        total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-        position = match.end()
-    if not body:
-        raise ValueError(f"time: invalid duration {text!r}")
-    return Duration(-total if text.startswith("-") else total)
-
-
-def format_duration(seconds: float) -> str:
-    """A short Go-style spelling: 50ms, 2s, 1.5s, 300us."""
-    for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(seconds) >= size or unit == "us":
-            value = seconds / size
-            return f"{value:g}{unit}"
-    return "0s"
 
 
 @dataclass(frozen=True)
@@ -181,5 +144,3 @@ class FlagSet:
 def make_flag(name: str, default: Any, help: str, *, implemented: bool = True, kind: type | None = None) -> Flag:
     """A Flag whose kind follows its default's type."""
     return Flag(name=name, default=default, help=help, kind=kind or type(default), implemented=implemented)
-
-

@@ -37,18 +37,19 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epp.scheduling.config import PickerConfig, load_config
-from epp.datalayer.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint
-from epp.requestcontrol.director import Director
-from epp.datalayer.engines import EngineMapping, builtin_engines, engine_from_config
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.engines import ENGINE_TYPE_LABEL, EngineMapping, builtin_engines, engine_from_config
+from epp.datalayer.scraper import Scraper, ScrapeSettings
 from epp.extproc.processor import ExternalProcessor
-from epp.flowcontrol import FlowControlMetrics, build_admission, build_detector
+from epp.flowcontrol import FlowControlMetrics, build_admission
 from epp.flowcontrol.objectives import Objectives
+from epp.framework import Endpoint, Handle, PluginMetrics
 from epp.kube.discovery import Discovery
 from epp.kube.pods import PoolSpec
+from epp.requestcontrol.director import Director
+from epp.scheduling.config import PickerConfig, load_config
+from epp.scheduling.registry import load_registry
 from epp.server.metrics import Metrics, start_metrics_server
-from epp.scheduling.registry import Handle, endpoint_in_flight, load_registry
-from epp.datalayer.scraper import ScrapeSettings, Scraper
 from epp.server.settings import Settings
 from epp.server.tls import server_credentials
 
@@ -94,7 +95,9 @@ def _scraper(settings: Settings, config: PickerConfig, datastore: Datastore, met
         path=source.path if source else settings.model_server_metrics_path,
         scheme=source.scheme if source else settings.model_server_metrics_scheme,
         port=settings.model_server_metrics_port,
-        insecure_skip_verify=source.insecure_skip_verify if source else settings.model_server_metrics_insecure_skip_verify,
+        insecure_skip_verify=source.insecure_skip_verify
+        if source
+        else settings.model_server_metrics_insecure_skip_verify,
         name_filter=settings.model_server_metrics_name_filter,
     )
     return Scraper(
@@ -134,15 +137,15 @@ class EndpointPicker:
         config = load_config(
             settings.config_text,
             registry,
-            Handle(self.datastore, registry=self.metrics.registry),
-            timer=self.metrics.plugin_timer,
+            Handle(self.datastore, metrics=PluginMetrics(self.metrics.registry)),
+            metrics=self.metrics.plugins,
         )
         for name, (type_name, _) in config.plugins.items():
             log.info("plugin %s: type %s from %s", name, type_name, registry.source(type_name))
         self.scheduler = config.scheduler
         self.config = config
-        # load_config always chooses one; a PickerConfig built by hand may not: upstream's default.
-        self.detector = config.detector or build_detector(config.admission.detector, in_flight=endpoint_in_flight)
+        assert config.detector is not None  # load_config always chooses one
+        self.detector = config.detector
         self.flow_control_metrics = FlowControlMetrics(self.metrics.registry, settings.pool_name)
         self.admission = build_admission(
             config.admission, self.detector, self.datastore.endpoints, metrics=self.flow_control_metrics
@@ -155,20 +158,16 @@ class EndpointPicker:
             f", {len(config.objectives)} configured objective(s)" if config.objectives else "",
         )
         self.director = Director(
-            self.datastore, self.scheduler, self.metrics, admission=self.admission, objectives=self.objectives
+            self.datastore, self.scheduler, self.metrics.requests, admission=self.admission, objectives=self.objectives
         )
         self.processor = ExternalProcessor(
-            self.director, self.metrics, max_request_body_bytes=settings.max_request_body_bytes
+            self.director, self.metrics.requests, max_request_body_bytes=settings.max_request_body_bytes
         )
         self.scraper: Scraper | None = None
         if settings.scrape_metrics:
             self.scraper = _scraper(settings, config, self.datastore, self.metrics)
         # Kubernetes discovery fills the datastore; None for a static pool.
-        self.discovery = (
-            _discovery(settings, self.datastore, self.objectives)
-            if settings.kube_discovery
-            else None
-        )
+        self.discovery = _discovery(settings, self.datastore, self.objectives) if settings.kube_discovery else None
         # Capacity may have changed: a queued request may go (cheap when nothing is queued).
         self.datastore.on_metrics(lambda name: self.admission.wake())
         self.datastore.subscribe(lambda added, removed: self.admission.wake())

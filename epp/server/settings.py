@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epp.datalayer.datastore import Endpoint
+from epp.framework import Endpoint
 
 __all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "Settings"]
 

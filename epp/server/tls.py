@@ -20,8 +20,12 @@ def self_signed_certificate(common_name: str = "epp") -> tuple[bytes, bytes]:
     """A new (certificate PEM, private key PEM), valid for ten years, for ``common_name`` and localhost."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    names: list[x509.GeneralName] = [x509.DNSName(common_name), x509.DNSName("localhost"), x509.DNSName(socket.gethostname())]
+    now = datetime.datetime.now(datetime.UTC)
+    names: list[x509.GeneralName] = [
+        x509.DNSName(common_name),
+        x509.DNSName("localhost"),
+        x509.DNSName(socket.gethostname()),
+    ]
     certificate = (
         x509.CertificateBuilder()
         .subject_name(name)

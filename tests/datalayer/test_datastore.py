@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from epp.datalayer.datastore import Datastore, Endpoint, InFlight, Metrics, parse_endpoint, parse_endpoints, read_endpoints_file
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.inflight import InFlight
+from epp.datalayer.static import parse_endpoint, parse_endpoints, read_endpoints_file
+from epp.framework import Endpoint, Metrics
 
 
 def _ep(hostport: str) -> Endpoint:
@@ -287,7 +290,7 @@ def test_in_flight_counts_requests_sent_after_an_instant() -> None:
 
 def test_queue_depth_and_kv_usage_add_what_was_sent_since_the_scrape() -> None:
     scraped = Metrics(waiting_queue_size=2, kv_cache_usage=0.5, num_gpu_blocks=100, block_size=16, updated_at=10.0, stale=False)
-    endpoint = Endpoint("e", "10.0.0.1", 8000, metrics=scraped)
+    endpoint = Endpoint("e", "10.0.0.1", 8000, metrics=scraped, inflight=InFlight())
     endpoint.inflight.add(800, now=9.0)  # before the scrape: already in its numbers
     assert (endpoint.queue_depth, endpoint.kv_usage) == (2, 0.5)
     endpoint.inflight.add(400, now=11.0)  # after: 400 of 1600 cache tokens
@@ -295,7 +298,7 @@ def test_queue_depth_and_kv_usage_add_what_was_sent_since_the_scrape() -> None:
     assert endpoint.kv_usage == pytest.approx(0.75)
     endpoint.inflight.add(10_000, now=12.0)
     assert endpoint.kv_usage == 1.0  # never above full
-    no_cache_info = Endpoint("f", "10.0.0.2", 8000, metrics=Metrics(kv_cache_usage=0.3, updated_at=10.0))
+    no_cache_info = Endpoint("f", "10.0.0.2", 8000, metrics=Metrics(kv_cache_usage=0.3, updated_at=10.0), inflight=InFlight())
     no_cache_info.inflight.add(400, now=11.0)
     assert no_cache_info.kv_usage == 0.3  # cache size unknown: tokens cannot be turned into a share
 
@@ -357,10 +360,10 @@ def test_pending_depth_follows_answers_out_of_order_and_unanswered_releases() ->
     inflight.answering(b, now=1.03)  # a short one answered first: the head is still a
     assert inflight.unanswered == 2
     assert inflight.pending_depth(now=1.05) == pytest.approx(1.75)
-    inflight.release(a, answered=False)  # a's stream went away: c is the head, from now
+    inflight.release(a)  # a's stream went away: c is the head, from now
     assert inflight.unanswered == 1
     assert 0.5 <= inflight.pending_depth() <= 1.0
-    inflight.release(c, answered=False)
+    inflight.release(c)
     assert (inflight.unanswered, inflight.pending_depth()) == (0, 0.0)
     inflight.answering()  # nothing unanswered: no effect
     assert inflight.unanswered == 0
@@ -369,7 +372,7 @@ def test_pending_depth_follows_answers_out_of_order_and_unanswered_releases() ->
 def test_queue_ahead_ranks_busy_pods_by_prefill_progress_and_idle_ones_first() -> None:
     now = time.monotonic()
     scraped = Metrics(updated_at=now, stale=False)  # taken after every send below
-    nearly_done, just_started, idle = (Endpoint(n, "10.0.0.1", 8000, metrics=scraped) for n in "abc")
+    nearly_done, just_started, idle = (Endpoint(n, "10.0.0.1", 8000, metrics=scraped, inflight=InFlight()) for n in "abc")
     for endpoint, sent in ((nearly_done, now - 0.09), (just_started, now - 0.01)):
         warm = endpoint.inflight.add(1000, now=sent - 10.0)
         endpoint.inflight.answering(warm, now=sent - 9.9)  # 1e-4 s per token: 0.1 s per prompt

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from epp.scheduling.config import ConfigError, load_config
 from epp.datalayer.datastore import Datastore
-from epp.scheduling.registry import Handle, default_registry
+from epp.framework import Handle
+from epp.scheduling.config import ConfigError, load_config
+from epp.scheduling.registry import default_registry
 from epp.server.server import EndpointPicker
 from epp.server.settings import Settings
 

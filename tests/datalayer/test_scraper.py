@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from epp.datalayer.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, Metrics, parse_endpoint
-from epp.datalayer.engines import builtin_engines
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.engines import ENGINE_TYPE_LABEL, builtin_engines
+from epp.datalayer.scraper import REASONS, ScrapeLoops, Scraper, ScrapeSettings, Target
+from epp.datalayer.static import parse_endpoint
+from epp.framework import Endpoint, Metrics
 from epp.server.metrics import Metrics as ServiceMetrics
-from epp.datalayer.scraper import REASONS, ScrapeLoops, ScrapeSettings, Scraper, Target
 from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.request import Sink
 

@@ -11,12 +11,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from epp.scheduling.config import load_scheduler
-from epp.datalayer.datastore import Endpoint, parse_endpoints
+from epp.datalayer.static import parse_endpoints
 from epp.envoy.bootstrap import BootstrapOptions, render
-from epp.scheduling.registry import Handle, default_registry
-from epp.extproc.parsing import InferenceRequest
-from epp.scheduling.runner import SchedulingResult
+from epp.framework import Endpoint, InferenceRequest, SchedulingResult
 from epp.server.server import EndpointPicker
 from epp.server.settings import Settings
 from epp.sim import EngineConfig, SimulatedPool

@@ -19,13 +19,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from epp.datalayer.datastore import Endpoint
-from epp.extproc.parsing import InferenceRequest
-from epp.scheduling.runner import SchedulingResult
+from epp.framework import Endpoint, InferenceRequest, SchedulingResult
 from epp.server.server import EndpointPicker
 from epp.sim import EngineConfig, SimulatedPool
 from epp.testing.envoy import EnvoyProcess
-
 from tests.e2e.conftest import SimPicker, start_sim_picker
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

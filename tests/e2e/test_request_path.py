@@ -10,7 +10,6 @@ import time
 import pytest
 
 from epp.testing.envoy import free_port
-
 from tests.e2e.conftest import Stack, StackFactory
 
 

@@ -17,11 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from epp.datalayer.datastore import Endpoint
+from epp.framework import Endpoint
 from epp.server.server import EndpointPicker
 from epp.sim import EngineConfig, SimulatedPool
 from epp.testing.envoy import EnvoyProcess
-
 from tests.e2e.conftest import SimPicker, start_sim_picker
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from epp.errors import EppError, Reason
-from epp.extproc.parsing import Api, InferenceRequest, api_for_path, parse_request
+from epp.extproc.parsing import api_for_path, parse_request
+from epp.framework import Api, InferenceRequest
 
 
 def _headers(path: str, method: str = "POST", **extra: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.datalayer.datastore import parse_endpoints
+from epp.datalayer.static import parse_endpoints
 from epp.extproc.processor import MAX_STREAMED_CHUNK
 from epp.server.server import EXT_PROC_SERVICE, EndpointPicker
 from epp.server.settings import Settings

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from epp.datalayer.datastore import Endpoint, Metrics
 from epp.flowcontrol.saturation import (
     ConcurrencyConfig,
     ConcurrencyDetector,
@@ -14,6 +13,7 @@ from epp.flowcontrol.saturation import (
     UtilizationDetector,
     from_config,
 )
+from epp.framework import Endpoint, Metrics
 
 NOW = 1000.0  # the detectors' clock in these tests
 
@@ -214,7 +214,7 @@ def test_concurrency_detector_needs_an_in_flight_source() -> None:
 
 
 def test_detectors_act_as_scheduling_filters() -> None:
-    from epp.scheduling.runner import Filter
+    from epp.framework import Filter
 
     assert isinstance(utilization(), Filter)
     assert isinstance(from_config("concurrency-detector", {}, in_flight=lambda e: (0, 0)), Filter)

@@ -11,22 +11,23 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import epp.flowcontrol
-from epp.datalayer.datastore import Datastore, Endpoint, Metrics
+from epp.datalayer.datastore import Datastore
 from epp.flowcontrol import (
     AdmissionRequest,
     FlowControlConfig,
     FlowControlError,
-    FlowControlMetrics,
     FlowController,
+    FlowControlMetrics,
     LegacyAdmission,
     build_admission,
     build_detector,
     decode_admission,
     register,
 )
-from epp.flowcontrol.wiring import PolicyPlugin
-from epp.scheduling.registry import Registry
 from epp.flowcontrol.saturation import ConcurrencyDetector, UtilizationDetector
+from epp.flowcontrol.wiring import PolicyPlugin
+from epp.framework import Endpoint, Metrics
+from epp.scheduling.registry import Registry
 
 POOL = "pool-a"
 
@@ -72,14 +73,47 @@ def test_the_public_api() -> None:
     assert epp.flowcontrol.FAIRNESS_ID_HEADER == "x-gateway-inference-fairness-id"
 
 
+class _Timer:
+    def __init__(self, when: float, callback: Any, args: tuple[Any, ...]) -> None:
+        self.when, self.callback, self.args, self.cancelled = when, callback, args, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ManualClock:
+    """A clock that moves only when told to: TTLs expire exactly when a test says, however loaded the machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._timers: list[_Timer] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Any, *args: Any) -> _Timer:
+        timer = _Timer(when, callback, args)
+        self._timers.append(timer)
+        return timer
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        due = [t for t in self._timers if t.when <= self.now and not t.cancelled]
+        self._timers = [t for t in self._timers if t not in due]
+        for timer in due:
+            timer.callback(*timer.args)
+
+
 async def test_metrics_follow_the_queue_under_upstream_names() -> None:
     registry = CollectorRegistry()
     saturated = True
+    clock = ManualClock()
     fc = FlowController(
         FlowControlConfig(default_request_ttl=0.03, max_requests=2),
         lambda: 1.5 if saturated else 0.0,
         metrics=FlowControlMetrics(registry, POOL),
         safety_interval=3600,
+        clock=clock,
     )
     tasks = [asyncio.create_task(fc.admit(AdmissionRequest(priority=-1, byte_size=100))) for _ in range(2)]
     await until(lambda: fc.queued == 2)
@@ -89,7 +123,8 @@ async def test_metrics_follow_the_queue_under_upstream_names() -> None:
 
     with pytest.raises(FlowControlError):  # over maxRequests
         await fc.admit(AdmissionRequest(priority=-1))
-    results = await asyncio.gather(*tasks, return_exceptions=True)  # both hit the 30 ms TTL
+    clock.advance(0.03)  # both hit the 30 ms TTL
+    results = await asyncio.gather(*tasks, return_exceptions=True)
     assert all(isinstance(r, FlowControlError) for r in results)
     assert sample(registry, "inference_extension_flow_control_queue_size", priority="-1") == 0
     assert sample(registry, "inference_extension_flow_control_queue_bytes", priority="-1") == 0

@@ -19,7 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.datalayer.datastore import Datastore, Metrics
+from epp.datalayer.datastore import Datastore
+from epp.framework import Metrics
 from epp.kube.discovery import Discovery
 from epp.kube.pods import PoolSpec
 from epp.server.server import EndpointPicker

@@ -12,7 +12,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from epp.datalayer.datastore import ENGINE_TYPE_LABEL, parse_endpoints
+from epp.datalayer.engines import ENGINE_TYPE_LABEL
+from epp.datalayer.static import parse_endpoints
 from epp.kube.pods import PoolSpec, pool_spec
 from epp.server.cli import settings_from_args
 from epp.server.server import EndpointPicker

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from epp.datalayer.datastore import ENGINE_TYPE_LABEL
+from epp.datalayer.engines import ENGINE_TYPE_LABEL
 from epp.kube.pods import (
     PoolSpec,
     PoolSpecError,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from epp.datalayer.datastore import Endpoint, Metrics
-from epp.extproc.parsing import InferenceRequest
+from epp.datalayer.inflight import InFlight
+from epp.framework import Endpoint, InferenceRequest, Metrics
 
 SCRAPED_AT = 100.0  # the time.monotonic() instant every test pod was last scraped
 
@@ -38,7 +38,7 @@ def pod(
         stale=stale,
         error=None,
     )
-    return Endpoint(f"pod-{i}", f"10.0.0.{i}", 8000, labels=dict(labels or {}), metrics=metrics)
+    return Endpoint(f"pod-{i}", f"10.0.0.{i}", 8000, labels=dict(labels or {}), metrics=metrics, inflight=InFlight())
 
 
 def request(*, adapter: str | None = None, headers: Mapping[str, str] | None = None, model: str = "m") -> InferenceRequest:
@@ -49,8 +49,10 @@ def request(*, adapter: str | None = None, headers: Mapping[str, str] | None = N
 
 def send(endpoint: Endpoint, count: int = 1, *, at: float = SCRAPED_AT + 1.0, tokens: int = 0) -> None:
     """Record ``count`` requests sent to ``endpoint`` at ``at`` (after its scrape, by default)."""
+    record = endpoint.inflight
+    assert isinstance(record, InFlight)
     for _ in range(count):
-        endpoint.inflight.add(tokens, now=at)
+        record.add(tokens, now=at)
 
 
 def names(endpoints: Iterable[Endpoint]) -> list[str]:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from epp.datalayer.datastore import Datastore
+from epp.framework import Endpoint, Handle, InferenceRequest
 from epp.scheduling.config import ConfigError, load_config
-from epp.datalayer.datastore import Datastore, Endpoint
-from epp.scheduling.registry import Handle, default_registry
-from epp.extproc.parsing import InferenceRequest
+from epp.scheduling.registry import default_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "examples" / "epp-example-plugins"

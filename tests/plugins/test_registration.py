@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from epp.datalayer.datastore import Datastore
-from epp.scheduling.registry import Handle, Registry, default_registry
-from epp.scheduling.runner import roles
+from epp.framework import Handle, roles
+from epp.scheduling.registry import Registry, default_registry
 
 TYPES = {
     "random-picker": ["Picker"],

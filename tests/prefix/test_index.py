@@ -13,8 +13,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import epp.prefix.table as prefix_table
 import epp.prefix.index as prefix_index
+import epp.prefix.table as prefix_table
 from epp.prefix.index import PrefixIndex, prompt_hashes
 
 M32 = (1 << 32) - 1

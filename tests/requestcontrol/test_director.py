@@ -15,17 +15,17 @@ from typing import Any
 
 import pytest
 
-from epp.scheduling.config import load_config
-from epp.datalayer.datastore import Datastore, Endpoint, Metrics
-from epp.requestcontrol.director import Director, Routing
+from epp.datalayer.datastore import Datastore
 from epp.errors import EppError, Reason
 from epp.flowcontrol import AdmissionRequest, FlowControlMetrics, build_admission
 from epp.flowcontrol.capacity import check_prompt_fits, kv_capacity, place_by_free_kv
 from epp.flowcontrol.objectives import Objectives
+from epp.framework import Endpoint, Handle, InferenceRequest, Metrics, PluginMetrics, SchedulingResult
+from epp.requestcontrol.director import Director
+from epp.requestcontrol.lifecycle import RoutedRequest
+from epp.scheduling.config import load_config
+from epp.scheduling.registry import default_registry
 from epp.server.metrics import Metrics as PickerMetrics
-from epp.scheduling.registry import Handle, default_registry
-from epp.extproc.parsing import InferenceRequest
-from epp.scheduling.runner import SchedulingResult
 from epp.server.server import EndpointPicker
 from epp.server.settings import Settings
 
@@ -62,7 +62,7 @@ class Stack:
     def __init__(self, text: str, endpoints: Sequence[Endpoint] = (POD,)) -> None:
         self.datastore = Datastore(endpoints)
         self.metrics = PickerMetrics()
-        built = load_config(text, default_registry(), Handle(self.datastore, registry=self.metrics.registry))
+        built = load_config(text, default_registry(), Handle(self.datastore, metrics=PluginMetrics(self.metrics.registry)))
         assert built.detector is not None
         self.admission = build_admission(
             built.admission,
@@ -73,10 +73,11 @@ class Stack:
         )
         self.datastore.subscribe(lambda added, removed: self.admission.wake())  # as the server does
         self.director = Director(
-            self.datastore, built.scheduler, self.metrics, admission=self.admission, objectives=Objectives(built.objectives)
+            self.datastore, built.scheduler, self.metrics.requests, admission=self.admission,
+            objectives=Objectives(built.objectives),
         )
 
-    def route(self, objective: str = "", prompt: str = "hello", **headers: str) -> asyncio.Task[Routing]:
+    def route(self, objective: str = "", prompt: str = "hello", **headers: str) -> asyncio.Task[RoutedRequest]:
         if objective:
             headers[HEADER] = objective
         request = InferenceRequest(
@@ -129,10 +130,10 @@ async def test_priority_and_flow_come_from_the_request_headers(headers: dict[str
     spy = SpyAdmission()
     datastore = Datastore([POD])
     built = load_config(config(flow_control=False), default_registry(), Handle(datastore))
-    director = Director(datastore, built.scheduler, PickerMetrics(), admission=spy, objectives=Objectives(built.objectives))
+    director = Director(datastore, built.scheduler, PickerMetrics().requests, admission=spy, objectives=Objectives(built.objectives))
     request = InferenceRequest(request_id="r1", method="POST", path="/v1/completions", headers=headers, model="m", prompt="abcd" * 10)
     routing = await director.route(request)
-    assert (request.objective, request.priority) == (objective, priority)
+    assert (routing.request.objective, routing.request.priority) == (objective, priority)
     assert spy.seen == [AdmissionRequest(priority=priority, flow_id=flow, byte_size=0, request_id="r1")]
     assert spy.wakes == 0
     routing.finish()
@@ -195,7 +196,7 @@ async def test_higher_priority_leaves_the_queue_first_and_flows_take_turns() -> 
     stack = Stack(config(flow_control=True, extra=extra))
     blocker = await stack.route()
     order: list[str] = []
-    routed: list[Routing] = []
+    routed: list[RoutedRequest] = []
 
     async def tagged(tag: str, objective: str = "", **headers: str) -> None:
         routed.append(await stack.route(objective, **headers))

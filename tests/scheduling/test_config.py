@@ -3,25 +3,42 @@ random-picker plugin and the scheduler it plugs into (epp.scheduling.runner)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
 
-from epp.scheduling.config import API_VERSIONS, DEFAULT_CONFIG, ConfigError, load_config, load_scheduler
-from epp.datalayer.datastore import Datastore, Endpoint, parse_endpoint
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.static import parse_endpoint
 from epp.flowcontrol.config import ROUND_ROBIN
-from epp.plugins.max_score_picker import MaxScorePicker
-from epp.plugins.random_picker import RandomPicker
-from epp.scheduling.registry import Handle, Registry, default_registry, load_registry
-from epp.extproc.parsing import InferenceRequest
 from epp.flowcontrol.saturation import ConcurrencyDetector, UtilizationDetector
-from epp.scheduling.runner import Filter, Picker, Profile, ScoredEndpoint, Scheduler, Scorer, WeightedScorer
+from epp.framework import (
+    Endpoint,
+    Filter,
+    Handle,
+    InferenceRequest,
+    Metrics,
+    Picker,
+    Profile,
+    SchedulingResult,
+    ScoredEndpoint,
+    Scorer,
+    StateKey,
+    WeightedScorer,
+    roles,
+)
+from epp.plugins.picker.max_score import MaxScorePicker
+from epp.plugins.picker.random import RandomPicker
+from epp.scheduling.config import API_VERSIONS, DEFAULT_CONFIG, ConfigError, load_config, load_scheduler
+from epp.scheduling.metrics import PluginCallMetrics
+from epp.scheduling.registry import Registry, default_registry, load_registry
+from epp.scheduling.runner import Scheduler
 
 ENDPOINTS = tuple(parse_endpoint(f"10.0.0.{i}:8000") for i in range(1, 5))
 REQUEST = InferenceRequest(request_id="r", method="POST", path="/v1/completions", headers={})
-HANDLE = Handle(datastore=Datastore(ENDPOINTS))
+HANDLE = Handle(pool=Datastore(ENDPOINTS))
 
 
 def _config(plugins: str, profiles: str, api_version: str = API_VERSIONS[0]) -> str:
@@ -572,11 +589,17 @@ def test_no_scorers_means_all_zero_in_candidate_order() -> None:
 
 
 @pytest.mark.parametrize("raw", [[1.0], [1.0, 1.0, 1.0, 1.0], []])
-def test_wrong_number_of_scores_raises(raw: list[float]) -> None:
-    scheduler = Scheduler(Profile("p", _RecordingPicker(), scorers=(WeightedScorer(_RawScorer("bad", raw), 1.0),)))
-    with pytest.raises(RuntimeError) as info:
+def test_wrong_number_of_scores_scores_zero_and_is_counted(raw: list[float], caplog: pytest.LogCaptureFixture) -> None:
+    metrics = PluginCallMetrics()
+    picker = _RecordingPicker()
+    scorers = (WeightedScorer(_RawScorer("bad", raw), 1.0), WeightedScorer(_FixedScorer("good", {E2.hostport: 1.0}), 1.0))
+    scheduler = Scheduler(Profile("p", picker, scorers=scorers), instrument=metrics.instrument({"bad": "raw"}))
+    with caplog.at_level(logging.ERROR):
         scheduler.schedule(REQUEST, (E1, E2, E3))
-    assert str(info.value) == f"scorer 'bad' returned {len(raw)} scores for 3 candidates"
+    assert _totals(picker) == {E1.hostport: 0.0, E2.hostport: 1.0, E3.hostport: 0.0}  # the good scorer still counts
+    labels = {"extension_point": "Scorer", "plugin_type": "raw", "plugin_name": "bad", "kind": "malformed"}
+    assert metrics.registry.get_sample_value("epp_plugin_errors_total", labels) == 1
+    assert f"returned {len(raw)} scores for 3 candidates" in caplog.text
 
 
 def test_filters_narrow_in_order() -> None:
@@ -643,3 +666,256 @@ def test_a_flow_control_section_without_its_gate_is_decoded_and_ignored(caplog: 
     built = load_config(text, default_registry(), HANDLE)
     assert not built.admission.flow_control_enabled
     assert "flowControl: the section is ignored while the flowControl feature gate is off" in caplog.text
+
+
+# -- plugin roles, producers, profiles and defaults as the config wires them ---------------------
+
+
+FRESH = tuple(
+    Endpoint(e.name, e.address, e.port, metrics=Metrics(stale=False))
+    for e in (parse_endpoint(f"10.0.0.{i}:8000") for i in range(1, 4))
+)
+
+
+P1, P2, P3 = FRESH
+
+
+def request(prompt: str = "", **headers: str) -> InferenceRequest:
+    return InferenceRequest(request_id="r", method="POST", path="/v1/completions", headers=headers, model="m", prompt=prompt)
+
+
+def config(plugins: str, profiles: str | None = None) -> str:
+    text = f"apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n{plugins}\n"
+    return text + (f"schedulingProfiles:\n{profiles}\n" if profiles is not None else "")
+
+
+calls: list[str] = []
+
+
+class Producer:
+    def __init__(self, name: str, produces: tuple[str, ...], consumes: tuple[str, ...] = ()) -> None:
+        self.name, self.produces, self.consumes = name, produces, consumes
+
+    def produce(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
+        calls.append(f"produce:{self.name}")
+        for data in self.consumes:
+            assert StateKey(data) in req.state, f"{self.name} ran before the producer of {data}"
+        for data in self.produces:
+            req.state[StateKey(data)] = {e.name: float(i == 0) for i, e in enumerate(candidates)}
+
+
+class Consumer:
+    """A scorer scoring from the data it consumes."""
+
+    def __init__(self, name: str, data: str) -> None:
+        self.name, self.consumes, self.data = name, (data,), data
+
+    def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float]:
+        calls.append(f"score:{self.name}")
+        return [req.state[StateKey[dict[str, float]](self.data)][e.name] for e in candidates]
+
+
+class FilterAndScorer:
+    """Two roles in one plugin: drops P3, and prefers P2."""
+
+    name = "both"
+
+    def filter(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[Endpoint]:
+        return [e for e in candidates if e != P3]
+
+    def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float]:
+        return [1.0 if e == P2 else 0.0 for e in candidates]
+
+
+class TwoStepHandler:
+    """Runs profile ``a``, then ``b``; the request goes by ``b``."""
+
+    name = "two-step"
+
+    def pick_profiles(self, req: InferenceRequest, profiles: Mapping[str, Profile], results: Mapping[str, list[Endpoint]]) -> list[Profile]:
+        calls.append(f"handler:{sorted(results)}")
+        if not results:
+            return [profiles["a"]]
+        if "b" not in results:
+            return [profiles["b"]]
+        return []
+
+    def process_results(self, req: InferenceRequest, results: Mapping[str, list[Endpoint]]) -> str:
+        return "b"
+
+
+class OnlyPicker:
+    """Picks one fixed endpoint (by hostport) when it is a candidate."""
+
+    def __init__(self, name: str, hostport: str) -> None:
+        self.name, self.hostport = name, hostport
+
+    def pick(self, req: InferenceRequest, scored: Sequence[ScoredEndpoint]) -> list[Endpoint]:
+        return [s.endpoint for s in scored if s.endpoint.hostport == self.hostport]
+
+
+class Hooks:
+    name = "hooks"
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def pre_request(self, req: InferenceRequest, result: SchedulingResult) -> None:
+        # In-flight accounting is already counting this request when plugins hear of the pick.
+        self.events.append(("pre", result.endpoints[0].name, result.endpoints[0].inflight.requests))
+
+    def response_received(self, req: InferenceRequest, endpoint: Endpoint, headers: Mapping[str, str]) -> dict[str, str]:
+        self.events.append(("headers", endpoint.name, headers.get(":status")))
+        return {"x-served-by": endpoint.name}
+
+    def response_complete(self, req: InferenceRequest, endpoint: Endpoint, outcome: str) -> None:
+        self.events.append(("complete", endpoint.name, outcome, endpoint.inflight.requests))
+
+
+def registry_with(**factories: Any) -> Registry:
+    registry = default_registry()
+    for type_name, factory in factories.items():
+        registry.register(type_name.replace("_", "-"), factory, source="tests")
+    return registry
+
+
+def test_roles_are_found_by_method() -> None:
+    assert roles(FilterAndScorer()) == ["Filter", "Scorer"]
+    assert roles(Hooks()) == ["PreRequest", "ResponseReceived", "ResponseComplete"]
+    assert roles(TwoStepHandler()) == ["ProfileHandler"]
+    assert roles(object()) == []
+
+
+def test_producers_run_first_in_dependency_order() -> None:
+    registry = registry_with(
+        # "second" consumes what "first" produces, and is listed before it.
+        second=lambda n, p, h: Producer(n, ("b",), consumes=("a",)),
+        first=lambda n, p, h: Producer(n, ("a",)),
+        consumer=lambda n, p, h: Consumer(n, "b"),
+    )
+    text = config(
+        "- type: second\n- type: first\n- type: consumer\n- type: max-score-picker",
+        "- name: p\n  plugins:\n  - pluginRef: consumer\n  - pluginRef: max-score-picker",
+    )
+    calls.clear()
+    picked = load_scheduler(text, registry, Handle(Datastore())).schedule(request(), FRESH)
+    assert calls == ["produce:first", "produce:second", "score:consumer"]
+    assert picked == [P1]  # the consumer scored from the data: P1 has 1.0
+
+
+def test_a_producer_cycle_is_refused() -> None:
+    registry = registry_with(
+        x=lambda n, p, h: Producer(n, ("a",), consumes=("b",)), y=lambda n, p, h: Producer(n, ("b",), consumes=("a",))
+    )
+    with pytest.raises(ConfigError, match=r"data producers depend on each other in a cycle: x -> y -> x"):
+        load_scheduler(config("- type: x\n- type: y\n- type: random-picker"), registry, Handle(Datastore()))
+
+
+def test_consuming_data_nobody_produces_is_refused() -> None:
+    registry = registry_with(consumer=lambda n, p, h: Consumer(n, "mystery"))
+    with pytest.raises(ConfigError) as info:
+        load_scheduler(config("- type: consumer"), registry, Handle(Datastore()))
+    assert str(info.value) == "plugins: 'consumer' consumes 'mystery', which no configured plugin produces"
+
+
+def test_prefix_cache_scorer_alone_brings_its_producer_with_its_parameters() -> None:
+    text = config(
+        "- type: prefix-cache-scorer\n  parameters:\n    blockSizeTokens: 4\n    lruCapacityPerServer: 7",
+        "- name: p\n  plugins:\n  - pluginRef: prefix-cache-scorer",
+    )
+    built = load_config(text, default_registry(), Handle(Datastore()))
+    assert built.plugins["approx-prefix-cache-producer"][0] == "approx-prefix-cache-producer"
+    producer = built.plugins["approx-prefix-cache-producer"][1]
+    assert (producer.parameters.block_size_tokens, producer.parameters.lru_capacity_per_server) == (4, 7)
+
+
+def test_a_profile_handler_runs_several_profiles() -> None:
+    registry = registry_with(
+        two_step=lambda n, p, h: TwoStepHandler(),
+        only=lambda n, p, h: OnlyPicker(n, p["hostport"]),
+    )
+    text = config(
+        "- type: two-step\n"
+        "- name: pick-1\n  type: only\n  parameters: {hostport: '10.0.0.1:8000'}\n"
+        "- name: pick-2\n  type: only\n  parameters: {hostport: '10.0.0.2:8000'}",
+        "- name: a\n  plugins:\n  - pluginRef: pick-1\n- name: b\n  plugins:\n  - pluginRef: pick-2",
+    )
+    scheduler = load_scheduler(text, registry, Handle(Datastore()))
+    calls.clear()
+    result = scheduler.run(request(), FRESH)
+    assert calls == ["handler:[]", "handler:['a']", "handler:['a', 'b']"]
+    assert dict(result.profile_results) == {"a": [P1], "b": [P2]}
+    assert (result.primary_profile, result.endpoints) == ("b", [P2])
+
+
+def test_a_profile_without_picker_gets_max_score_picker_and_a_scorer_weight_1() -> None:
+    text = config("- type: queue-scorer", "- name: p\n  plugins:\n  - pluginRef: queue-scorer")
+    profile = load_scheduler(text, default_registry(), Handle(Datastore())).profile
+    assert type(profile.picker).__name__ == "MaxScorePicker"
+    assert [(w.scorer.name, w.weight) for w in profile.scorers] == [("queue-scorer", 1.0)]
+
+
+def test_no_profiles_means_one_default_profile_with_every_plugin() -> None:
+    registry = registry_with(both=lambda n, p, h: FilterAndScorer())
+    scheduler = load_scheduler(config("- type: both\n- type: max-score-picker"), registry, Handle(Datastore()))
+    profile = scheduler.profile
+    assert profile.name == "default"
+    assert [f.name for f in profile.filters] == ["both"]  # one plugin, two roles
+    assert [w.scorer.name for w in profile.scorers] == ["both"]
+    for _ in range(10):
+        assert scheduler.schedule(request(), FRESH) == [P2]
+
+
+def test_weight_on_a_non_scorer_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    text = config("- type: random-picker", "- name: p\n  plugins:\n  - pluginRef: random-picker\n    weight: 3")
+    with caplog.at_level(logging.WARNING):
+        load_scheduler(text, default_registry(), Handle(Datastore()))
+    assert "weight given to 'random-picker', which is not a scorer: ignored" in caplog.text
+
+
+def test_upstream_old_type_name_kv_cache_scorer_loads() -> None:
+    text = config("- type: kv-cache-scorer", "- name: p\n  plugins:\n  - pluginRef: kv-cache-scorer")
+    built = load_config(text, default_registry(), Handle(Datastore()))
+    assert built.plugins["kv-cache-scorer"][0] == "kv-cache-utilization-scorer"
+
+
+def test_every_plugin_call_is_timed_with_its_type_and_name() -> None:
+    seen: list[tuple[str, str, str]] = []
+
+    class Recorder:  # what load_config binds each call site to, as PluginCallMetrics does
+        def instrument(self, types: dict[str, str]) -> Any:
+            def bind(point: str, plugin: Any) -> Any:
+                name = plugin.name
+                return (lambda seconds: seen.append((point, types[name], name)) if seconds >= 0 else None), print
+
+            return bind
+
+    text = config(
+        "- type: low-queue-filter\n- name: q\n  type: queue-scorer\n- type: prefix-cache-scorer\n- type: max-score-picker",
+        "- name: p\n  plugins:\n  - pluginRef: low-queue-filter\n  - pluginRef: q\n  - pluginRef: prefix-cache-scorer\n"
+        "  - pluginRef: max-score-picker",
+    )
+    scheduler = load_config(text, default_registry(), Handle(Datastore()), metrics=Recorder()).scheduler  # type: ignore[arg-type]
+    result = scheduler.run(request("x" * 200), FRESH)
+    scheduler.pre_request(request(), result)
+    assert seen == [
+        ("DataProducer", "approx-prefix-cache-producer", "approx-prefix-cache-producer"),
+        ("Filter", "low-queue-filter", "low-queue-filter"),
+        ("Scorer", "queue-scorer", "q"),
+        ("Scorer", "prefix-cache-scorer", "prefix-cache-scorer"),
+        ("Picker", "max-score-picker", "max-score-picker"),
+        ("PreRequest", "approx-prefix-cache-producer", "approx-prefix-cache-producer"),
+    ]
+
+
+def test_the_readme_and_deploy_configs_load() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```yaml\n")[1:]]
+    texts = [b for b in blocks if "kind: EndpointPickerConfig" in b]
+    texts += [p.read_text() for p in sorted((root / "deploy" / "config").glob("*.yaml"))]
+    assert len(texts) >= 5
+    for text in texts:
+        load_config(text, default_registry(), Handle(Datastore()))

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from epp.framework import Endpoint
 from epp.server.cli import SERVE_FLAGS, main, settings_from_args
-from epp.datalayer.datastore import Endpoint
 from epp.server.flags import Flag, FlagError, FlagSet, make_flag
 from epp.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 

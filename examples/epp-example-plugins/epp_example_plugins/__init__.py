@@ -5,23 +5,26 @@ Parameters:
     value (str, required): the preferred value; endpoints carrying it score 1.0, others 0.0.
 """
 
-from epp.scheduling.registry import check_parameters
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from epp.framework import Endpoint, Handle, InferenceRequest, check_parameters, str_parameter
 
 
 class LocalityScorer:
-    def __init__(self, name, label, value):
-        self.name = name
-        self.label = label
-        self.value = value
+    def __init__(self, name: str, label: str, value: str) -> None:
+        self.name, self.label, self.value = name, label, value
 
     @classmethod
-    def from_config(cls, name, parameters, handle):
+    def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> LocalityScorer:
         check_parameters(name, parameters, ("label", "value"))
-        value = parameters.get("value")
-        if not isinstance(value, str) or not value:
+        if not parameters.get("value"):
             raise ValueError(f"{name}: value is required: the label value to prefer")
-        label = parameters.get("label", "topology.kubernetes.io/zone")
+        value = str_parameter(name, parameters, "value", "")
+        label = str_parameter(name, parameters, "label", "topology.kubernetes.io/zone")
         return cls(name, label, value)
 
-    def score(self, request, candidates):
+    def score(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float]:
         return [1.0 if endpoint.labels.get(self.label) == self.value else 0.0 for endpoint in candidates]

@@ -1,0 +1,101 @@
+"""One routed request, from its pick to the end of its response.
+
+Design
+------
+The director makes a :class:`RoutedRequest` when it has picked a request's endpoints, and hands it
+everything the rest of the request's life needs: the scheduler (for the lifecycle hooks), the primary
+endpoint's in-flight record and the request's ticket in it, the model's metric series, and the
+callable that wakes admission when a slot frees. From then on the edge (:mod:`epp.extproc`) calls
+only this object, in the order the response arrives:
+
+* :meth:`RoutedRequest.response_headers` when the response headers arrive (the status is kept; the
+  plugins' ``response_received`` hooks may add response headers);
+* :meth:`RoutedRequest.response_body_started` on the first response body bytes (the pod has finished
+  queueing and prefill: the request stops counting as unanswered);
+* :meth:`RoutedRequest.finish` exactly once however the stream ends (``complete``, ``error``,
+  ``cancelled``; a 5xx response counts as ``error``): the in-flight release, the running-requests
+  gauge, admission's wake-up and the ``response_complete`` hooks.
+
+Nothing here calls back into the director: a request's data goes one way, down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from epp.datalayer.inflight import InFlight, Ticket
+from epp.framework import Endpoint, InferenceRequest, Outcome, SchedulingResult
+from epp.requestcontrol.metrics import ModelMetrics
+from epp.scheduling.runner import Scheduler
+
+__all__ = ["RoutedRequest"]
+
+
+def _nothing() -> None:
+    pass
+
+
+class RoutedRequest:
+    """A routed request: its pick, and the calls made while its response streams back."""
+
+    __slots__ = (
+        "_answering", "_finished", "_in_flight", "_metrics", "_scheduler", "_ticket", "_wake",
+        "endpoints", "request", "result", "status",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        request: InferenceRequest,
+        result: SchedulingResult,
+        scheduler: Scheduler,
+        in_flight: InFlight,
+        metrics: ModelMetrics,
+        *,
+        wake: Callable[[], None] = _nothing,
+    ) -> None:
+        self.request = request
+        self.result = result
+        self.endpoints: list[Endpoint] = result.endpoints
+        self.status = 0
+        self._scheduler = scheduler
+        self._in_flight = in_flight
+        self._metrics = metrics
+        self._wake = wake
+        self._finished = False
+        self._answering = False
+        # The request counts toward its primary's load from now until its response ends.
+        self._ticket: Ticket = in_flight.add(request.prompt_tokens)
+        metrics.running.inc()
+
+    @property
+    def primary(self) -> Endpoint:
+        return self.endpoints[0]
+
+    @property
+    def destination(self) -> str:
+        """The ``x-gateway-destination-endpoint`` value: primary first, then fallbacks."""
+        return ",".join(endpoint.hostport for endpoint in self.endpoints)
+
+    def response_headers(self, headers: Mapping[str, str]) -> dict[str, str] | None:
+        """The response headers arrived; returns the headers plugins ask to set on the response."""
+        status = headers.get(":status", "")
+        self.status = int(status) if status.isdigit() else 0
+        return self._scheduler.response_received(self.request, self.endpoints[0], headers)
+
+    def response_body_started(self) -> None:
+        """The first response body bytes arrived: the pod has finished queueing and prefill."""
+        if not self._answering and not self._finished:
+            self._answering = True
+            self._in_flight.answering(self._ticket)
+
+    def finish(self, outcome: Outcome = "complete") -> None:
+        """The response ended (``complete``), failed (``error``) or the stream went away (``cancelled``)."""
+        if self._finished:
+            return
+        self._finished = True
+        if outcome == "complete" and self.status >= 500:
+            outcome = "error"
+        self._in_flight.release(self._ticket)
+        self._metrics.running.dec()
+        self._wake()  # a slot freed: a queued request may go
+        self._scheduler.response_complete(self.request, self.endpoints[0], outcome)
