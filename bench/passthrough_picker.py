@@ -20,12 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epp.extproc.processor import (
-    _CONTINUE_RESPONSE_HEADERS,
-    _CONTINUE_RESPONSE_TRAILERS,
-    _streamed_request_body,
-    _streamed_response_body,
-)
+from epp.extproc.answers import CONTINUE_RESPONSE_HEADERS, CONTINUE_RESPONSE_TRAILERS, streamed_body
 
 
 def _destination_reply(hostport: str) -> pb.ProcessingResponse:
@@ -51,15 +46,15 @@ class Passthrough(pb_grpc.ExternalProcessorServicer):
                     yield next(self._replies)
                     body = b"".join(chunks)
                     for start in range(0, max(len(body), 1), 62_000):
-                        yield _streamed_request_body(body[start : start + 62_000], start + 62_000 >= len(body))
+                        yield streamed_body("request_body", body[start : start + 62_000], start + 62_000 >= len(body))
             elif kind == "request_headers" and message.request_headers.end_of_stream:
                 yield next(self._replies)
             elif kind == "response_headers":
-                yield _CONTINUE_RESPONSE_HEADERS
+                yield CONTINUE_RESPONSE_HEADERS
             elif kind == "response_body":
-                yield _streamed_response_body(message.response_body.body, message.response_body.end_of_stream)
+                yield streamed_body("response_body", message.response_body.body, message.response_body.end_of_stream)
             elif kind == "response_trailers":
-                yield _CONTINUE_RESPONSE_TRAILERS
+                yield CONTINUE_RESPONSE_TRAILERS
 
 
 async def _serve(port: int, endpoints: list[str]) -> None:

@@ -22,7 +22,7 @@ import statistics
 import time
 
 from epp.datalayer.datastore import Datastore
-from epp.framework import Endpoint, Handle, InferenceRequest, Metrics
+from epp.framework import Endpoint, Handle, InferenceRequest, Metrics, PluginMetrics
 from epp.requestcontrol.director import Director
 from epp.scheduling.config import load_config
 from epp.scheduling.registry import default_registry
@@ -61,8 +61,10 @@ def _measure(pod_count: int, requests: int, seed: int) -> tuple[list[float], dic
     rng = random.Random(seed)
     datastore = Datastore(_pods(pod_count, rng))
     metrics = PickerMetrics()
-    config = load_config(None, default_registry(), Handle(datastore, registry=metrics.registry), timer=metrics.plugin_timer)
-    director = Director(datastore, config.scheduler, metrics)
+    config = load_config(
+        None, default_registry(), Handle(datastore, metrics=PluginMetrics(metrics.registry)), metrics=metrics.plugins
+    )
+    director = Director(datastore, config.scheduler, metrics.requests)
     prompts = _prompts(rng, requests * 2)
     loop = asyncio.new_event_loop()
     outstanding = []
