@@ -120,8 +120,8 @@ def main() -> None:
     print(f"index: {args.endpoints} endpoints x {args.capacity} blocks = {index.size:,} blocks (built in {build_seconds:.1f} s)")
     print(f"memory: {index.nbytes / 2**20:.1f} MiB in the index's numpy arrays (nbytes); "
           f"{traced / 2**20:.1f} MiB allocated for the build (tracemalloc); "
-          f"table {store.slots:,} slots of {8 * store.cur.R} bytes at {store.live / store.cur.usable:.0%} load, "
-          f"{store.cur.spilled} spilled")
+          f"table {store.slots:,} slots of {store.slot_bytes} bytes at {store.live / store.usable:.0%} load, "
+          f"{store.spilled} spilled")
     print()
 
     # --- hashing and matching -------------------------------------------------------------------

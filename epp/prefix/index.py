@@ -124,7 +124,9 @@ import numpy as np
 import xxhash
 
 from epp.prefix import _native
-from epp.prefix.table import PARITY, SlotStore
+from epp.prefix.store import SlotStore
+from epp.prefix.table import bits as _bits
+from epp.prefix.table import holder_masks
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -313,23 +315,6 @@ def _samples(n: int, spacing: float) -> tuple[np.ndarray, list[int]]:
     return positions, positions.tolist()
 
 
-def _as_ints(masks: np.ndarray) -> list[int]:
-    """Rows of (rows, W) uint64 masks as Python ints (bit 64·w + b is word w's bit b)."""
-    if masks.shape[1] == 1:
-        return masks.reshape(-1).tolist()
-    data = masks.astype("<u8", copy=False).tobytes()
-    width = 8 * masks.shape[1]
-    return [int.from_bytes(data[i : i + width], "little") for i in range(0, len(data), width)]
-
-
-def _bits(mask: int) -> Iterator[int]:
-    """The set bits of ``mask``, lowest first."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
 class _Seen:
     """The rows a match looked up: at ``positions`` (samples, or every block), at ``hints``
     (their rows follow the samples' in ``rows``), and in the gaps ``spans`` ((start, end, _)
@@ -455,8 +440,7 @@ class PrefixIndex:
 
     def __init__(self, default_capacity: int = DEFAULT_LRU_CAPACITY_PER_SERVER) -> None:
         self.default_capacity = _check_capacity(default_capacity)
-        self._store = SlotStore(1, _INITIAL_SLOTS)
-        self._store.settle = self._settle
+        self._store = SlotStore(1, _INITIAL_SLOTS, rewrite_ids=self._rewrite_ids)
         self._endpoints: dict[Hashable, _Endpoint] = {}
         self._by_bit: list[_Endpoint | None] = []
         self._free_bits: list[int] = []
@@ -529,10 +513,7 @@ class PrefixIndex:
     def _held(self, keys: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """The table rows of the keys, and for each key the mask of endpoints holding it."""
         rows = self._store.lookup(keys)
-        words = rows.shape[1] // 2
-        if words == 1:
-            return rows, (rows[:, 1] | rows[:, 2]).tolist()
-        return rows, _as_ints(rows[:, 1 : 1 + words] | rows[:, 1 + words :])
+        return rows, holder_masks(rows)
 
     def _runs(self, h: np.ndarray) -> tuple[dict[int, int], _Seen | None]:
         """Endpoint bit → leading blocks of ``h`` held, for every endpoint holding ``h[0]``; and
@@ -915,7 +896,7 @@ class PrefixIndex:
         if not store.migrating:
             if self._words_wanted > store.words:
                 store.prepare(store.live, self._words_wanted)
-            elif store.cur.spilled and self._version >= self._next_unspill:
+            elif store.spilled and self._version >= self._next_unspill:
                 self._next_unspill = self._version + 64
                 self._unspill()
             return
@@ -945,16 +926,10 @@ class PrefixIndex:
     def _unspill(self) -> None:
         """Move keys out of the spill bucket where they fit now, and rewrite their holders' ids."""
         store = self._store
-        old, new = store.cur.unspill()
-        changed = old != new
-        if not changed.any():
+        old, new = store.unspill()
+        if not old.size:
             return
-        old, new = store.tag(old[changed]), store.tag(new[changed])
-        order = np.argsort(old)
-        old, new = old[order], new[order]
-        planes = store.get(new.astype(np.int64) & (PARITY - 1))[:, 1:]
-        words = store.words
-        holders = _as_ints(np.bitwise_or.reduce(planes[:, :words] | planes[:, words:], axis=0)[None, :])[0]
+        holders = holder_masks(np.bitwise_or.reduce(store.get(store.resolve(new)), axis=0)[None, :])[0]
         for bit in _bits(holders):
             for gen in self._by_bit[bit].gens:
                 ids = gen.ids[: gen.size]
@@ -972,7 +947,7 @@ class PrefixIndex:
             start = min(gen.clean, gen.size)
             end = min(gen.size, start + budget)
             if end > start:
-                gen.ids[start:end] = store.tag(store.resolve(gen.ids[start:end]))
+                gen.ids[start:end] = store.restamp(gen.ids[start:end])
                 budget -= end - start
             gen.clean = end
             if end < gen.size:
@@ -988,11 +963,12 @@ class PrefixIndex:
         self._rewrite = []
         self._store.drop_old()
 
-    def _settle(self) -> None:
-        """Finish the migration now (the store calls this before starting another)."""
-        store = self._store
-        if store.migrating:
-            store.finish()
-            self._rewrite_epoch = store.epoch
-            self._rewrite = list(self._endpoints.values())
-            self._rewrite_all()
+    def _rewrite_ids(self) -> None:
+        """Rewrite every endpoint's lists now (the store calls this, every key moved, before it
+        frees the old table to start another growth)."""
+        self._rewrite_epoch = self._store.epoch
+        for ep in self._endpoints.values():
+            for gen in ep.gens:
+                gen.clean = 0
+            self._rewrite_lists(ep)
+        self._rewrite = []

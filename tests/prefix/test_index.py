@@ -13,6 +13,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import epp.prefix.store as prefix_store
 import epp.prefix.table as prefix_table
 import epp.prefix.index as prefix_index
 from epp.prefix.index import PrefixIndex, prompt_hashes
@@ -278,16 +279,18 @@ MODES = {
         (prefix_index, "_INITIAL_SLOTS"): 1,
         (prefix_index, "_REWRITE_AT_ONCE"): 0,
         (prefix_index, "_REWRITE_STEP"): 3,
-        (prefix_table, "_SMALL"): 0,
-        (prefix_table, "_STEP_KEYS"): 1,
-        (prefix_table, "_WARM_WORDS"): 64,
+        (prefix_table, "_SMALL_TABLE"): 0,
+        (prefix_store, "_SMALL"): 0,
+        (prefix_store, "_STEP_KEYS"): 1,
+        (prefix_store, "_WARM_WORDS"): 64,
     },
     "spilling": {
         (prefix_index, "_INITIAL_SLOTS"): 1,
         (prefix_table, "_MIN_SLOTS"): 8,
         (prefix_table, "_MAX_SLOTS"): 15,
-        (prefix_table, "_STEP_KEYS"): 8,
-        (prefix_table, "_SMALL"): 0,
+        (prefix_store, "_STEP_KEYS"): 8,
+        (prefix_table, "_SMALL_TABLE"): 0,
+        (prefix_store, "_SMALL"): 0,
     },
 }
 
@@ -541,7 +544,7 @@ def test_many_distinct_blocks_grow_the_table_and_stay_found() -> None:
         assert index.matches(prompt_hashes(prompt, "m")) == {f"e{i % 4}": 300}
     per_block = index.nbytes / index.size
     assert 4 < per_block < 4 + 24 / 0.5  # list entry + a slot (24 bytes) at ≥ 50% load
-    assert 0.5 < index._store.live / index._store.cur.usable < 0.9
+    assert 0.5 < index._store.live / index._store.usable < 0.9
 
 
 def test_a_table_that_grows_moves_its_keys_a_step_at_a_time() -> None:
