@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from epp.prefix.index import PrefixIndex, prompt_hashes
+from epp.prefix import PrefixIndex, prompt_hashes
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 TOKENS_8K = 8192 * 4  # characters: 4 per token, as the index assumes

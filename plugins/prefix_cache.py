@@ -40,7 +40,7 @@ from typing import Any, Self
 import numpy as np
 
 from epp.datalayer.datastore import Endpoint
-from epp.prefix.index import (
+from epp.prefix import (
     CHARS_PER_TOKEN,
     DEFAULT_BLOCK_SIZE_TOKENS,
     DEFAULT_LRU_CAPACITY_PER_SERVER,

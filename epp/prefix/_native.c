@@ -1,5 +1,5 @@
 /* The prefix-cache index's two hot loops, in C: hashing a prompt's blocks and looking block
- * hashes up in the slot table. Private to epp.prefix.index and epp.prefix.table, which own the
+ * hashes up in the slot table. Private to epp.prefix.hashing and epp.prefix.table, which own the
  * formats (see their docstrings); each function here does exactly what the numpy expression in
  * its docstring does, and tests/prefix/ holds both to a plain Python reference. _native.pyi gives
  * mypy their signatures.

@@ -13,10 +13,14 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import epp.prefix
+import epp.prefix.index as prefix_index
+import epp.prefix.matching as prefix_matching
 import epp.prefix.store as prefix_store
 import epp.prefix.table as prefix_table
-import epp.prefix.index as prefix_index
-from epp.prefix.index import PrefixIndex, prompt_hashes
+import epp.prefix.upkeep as prefix_upkeep
+from epp.prefix import PrefixIndex, prompt_hashes
+from epp.prefix.hashing import DEFAULT_BLOCK_SIZE_TOKENS, DEFAULT_MAX_PREFIX_TOKENS
 
 M32 = (1 << 32) - 1
 M64 = (1 << 64) - 1
@@ -219,7 +223,7 @@ def test_the_cap_keeps_the_first_blocks() -> None:
     full = prompt_hashes(text, "m", None, 64, 1000)
     assert prompt_hashes(text, "m", None, 64, 5).tolist() == full[:5].tolist()
     assert len(prompt_hashes(text, "m", None, 64, 0)) == 0
-    default_blocks = prefix_index.DEFAULT_MAX_PREFIX_TOKENS // prefix_index.DEFAULT_BLOCK_SIZE_TOKENS
+    default_blocks = DEFAULT_MAX_PREFIX_TOKENS // DEFAULT_BLOCK_SIZE_TOKENS
     assert len(prompt_hashes("x" * 64 * (default_blocks + 3), "m")) == default_blocks == 8192
 
 
@@ -272,13 +276,17 @@ def scenarios(draw: st.DrawFn) -> tuple[int, list[str], list[tuple]]:
 # 7-14 usable slots, so that keys spill (and come back) and a full spill bucket forces growth.
 MODES = {
     "default": {},
-    "sampled": {(prefix_index, "_FULL_LOOKUP"): 0},
+    "sampled": {(prefix_matching, "_FULL_LOOKUP"): 0},
     # hints kept for two first blocks only, one run end each: they go stale and get evicted
-    "few hints": {(prefix_index, "_FULL_LOOKUP"): 0, (prefix_index, "_RECENT_PROMPTS"): 2, (prefix_index, "_RECENT_ENDS"): 1},
+    "few hints": {
+        (prefix_matching, "_FULL_LOOKUP"): 0,
+        (prefix_matching, "_RECENT_PROMPTS"): 2,
+        (prefix_matching, "_RECENT_ENDS"): 1,
+    },
     "migrating": {
         (prefix_index, "_INITIAL_SLOTS"): 1,
-        (prefix_index, "_REWRITE_AT_ONCE"): 0,
-        (prefix_index, "_REWRITE_STEP"): 3,
+        (prefix_upkeep, "_REWRITE_AT_ONCE"): 0,
+        (prefix_upkeep, "_REWRITE_STEP"): 3,
         (prefix_table, "_SMALL_TABLE"): 0,
         (prefix_store, "_SMALL"): 0,
         (prefix_store, "_STEP_KEYS"): 1,
@@ -396,24 +404,24 @@ def test_match_reports_each_endpoints_longest_consecutive_prefix() -> None:
     assert index.matches(np.empty(0, dtype=np.uint64)) == {}
 
 
-def lookups(index: PrefixIndex) -> list[int]:
-    """Record the size of every table lookup the index makes from now on."""
+def lookups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the size of every table lookup matches make from now on (in this test)."""
     sizes: list[int] = []
-    held = index._held
+    held = prefix_matching.Matcher.held
 
-    def counted(keys: np.ndarray) -> tuple:
+    def counted(self: prefix_matching.Matcher, keys: np.ndarray) -> tuple:
         sizes.append(keys.size)
-        return held(keys)
+        return held(self, keys)
 
-    index._held = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(prefix_matching.Matcher, "held", counted)
     return sizes
 
 
-def test_where_runs_ended_before_is_looked_up_with_the_samples() -> None:
+def test_where_runs_ended_before_is_looked_up_with_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:
     index = PrefixIndex()
     system = "S" * 400  # 100 blocks; prompts of 125 blocks are sampled every 11th (13 samples)
     index.add("a", blocks(system + "q1" * 50))
-    sizes = lookups(index)
+    sizes = lookups(monkeypatch)
     assert index.matches(blocks("T" * 500)) == {}
     assert sizes == [4]  # a first block not seen lately: most likely new, so few samples (0, 44, 88, 124)
     sizes.clear()
@@ -432,12 +440,12 @@ def test_where_runs_ended_before_is_looked_up_with_the_samples() -> None:
     assert sizes == [15, 10, 17, 17]  # q4: the samples and hints, then blocks 34..43
 
 
-def test_the_next_turn_of_a_conversation_needs_one_lookup() -> None:
+def test_the_next_turn_of_a_conversation_needs_one_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     index = PrefixIndex()
     turn = "system: be brief. user: hi. " * 12  # 84 blocks of 4 bytes
     index.add("b", blocks(turn[:200] + "elsewhere" * 20))
     index.add("a", blocks(turn))
-    sizes = lookups(index)
+    sizes = lookups(monkeypatch)
     for i in range(3):  # each turn resends the conversation so far, and the last add was its pod
         following = turn + f"assistant: answer {i}. user: more {i}. " * 3
         assert index.matches(blocks(following)) == {"a": len(turn) // 4, "b": 50}
@@ -609,7 +617,7 @@ def test_plain_int_lists_work_and_unhashable_endpoints_are_refused() -> None:
 
 
 def test_the_public_api() -> None:
-    assert sorted(prefix_index.__all__) == [
+    assert sorted(epp.prefix.__all__) == [
         "CHARS_PER_TOKEN",
         "DEFAULT_BLOCK_SIZE_TOKENS",
         "DEFAULT_LRU_CAPACITY_PER_SERVER",
