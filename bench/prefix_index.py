@@ -12,8 +12,8 @@ changes), then times, with a fixed seed:
   * add() of an 8k-token prompt, with its hashes computed beforehand (on the request path the
     producer hashed the prompt to match it): all blocks already held (refresh), a shared prefix
     plus 60 new blocks, and 512 new blocks (evicting as many). "add" alone looks the prompt up
-    itself; "match+add" is what the plugin does per request (match, pick, add: add() then reuses
-    the match), shown as the add() part and as the whole;
+    itself; "match+add" is what the plugin does per request (look up, pick, add: add() then
+    reuses the lookup), shown as the add() part and as the whole;
   * a pod joining the full index: its first add (which, as the 65th endpoint, needs a second
     mask word and so starts a table migration) and the slowest add() while that migration runs;
   * memory: the index's numpy arrays (nbytes) and what tracemalloc saw allocated for the build.
@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from epp.prefix import PrefixIndex, prompt_hashes
+from epp.prefix import PrefixIndex, PrefixLookup, prompt_hashes
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 TOKENS_8K = 8192 * 4  # characters: 4 per token, as the index assumes
@@ -204,6 +204,7 @@ def main() -> None:
         return queue.pop()
 
     current: list[np.ndarray] = []
+    looked_up: list[PrefixLookup] = []
 
     def load() -> None:
         current[:] = [next_hashes()]
@@ -212,15 +213,18 @@ def main() -> None:
         index.add(target, current[0])
 
     def match_then_add() -> None:
-        index.match(current[0], [target])
-        index.add(target, current[0])
+        lookup = index.lookup(current[0])
+        lookup.matches.get(target, 0)
+        index.add(target, current[0], lookup=lookup)
 
-    def add_after_match() -> None:  # times add() only; its match runs in setup
-        index.add(target, current[0])
+    def add_after_match() -> None:  # times add() only; its lookup runs in setup
+        index.add(target, current[0], lookup=looked_up[0])
 
     def load_and_match() -> None:
         load()
-        index.match(current[0], [target])
+        lookup = index.lookup(current[0])
+        lookup.matches.get(target, 0)
+        looked_up[:] = [lookup]
 
     def shared_prompt() -> np.ndarray:
         return prompt_hashes(prefix[: 452 * BLOCK] + text(rng, 60 * BLOCK), MODEL)

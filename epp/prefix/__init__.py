@@ -6,7 +6,7 @@ the prefix-cache producer plugins build on it. Its design is in the docstring of
 """
 
 from epp.prefix.hashing import CHARS_PER_TOKEN, DEFAULT_BLOCK_SIZE_TOKENS, DEFAULT_MAX_PREFIX_TOKENS, prompt_hashes
-from epp.prefix.index import DEFAULT_LRU_CAPACITY_PER_SERVER, PrefixIndex, PrefixIndexStats
+from epp.prefix.index import DEFAULT_LRU_CAPACITY_PER_SERVER, PrefixIndex, PrefixIndexStats, PrefixLookup
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -15,5 +15,6 @@ __all__ = [
     "DEFAULT_MAX_PREFIX_TOKENS",
     "PrefixIndex",
     "PrefixIndexStats",
+    "PrefixLookup",
     "prompt_hashes",
 ]

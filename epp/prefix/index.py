@@ -20,11 +20,14 @@ docstring:
 - :mod:`epp.prefix.upkeep`: the bounded steps of that growth, one after each update, and the
   rewriting of the endpoints' lists of slot ids it needs.
 
-Recording a pick
-----------------
-An add looks the prompt up like a match (skipped when it follows :meth:`PrefixIndex.matches` of
-the same hashes array with nothing changed in between, as the plugin's match-pick-add does),
-then records it (:mod:`epp.prefix.generations` says what that writes).
+A lookup, then an add
+---------------------
+On the request path a prompt is looked up (:meth:`PrefixIndex.lookup`, or :meth:`~PrefixIndex.matches`
+for the counts alone), an endpoint picked, and the pick recorded (:meth:`PrefixIndex.add`). An add
+needs what the lookup found (the runs, and the table rows it read), so ``add(endpoint, hashes,
+lookup=...)`` takes the :class:`PrefixLookup` and skips its own lookup, as long as nothing
+changed in the index since (each add, remove and evicting capacity change makes older lookups
+stale; add() then looks the prompt up again, so a stale lookup costs time, never a wrong count).
 
 Memory
 ------
@@ -51,7 +54,7 @@ from epp.prefix.matching import Matcher, Seen
 from epp.prefix.store import SlotStore
 from epp.prefix.upkeep import Upkeep
 
-__all__ = ["DEFAULT_LRU_CAPACITY_PER_SERVER", "PrefixIndex", "PrefixIndexStats"]
+__all__ = ["DEFAULT_LRU_CAPACITY_PER_SERVER", "PrefixIndex", "PrefixIndexStats", "PrefixLookup"]
 
 DEFAULT_LRU_CAPACITY_PER_SERVER = 31250  # upstream's default: ≈ 500K tokens of KV-cache (8B model, 80 GB GPU) / 16
 _INITIAL_SLOTS = 1024  # the table's first size; it grows with the blocks held
@@ -69,6 +72,38 @@ class PrefixIndexStats:
     def hit_ratio(self) -> float:
         """matched / total blocks (0 before any block was offered)."""
         return self.matched_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+class PrefixLookup:
+    """What :meth:`PrefixIndex.lookup` found for a prompt.
+
+    ``hashes``: the prompt's block hashes, as the index took them (a uint64 array);
+    ``matches``: every endpoint holding the first block, with how many leading blocks it holds
+    (what :meth:`PrefixIndex.matches` returns). Passed to :meth:`PrefixIndex.add` with the same
+    hashes, it spares the add its own lookup while it is fresh: until the index next changes.
+    Made only by the index; treat as read-only.
+    """
+
+    __slots__ = ("_index", "_runs", "_seen", "_version", "hashes", "matches")
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        version: int,
+        hashes: np.ndarray,
+        matches: dict[Hashable, int],
+        runs: dict[int, int],
+        seen: Seen | None,
+    ) -> None:
+        self._index = index
+        self._version = version
+        self.hashes = hashes
+        self.matches = matches
+        self._runs = runs  # by endpoint bit
+        self._seen = seen  # the table rows looked up on the way
+
+    def __repr__(self) -> str:
+        return f"PrefixLookup({self.hashes.size} blocks, matches={self.matches!r})"
 
 
 def _check_capacity(capacity: int) -> int:
@@ -91,8 +126,7 @@ class PrefixIndex:
         self._matcher = Matcher(self._store)
         self._upkeep = Upkeep(self._store, self._holdings)
         self._adds = self._matched = self._offered = 0
-        self._version = 0  # bumped by every change to what endpoints hold
-        self._memo: tuple[object, int, dict[int, int], Seen | None] | None = None  # the last match, for add()
+        self._version = 0  # bumped by every change to what endpoints hold: older lookups are stale
 
     # --- what it holds -----------------------------------------------------------------------
 
@@ -131,14 +165,21 @@ class PrefixIndex:
 
     # --- matching ----------------------------------------------------------------------------
 
+    def lookup(self, hashes: np.ndarray | Iterable[int]) -> PrefixLookup:
+        """What :meth:`matches` finds, and what :meth:`add` needs to skip its own lookup of the
+        same hashes (pass it as ``lookup=``)."""
+        h = as_hashes(hashes)
+        runs, seen = self._runs(h)
+        names = self._holdings.names
+        return PrefixLookup(self, self._version, h, {names[bit]: count for bit, count in runs.items()}, runs, seen)
+
     def matches(self, hashes: np.ndarray | Iterable[int]) -> dict[Hashable, int]:
         """Every endpoint holding the prompt's first block, with how many leading blocks it holds.
 
         ``hashes`` is the output of :func:`~epp.prefix.hashing.prompt_hashes` (or a prefix of
         it). Upstream's score is this count divided by ``len(hashes)``.
         """
-        runs, seen = self._runs(as_hashes(hashes))
-        self._memo = (hashes, self._version, runs, seen)
+        runs, _ = self._runs(as_hashes(hashes))
         names = self._holdings.names
         return {names[bit]: count for bit, count in runs.items()}
 
@@ -160,6 +201,7 @@ class PrefixIndex:
         hashes: np.ndarray | Iterable[int],
         *,
         count_hit: bool = True,
+        lookup: PrefixLookup | None = None,
     ) -> int:
         """Record that the prompt with these block hashes was sent to ``endpoint``.
 
@@ -171,10 +213,19 @@ class PrefixIndex:
         added whole (matching relies on it). Returns how many leading blocks the endpoint
         already held, and counts it in :attr:`stats` unless ``count_hit`` is false (for a second
         endpoint of one request, e.g. a prefill pod).
+
+        ``lookup``: what :meth:`lookup` found for these hashes, to be used instead of looking
+        them up again if nothing changed in the index since (else it is looked up again).
+        ValueError if it was made by another index or for other hashes.
         """
         h = as_hashes(hashes)
         if h.size and not h.all():
             raise ValueError("hashes must be nonzero (0 is reserved), as prompt_hashes makes them")
+        if lookup is not None:
+            if lookup._index is not self:
+                raise ValueError("lookup was made by another PrefixIndex")
+            if lookup.hashes is not h and not np.array_equal(lookup.hashes, h):
+                raise ValueError("lookup was made for other hashes")
         ep = self._holdings.get(endpoint) or self._register(endpoint, self.default_capacity)
         offered = h.size
         if offered > ep.capacity:
@@ -182,9 +233,8 @@ class PrefixIndex:
         n = h.size
         matched = 0
         if n:
-            memo = self._memo
-            if memo is not None and memo[0] is hashes and memo[1] == self._version:
-                runs, seen = memo[2], memo[3]
+            if lookup is not None and lookup._version == self._version:
+                runs, seen = lookup._runs, lookup._seen
                 if n < offered:
                     runs = {bit: min(count, n) for bit, count in runs.items()}
             else:

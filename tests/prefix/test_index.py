@@ -19,7 +19,7 @@ import epp.prefix.matching as prefix_matching
 import epp.prefix.store as prefix_store
 import epp.prefix.table as prefix_table
 import epp.prefix.upkeep as prefix_upkeep
-from epp.prefix import PrefixIndex, prompt_hashes
+from epp.prefix import PrefixIndex, PrefixLookup, prompt_hashes
 from epp.prefix.hashing import DEFAULT_BLOCK_SIZE_TOKENS, DEFAULT_MAX_PREFIX_TOKENS
 
 M32 = (1 << 32) - 1
@@ -257,7 +257,7 @@ def scenarios(draw: st.DrawFn) -> tuple[int, list[str], list[tuple]]:
     prompts = [stem + draw(st.text("abc", max_size=160)) for stem in stems for _ in range(2)]
     endpoints = ENDPOINTS[: draw(st.sampled_from([1, 3, 8, 70]))]
     capacity = draw(st.sampled_from([1, 4, 20, 60, 500]))
-    # (add, endpoint, prompt, match it first as the plugin does: add() then reuses the match)
+    # (add, endpoint, prompt, look it up first as the plugin does: add() then reuses the lookup)
     add = st.tuples(st.just("add"), st.sampled_from(endpoints), st.integers(0, len(prompts) - 1), st.booleans())
     operation = st.one_of(
         add,
@@ -323,17 +323,23 @@ def test_the_index_matches_the_reference_across_adds_evictions_and_removals(name
         check_against_reference(*scenario)
 
 
-def check_against_reference(capacity: int, prompts: list[str], operations: list[tuple], check_every: int = 1) -> None:
+def check_against_reference(
+    capacity: int, prompts: list[str], operations: list[tuple], check_every: int = 1, old_lookups: bool = False
+) -> None:
     """Run the operations on both; compare every prompt's matches and the sizes after each
-    ``check_every``-th operation (and the prompt just added after each add)."""
+    ``check_every``-th operation (and the prompt just added after each add). With
+    ``old_lookups``, an add not preceded by a lookup gets the last one made of its prompt."""
     hashed = [prompt_hashes(p, "m", None, 4) for p in prompts]
     index, reference = PrefixIndex(capacity), ReferenceIndex(capacity)
+    last_lookup: dict[int, PrefixLookup] = {}
     for step, op in enumerate(operations, 1):
         if op[0] == "add":
             hashes = hashed[op[2]]
+            lookup = last_lookup.get(op[2]) if old_lookups else None
             if op[3]:
-                assert index.matches(hashes) == reference.matches(hashes.tolist())
-            assert index.add(op[1], hashes) == reference.add(op[1], hashes.tolist())
+                lookup = last_lookup[op[2]] = index.lookup(hashes)
+                assert lookup.matches == reference.matches(hashes.tolist())
+            assert index.add(op[1], hashes, lookup=lookup) == reference.add(op[1], hashes.tolist())
             assert index.matches(hashes) == reference.matches(hashes.tolist())
         elif op[0] == "remove":
             assert index.remove(op[1]) == reference.remove(op[1])
@@ -624,6 +630,7 @@ def test_the_public_api() -> None:
         "DEFAULT_MAX_PREFIX_TOKENS",
         "PrefixIndex",
         "PrefixIndexStats",
+        "PrefixLookup",
         "prompt_hashes",
     ]
 
@@ -653,3 +660,85 @@ def test_the_native_loops_refuse_buffers_too_small_instead_of_reading_past_them(
         _native.lookup(rows, 4, 8, 3, 30, 0, np.ones(4, dtype=np.uint64)[::2], found)
     _native.lookup(rows, 4, 8, 3, 30, 0, np.ones(2, dtype=np.uint64), found)  # the right sizes: found nothing
     assert not found.any()
+
+
+# --- a lookup, then an add -----------------------------------------------------------------------
+
+
+def runs_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the size of every prompt the index matches from now on (in this test)."""
+    sizes: list[int] = []
+    runs = prefix_matching.Matcher.runs
+
+    def counted(self: prefix_matching.Matcher, h: np.ndarray) -> tuple:
+        sizes.append(h.size)
+        return runs(self, h)
+
+    monkeypatch.setattr(prefix_matching.Matcher, "runs", counted)
+    return sizes
+
+
+def test_add_reuses_a_fresh_lookup_instead_of_matching_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    index = PrefixIndex(100)
+    system = blocks("S" * 400)  # 100 blocks: the sampled path
+    index.add("a", system)
+    index.add("b", system[:40])
+    matched = runs_counted(monkeypatch)
+    h = blocks("S" * 400 + "q" * 80)  # 120 blocks
+    lookup = index.lookup(h)
+    assert lookup.matches == index.matches(h) == {"a": 100, "b": 40} and lookup.hashes is h
+    assert len(matched) == 2
+    assert index.add("b", h, lookup=lookup) == 40
+    assert len(matched) == 2  # no match of its own
+    index.set_capacity("c", 50)  # registering an endpoint changes nothing held: still fresh
+    lookup = index.lookup(h)
+    assert index.add("c", h, lookup=lookup) == 0  # capacity 50: the lookup's runs cut to 50 blocks
+    assert len(matched) == 3
+    assert index.matches(h) == {"a": 100, "b": 100, "c": 50}
+    # The same hashes as another array (or a list) are the same prompt.
+    lookup = index.lookup(h)
+    assert index.add("a", list(h), lookup=lookup) == 100 and len(matched) == 5
+    # Without a lookup, add() looks the prompt up itself (even right after a match of it).
+    index.matches(h)
+    assert index.add("a", h) == 100 and len(matched) == 7
+
+
+def test_add_never_reuses_a_stale_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    index = PrefixIndex(100)
+    h = blocks("z" * 320)  # 80 blocks
+    matched = runs_counted(monkeypatch)
+    before = index.lookup(h)  # nothing held yet: no match at all
+    assert before.matches == {} and not matched
+    assert index.add("a", h) == 0
+    # Reusing `before` would find nothing held and insert every block a second time.
+    assert index.add("a", h, lookup=before) == 80
+    assert matched == [80]
+    assert index.matches(h) == {"a": 80} and index.size == 80 and index._store.live == 80
+    stale = index.lookup(h)  # {"a": 80}
+    assert index.remove("a")
+    # "b" gets the bit "a" had: reusing `stale` would credit it with a's 80 blocks.
+    assert index.add("b", h, lookup=stale) == 0
+    stale = index.lookup(h)  # {"b": 80}
+    index.set_capacity("b", 50)  # evicts down to 47
+    assert index.add("b", h, lookup=stale) == 47
+    assert index.matches(h) == {"b": 50} and index.size == 50
+
+
+def test_a_lookup_belongs_to_its_index_and_its_hashes() -> None:
+    index, other = PrefixIndex(), PrefixIndex()
+    h = blocks("x" * 100)
+    index.add("a", h)
+    with pytest.raises(ValueError, match="another PrefixIndex"):
+        other.add("a", h, lookup=index.lookup(h))
+    with pytest.raises(ValueError, match="other hashes"):
+        index.add("a", h[:10], lookup=index.lookup(h))
+    assert index.size == 25 and other.size == 0
+
+
+@pytest.mark.parametrize("name", list(MODES))
+@PROPERTY
+@given(scenario=scenarios())
+def test_adds_given_old_lookups_match_the_reference(name: str, scenario: tuple) -> None:
+    """Each add gets the lookup last made of its prompt: just made, or older, fresh or stale."""
+    with mode(name):
+        check_against_reference(*scenario, old_lookups=True)
