@@ -22,12 +22,13 @@ docstring:
 
 A lookup, then an add
 ---------------------
-On the request path a prompt is looked up (:meth:`PrefixIndex.lookup`, or :meth:`~PrefixIndex.matches`
-for the counts alone), an endpoint picked, and the pick recorded (:meth:`PrefixIndex.add`). An add
-needs what the lookup found (the runs, and the table rows it read), so ``add(endpoint, hashes,
-lookup=...)`` takes the :class:`PrefixLookup` and skips its own lookup, as long as nothing
-changed in the index since (each add, remove and evicting capacity change makes older lookups
-stale; add() then looks the prompt up again, so a stale lookup costs time, never a wrong count).
+On the request path a prompt is looked up (:meth:`PrefixIndex.lookup`, or
+:meth:`PrefixIndex.matches` for the counts alone), an endpoint picked, and the pick recorded
+(:meth:`PrefixIndex.add`). An add needs what the lookup found (the runs, and the table rows it
+read), so ``add(endpoint, hashes, lookup=...)`` takes the :class:`PrefixLookup` and skips its
+own lookup, as long as nothing changed in the index since: each add, remove and evicting
+capacity change makes older lookups stale, and add() then looks the prompt up again (a stale
+lookup costs time, never a wrong count). The index keeps no memory of past lookups.
 
 Memory
 ------
