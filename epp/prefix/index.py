@@ -170,7 +170,7 @@ class PrefixIndex:
         """What :meth:`matches` finds, and what :meth:`add` needs to skip its own lookup of the
         same hashes (pass it as ``lookup=``)."""
         h = as_hashes(hashes)
-        runs, seen = self._runs(h)
+        runs, seen = self._matcher.runs(h) if h.size and self._holdings.size else ({}, None)
         names = self._holdings.names
         return PrefixLookup(self, self._version, h, {names[bit]: count for bit, count in runs.items()}, runs, seen)
 
@@ -180,7 +180,8 @@ class PrefixIndex:
         ``hashes`` is the output of :func:`~epp.prefix.hashing.prompt_hashes` (or a prefix of
         it). Upstream's score is this count divided by ``len(hashes)``.
         """
-        runs, _ = self._runs(as_hashes(hashes))
+        h = as_hashes(hashes)
+        runs = self._matcher.runs(h)[0] if h.size and self._holdings.size else {}
         names = self._holdings.names
         return {names[bit]: count for bit, count in runs.items()}
 
@@ -188,11 +189,6 @@ class PrefixIndex:
         """For each of ``endpoints``, how many leading blocks of the prompt it holds."""
         found = self.matches(hashes)
         return [found.get(endpoint, 0) for endpoint in endpoints]
-
-    def _runs(self, h: np.ndarray) -> tuple[dict[int, int], Seen | None]:
-        if h.size == 0 or self._holdings.size == 0:
-            return {}, None
-        return self._matcher.runs(h)
 
     # --- updates -----------------------------------------------------------------------------
 
@@ -219,14 +215,16 @@ class PrefixIndex:
         them up again if nothing changed in the index since (else it is looked up again).
         ValueError if it was made by another index or for other hashes.
         """
-        h = as_hashes(hashes)
-        if h.size and not h.all():
-            raise ValueError("hashes must be nonzero (0 is reserved), as prompt_hashes makes them")
-        if lookup is not None:
+        if lookup is None:
+            h = as_hashes(hashes)
+        else:
             if lookup._index is not self:
                 raise ValueError("lookup was made by another PrefixIndex")
-            if lookup.hashes is not h and not np.array_equal(lookup.hashes, h):
+            h = lookup.hashes  # as lookup() took them
+            if hashes is not h and not np.array_equal(as_hashes(hashes), h):
                 raise ValueError("lookup was made for other hashes")
+        if h.size and not h.all():
+            raise ValueError("hashes must be nonzero (0 is reserved), as prompt_hashes makes them")
         ep = self._holdings.get(endpoint) or self._register(endpoint, self.default_capacity)
         offered = h.size
         if offered > ep.capacity:
@@ -238,13 +236,16 @@ class PrefixIndex:
                 runs, seen = lookup._runs, lookup._seen
                 if n < offered:
                     runs = {bit: min(count, n) for bit, count in runs.items()}
+            elif self._holdings.size:
+                runs, seen = self._matcher.runs(h)
             else:
-                runs, seen = self._runs(h)
+                runs, seen = {}, None
             matched = runs.get(ep.bit, 0)
             last_row = seen.row(matched - 1) if matched and seen is not None else None
             self._holdings.record(ep, h, matched, max(runs.values(), default=0), last_row)
             self._matcher.added(h)
-            self._changed()
+            self._version += 1  # (what _changed() does, inline on the request path)
+            self._upkeep.step(self._version)
         if count_hit:
             self._adds += 1
             self._matched += matched
