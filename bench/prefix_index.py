@@ -12,8 +12,8 @@ changes), then times, with a fixed seed:
   * add() of an 8k-token prompt, with its hashes computed beforehand (on the request path the
     producer hashed the prompt to match it): all blocks already held (refresh), a shared prefix
     plus 60 new blocks, and 512 new blocks (evicting as many). "add" alone looks the prompt up
-    itself; "match+add" is what the plugin does per request (match, pick, add: add() then reuses
-    the match), shown as the add() part and as the whole;
+    itself; "match+add" is what the plugin does per request (look up, pick, add: add() then
+    reuses the lookup), shown as the add() part and as the whole;
   * a pod joining the full index: its first add (which, as the 65th endpoint, needs a second
     mask word and so starts a table migration) and the slowest add() while that migration runs;
   * memory: the index's numpy arrays (nbytes) and what tracemalloc saw allocated for the build.
@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from epp.prefix.index import PrefixIndex, prompt_hashes
+from epp.prefix import PrefixIndex, PrefixLookup, prompt_hashes
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 TOKENS_8K = 8192 * 4  # characters: 4 per token, as the index assumes
@@ -45,7 +45,9 @@ def text(rng: np.random.Generator, chars: int) -> str:
     return rng.integers(32, 127, chars, dtype=np.uint8).tobytes().decode()
 
 
-def timed(call: Callable[[], object], runs: int, setup: Callable[[], object] | None = None) -> tuple[float, float, float]:
+def timed(
+    call: Callable[[], object], runs: int, setup: Callable[[], object] | None = None
+) -> tuple[float, float, float]:
     """P50, P99 and max in microseconds (``setup`` runs before each call, untimed)."""
     for _ in range(min(20, runs)):
         if setup:
@@ -104,7 +106,7 @@ def main() -> None:
     repeat = text(rng, TOKENS_8K)
     index.add(names[0], prompt_hashes(repeat, MODEL))
     shared = text(rng, TOKENS_8K)
-    for name, chars in zip(names[1:4], (TOKENS_8K, 300 * BLOCK, 123 * BLOCK + 10)):
+    for name, chars in zip(names[1:4], (TOKENS_8K, 300 * BLOCK, 123 * BLOCK + 10), strict=True):
         index.add(name, prompt_hashes(shared[:chars], MODEL))
     long_shared = text(rng, TOKENS_100K)
     index.add(names[4], prompt_hashes(long_shared[: 80_000 * 4], MODEL))
@@ -117,11 +119,12 @@ def main() -> None:
     traced = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     store = index._store
-    print(f"index: {args.endpoints} endpoints x {args.capacity} blocks = {index.size:,} blocks (built in {build_seconds:.1f} s)")
+    print(f"index: {args.endpoints} endpoints x {args.capacity} blocks = {index.size:,} blocks "
+          f"(built in {build_seconds:.1f} s)")
     print(f"memory: {index.nbytes / 2**20:.1f} MiB in the index's numpy arrays (nbytes); "
           f"{traced / 2**20:.1f} MiB allocated for the build (tracemalloc); "
-          f"table {store.slots:,} slots of {8 * store.cur.R} bytes at {store.live / store.cur.usable:.0%} load, "
-          f"{store.cur.spilled} spilled")
+          f"table {store.slots:,} slots of {store.slot_bytes} bytes at {store.live / store.usable:.0%} load, "
+          f"{store.spilled} spilled")
     print()
 
     # --- hashing and matching -------------------------------------------------------------------
@@ -162,16 +165,19 @@ def main() -> None:
 
         return make
 
+    runs_100k = max(100, args.runs // 10)
     cases = [
         ("8k tokens", "new, no match", making(cold), args.runs),
         ("8k tokens", "new, one non-ASCII character", making(cold_non_ascii), args.runs),
         ("8k tokens", "repeat (1 endpoint, whole)", making(lambda i: repeat), args.runs),
         ("8k tokens", "family, new question", making(family(shared, questions, lambda i: 250, TOKENS_8K)), args.runs),
-        ("8k tokens", "family, parts somewhere new", making(family(shared, questions, lambda i: 150 + i % 97, TOKENS_8K)), args.runs),
-        ("100k tokens", "new, no match", making(cold_100k), max(100, args.runs // 10)),
-        ("100k tokens", "family, new question", making(family(long_shared, questions_100k, lambda i: 3125, TOKENS_100K)), max(100, args.runs // 10)),
+        ("8k tokens", "family, parts somewhere new",
+         making(family(shared, questions, lambda i: 150 + i % 97, TOKENS_8K)), args.runs),
+        ("100k tokens", "new, no match", making(cold_100k), runs_100k),
+        ("100k tokens", "family, new question",
+         making(family(long_shared, questions_100k, lambda i: 3125, TOKENS_100K)), runs_100k),
         ("100k tokens", "family, parts somewhere new",
-         making(family(long_shared, questions_100k, lambda i: 3000 + i % 97 * 10, TOKENS_100K)), max(100, args.runs // 10)),
+         making(family(long_shared, questions_100k, lambda i: 3000 + i % 97 * 10, TOKENS_100K)), runs_100k),
     ]
     print(f"{'prompt':<12} {'case':<34} {'hash P50':>9} {'P99':>8} {'hash+match P50':>15} {'P99':>8}  matched blocks")
     for size, case, setup, runs in cases:
@@ -204,6 +210,7 @@ def main() -> None:
         return queue.pop()
 
     current: list[np.ndarray] = []
+    looked_up: list[PrefixLookup] = []
 
     def load() -> None:
         current[:] = [next_hashes()]
@@ -212,15 +219,18 @@ def main() -> None:
         index.add(target, current[0])
 
     def match_then_add() -> None:
-        index.match(current[0], [target])
-        index.add(target, current[0])
+        lookup = index.lookup(current[0])
+        lookup.matches.get(target, 0)
+        index.add(target, current[0], lookup=lookup)
 
-    def add_after_match() -> None:  # times add() only; its match runs in setup
-        index.add(target, current[0])
+    def add_after_match() -> None:  # times add() only; its lookup runs in setup
+        index.add(target, current[0], lookup=looked_up[0])
 
     def load_and_match() -> None:
         load()
-        index.match(current[0], [target])
+        lookup = index.lookup(current[0])
+        lookup.matches.get(target, 0)
+        looked_up[:] = [lookup]
 
     def shared_prompt() -> np.ndarray:
         return prompt_hashes(prefix[: 452 * BLOCK] + text(rng, 60 * BLOCK), MODEL)
@@ -259,7 +269,7 @@ def main() -> None:
     during: list[float] = []
     gc.disable()
     try:
-        while index._store.busy or index._rewrite:
+        while index._upkeep.busy:
             start = time.perf_counter_ns()
             index.add(names[len(during) % len(names)], prompts[len(during) % len(prompts)])
             during.append((time.perf_counter_ns() - start) / 1e3)
@@ -273,7 +283,8 @@ def main() -> None:
     print(f"a pod joins ({len(names) + 1}th endpoint, a second mask word): registering it {registered:.0f} µs; "
           f"the table then grew over {len(during)} add() calls (512 new blocks each): "
           f"P50 {np.percentile(steps, 50):.0f}, P99 {np.percentile(steps, 99):.0f}, max {steps.max():.0f} µs; "
-          f"its first add() {joined:.0f} µs; memory now {index.nbytes / 2**20:.1f} MiB ({index._store.words} mask words)")
+          f"its first add() {joined:.0f} µs; memory now {index.nbytes / 2**20:.1f} MiB "
+          f"({index._store.words} mask words)")
 
 
 if __name__ == "__main__":

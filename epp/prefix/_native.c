@@ -1,7 +1,8 @@
 /* The prefix-cache index's two hot loops, in C: hashing a prompt's blocks and looking block
- * hashes up in the slot table. Private to epp.prefix.index and epp.prefix.table, which own the
+ * hashes up in the slot table. Private to epp.prefix.hashing and epp.prefix.table, which own the
  * formats (see their docstrings); each function here does exactly what the numpy expression in
- * its docstring does, and tests/test_prefix_index.py holds both to a plain Python reference.
+ * its docstring does, and tests/prefix/ holds both to a plain Python reference. _native.pyi gives
+ * mypy their signatures.
  *
  * Why C and not numpy: with numpy, hashing an 8k-token prompt was six array passes (~14 µs) and a
  * lookup of 25 sampled keys eight array calls (~8 µs), nearly all of it per-call overhead; here

@@ -1,7 +1,7 @@
 """``approx-prefix-cache-producer``: predict which pod holds a prompt's prefix in its KV-cache.
 
 The producer predicts, without asking the pods, which pod holds a prompt's prefix in its KV-cache:
-it remembers which prompt blocks it sent where, in an :class:`epp.prefix.index.PrefixIndex` (see
+it remembers which prompt blocks it sent where, in an :class:`epp.prefix.PrefixIndex` (see
 that module for the hashing, the per-pod eviction policy and the costs). The prompt is cut into
 blocks of ``blockSizeTokens`` × 4 characters; each block's 64-bit hash chains the previous
 block's, seeded by the model name and the request's ``cache_salt``, so equal hashes at block *i*
@@ -35,9 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Self
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from epp.framework import (
     PREFIX_MATCH,
@@ -50,12 +48,13 @@ from epp.framework import (
     check_parameters,
     default_producer_of,
 )
-from epp.prefix.index import (
+from epp.prefix import (
     CHARS_PER_TOKEN,
     DEFAULT_BLOCK_SIZE_TOKENS,
     DEFAULT_LRU_CAPACITY_PER_SERVER,
     DEFAULT_MAX_PREFIX_TOKENS,
     PrefixIndex,
+    PrefixLookup,
     prompt_hashes,
 )
 
@@ -145,8 +144,8 @@ class ApproxPrefixCacheProducer:
         self.name = name
         self.parameters = parameters = parameters or PrefixParameters()
         self.index = PrefixIndex(default_capacity=parameters.lru_capacity_per_server)
-        # This instance's own record of the prompt's hashes, for pre_request.
-        self._hashes: StateKey[np.ndarray] = StateKey(f"{name}/prompt-hashes")
+        # This instance's own lookup of the prompt, which add() reuses after the pick.
+        self._lookup: StateKey[PrefixLookup] = StateKey(f"{name}/prompt-lookup")
         self._hit_ratio: Histogram | None = None
         if handle is not None:
             handle.pool.subscribe(self._pool_changed)
@@ -187,20 +186,25 @@ class ApproxPrefixCacheProducer:
     def produce(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
         p = self.parameters
         hashes = prompt_hashes(request.prompt, request.model, request.cache_salt, p.block_chars, p.max_blocks)
+        if not hashes.size:
+            request.state[PREFIX_MATCH] = PrefixMatch(0, {}, p.block_size_tokens)
+            return
         # Every pod's match, not only the candidates': one lookup either way, and add() after the
-        # pick reuses it rather than looking the prompt up again.
-        matched = self.index.matches(hashes) if hashes.size else {}
-        request.state[self._hashes] = hashes
-        request.state[PREFIX_MATCH] = PrefixMatch(len(hashes), matched, p.block_size_tokens)  # type: ignore[arg-type]
+        # pick reuses it (unless the index changed since) rather than looking the prompt up again.
+        lookup = self.index.lookup(hashes)
+        request.state[self._lookup] = lookup
+        request.state[PREFIX_MATCH] = PrefixMatch(
+            len(hashes), cast(Mapping[str, int], lookup.matches), p.block_size_tokens
+        )
 
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
-        hashes = request.state.get(self._hashes)
+        lookup = request.state.get(self._lookup)
         endpoints = result.endpoints
-        if hashes is None or not endpoints or not hashes.size:
+        if lookup is None or not endpoints:
             return
         endpoint = endpoints[0]
         if self.parameters.auto_tune and endpoint.metrics.num_gpu_blocks:
             self.index.set_capacity(endpoint.name, endpoint.metrics.num_gpu_blocks)  # a no-op when unchanged
-        held = self.index.add(endpoint.name, hashes)
+        held = self.index.add(endpoint.name, lookup.hashes, lookup=lookup)
         if self._hit_ratio is not None:
-            self._hit_ratio.observe(held / len(hashes))
+            self._hit_ratio.observe(held / len(lookup.hashes))

@@ -1,0 +1,22 @@
+"""Types of the C extension built from ``_native.c`` (its docstrings say what each loop computes).
+
+Buffers are anything exposing the buffer protocol: numpy arrays, bytes (numpy's own stubs give
+``ndarray.__buffer__`` only from Python 3.12, hence the union). ``out`` must be writable. Sizes are
+checked in C before any access: too small a buffer raises ValueError, a non-contiguous or read-only
+one TypeError.
+"""
+
+from typing import TypeAlias
+
+import numpy as np
+from typing_extensions import Buffer
+
+_Buffer: TypeAlias = Buffer | np.ndarray
+
+def chain(data: _Buffer, block_chars: int, count: int, keys: _Buffer, base: int, out: _Buffer, /) -> None:
+    """``out[i]`` = the chained NH hash of blocks 0..i of ``data`` (uint64, written in place)."""
+
+def lookup(
+    rows: _Buffer, buckets: int, slots: int, width: int, shift: int, spill: int, keys: _Buffer, out: _Buffer, /
+) -> None:
+    """``out[i]`` = the slot (``width`` uint64) whose key is ``keys[i]``, or zeros (written in place)."""
