@@ -1,4 +1,4 @@
-"""What reading one pod's /metrics page costs: epp.datalayer.engines against prometheus_client's parser.
+"""What reading one pod's /metrics page costs: epp.datalayer.page against prometheus_client's parser.
 
 The page is the vLLM simulator's (epp.sim.metrics, vLLM's names, help texts and bucket boundaries) after
 some traffic: every histogram observed, HTTP metrics for two handlers, a LoRA history of 16 label
