@@ -1,4 +1,4 @@
-"""The scrape worker: :class:`epp.datalayer.scraper.ScrapeLoops` in a child process, and the parent's client.
+"""The scrape worker: :class:`epp.datalayer.loops.ScrapeLoops` in a child process, and the parent's client.
 
 Why a process: see :mod:`epp.datalayer.scraper`. The two ends talk over a socketpair with length-prefixed
 pickles (both ends are this same code, started together, so pickle's reach is not a concern):
@@ -6,7 +6,7 @@ pickles (both ends are this same code, started together, so pickle's reach is no
 * parent -> worker: ``("start", engines, settings, default_engine)`` once, then
   ``("add", Target)`` / ``("remove", name)`` as the pool changes;
 * worker -> parent: lists of ``(name, Metrics fields as a tuple, reason)`` - the loops' reports
-  as they make them (:data:`epp.datalayer.scraper.Sink`) - one list per 10 ms at most, so the request loop
+  as they make them (:data:`epp.datalayer.loops.Sink`) - one list per 10 ms at most, so the request loop
   is woken ~100 times a second rather than once per scrape. Each wake-up of the picker process
   costs far more than applying one result (bench/scrape_cost.py at 100 pods: the request-path
   process used ~0.045 core with 5 ms batches, ~0.024 with 20 ms); 10 ms is the compromise with
@@ -37,6 +37,7 @@ from typing import Any
 
 from epp.datalayer.datastore import Metrics
 from epp.datalayer.engines import EngineMapping
+from epp.datalayer.loops import ScrapeLoops
 
 __all__ = ["WorkerClient"]
 
@@ -183,8 +184,6 @@ class WorkerClient:
 
 
 async def _work(sock: socket.socket) -> None:
-    from epp.datalayer.scraper import ScrapeLoops
-
     loop = asyncio.get_running_loop()
     done = loop.create_future()
     pending: list[tuple[str, tuple[Any, ...], str | None]] = []

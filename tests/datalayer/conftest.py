@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
+from aiohttp import web
 
 import epp.datalayer.page
+from epp.server.metrics import Metrics as ServiceMetrics
+
+from ._scraping import FakeServer
 
 
 @pytest.fixture(params=["index", "search"])
@@ -14,3 +20,22 @@ def page_reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     if request.param == "search":
         monkeypatch.setattr(epp.datalayer.page, "_INDEX_MAX_BYTES", -1)
     return str(request.param)
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeServer]:
+    server = FakeServer()
+    app = web.Application()
+    app.router.add_get("/metrics", server.handler)
+    server.runner = web.AppRunner(app, access_log=None)
+    await server.runner.setup()
+    site = web.TCPSite(server.runner, "127.0.0.1", 0)
+    await site.start()
+    server.port = server.runner.addresses[0][1]
+    yield server
+    await server.runner.cleanup()
+
+
+@pytest.fixture
+def service_metrics() -> ServiceMetrics:
+    return ServiceMetrics()

@@ -1,0 +1,52 @@
+"""The scrape worker process (epp.datalayer.worker): it follows the pool, exits with its parent, is restarted."""
+
+from __future__ import annotations
+
+import asyncio
+
+from epp.datalayer.datastore import Datastore
+from epp.server.metrics import Metrics as ServiceMetrics
+
+from ._scraping import FakeServer, running, until
+
+
+async def test_worker_process_scrapes_follows_the_pool_and_exits_with_its_parent(
+    fake: FakeServer, service_metrics: ServiceMetrics
+) -> None:
+    datastore = Datastore([fake.endpoint])
+    scraper = await running(datastore, service_metrics, in_process=False)
+    worker = scraper.loops
+    pid = worker.pid
+    try:
+        await until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
+        assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
+        datastore.remove(fake.endpoint.name)
+        await asyncio.sleep(0.2)
+        served = fake.requests
+        await asyncio.sleep(0.3)
+        assert fake.requests == served  # the worker stopped scraping the removed endpoint
+        datastore.upsert(fake.endpoint)
+        await until(lambda: fake.requests > served + 3)
+    finally:
+        await scraper.stop()
+    assert worker._process.poll() is not None  # exited, not orphaned
+    assert pid is not None
+
+
+async def test_a_dead_worker_marks_endpoints_stale_and_is_restarted(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+    import os
+    import signal
+
+    datastore = Datastore([fake.endpoint])
+    scraper = await running(datastore, service_metrics, in_process=False)
+    worker = scraper.loops
+    try:
+        await until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
+        first = worker.pid
+        os.kill(first, signal.SIGKILL)
+        await until(lambda: datastore.endpoints()[0].metrics.stale)
+        assert "scrape worker stopped" in (datastore.endpoints()[0].metrics.error or "")
+        await until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
+        assert worker.pid != first
+    finally:
+        await scraper.stop()
