@@ -31,9 +31,8 @@ sets the next timer. No task switch, future, ``asyncio.sleep`` or ``asyncio.time
 timeouts are one sweeper for all loops, which every ``min(0.1 s, timeout / 4)`` gives up the
 requests in flight for longer than the timeout (a fetch fails between ``timeout`` and ``timeout``
 plus that period). Connecting, the rare part, is a task. A page identical to the previous one (an
-idle pod) is not parsed again. The sink gets the metrics as a tuple of
-:class:`~epp.datalayer.datastore.Metrics` fields in order, the form the worker ships (:class:`Scraper` makes
-the Metrics).
+idle pod) is not parsed again. The sink gets a :class:`ScrapeResult`, a typed message that the worker
+ships as it is and :class:`~epp.datalayer.scraper.Scraper` turns into the datastore's ``Metrics``.
 
 Phases. Each loop has its own phase, so that a hundred pods are scraped spread over the interval
 rather than in one burst - but on a 5 ms grid (``_SLOT``): a new loop takes the grid slot with the
@@ -50,26 +49,28 @@ process together (bench/scrape_cost.py, medians of 3 alternating runs on a share
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, get_args
 from urllib.parse import quote
 
-from epp.datalayer.datastore import Metrics
+import msgspec
+
 from epp.datalayer.engines import EngineMapping, EngineMetrics
 from epp.datalayer.httpget import GetConnection, HttpGetError, connect, request_bytes
 
-__all__ = ["REASONS", "ScrapeLoops", "ScrapeSettings", "Sink", "Target"]
+__all__ = ["REASONS", "Reason", "ScrapeLoops", "ScrapeResult", "ScrapeSettings", "Sink", "Target"]
 
 log = logging.getLogger(__name__)
 
-# Why a scrape failed; the label values of epp_endpoint_scrape_errors_total.
-REASONS = ("connection", "timeout", "http_status", "missing_metrics")
+Reason = Literal["connection", "timeout", "http_status", "missing_metrics"]
+"""Why a scrape failed or was incomplete; the label values of ``epp_endpoint_scrape_errors_total``."""
+REASONS: tuple[Reason, ...] = get_args(Reason)
+
 # Answers of a server that will not take the ?name[]= query: ask it for the whole page instead.
 _FILTER_REFUSED = frozenset({400, 404, 405, 414, 422})
 
@@ -96,21 +97,34 @@ class Target:
     engine: str
 
 
-# The fields of Metrics, in order: the loops build these tuples directly (a frozen dataclass costs
-# several times more to make, and the worker would take it apart again to ship it).
-_FIELDS = (
-    "waiting_queue_size", "running_requests", "kv_cache_usage", "running_adapters", "waiting_adapters",
-    "max_adapters", "block_size", "num_gpu_blocks", "updated_at", "stale", "error",
-)  # fmt: skip
-if tuple(f.name for f in dataclasses.fields(Metrics)) != _FIELDS:
-    raise RuntimeError(
-        "epp.datalayer.datastore.Metrics changed its fields: update epp.datalayer.scraper (_FIELDS, _EndpointLoop._response)"
-    )
-_NEVER_SCRAPED = tuple(getattr(Metrics(), name) for name in _FIELDS)
-_UPDATED_AT = _FIELDS.index("updated_at")
+# array_like: encoded as a msgpack array, without field names; gc=False: its fields (numbers,
+# strings, frozensets of strings) can hold no reference cycle, so the collector need not track the
+# 2,000 made a second at 100 pods. Making one costs about what the equivalent tuple did.
+class ScrapeResult(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """What a loop reports after each scrape: the endpoint's numbers and state, and why it failed.
 
-# (endpoint name, its new metrics as a tuple of Metrics fields in order, why the scrape failed or None)
-Sink = Callable[[str, tuple[Any, ...], "str | None"], None]
+    The loops make one per scrape, the worker ships it as it is (:mod:`epp.datalayer.worker`), and
+    :class:`~epp.datalayer.scraper.Scraper` turns it into the datastore's ``Metrics`` by field name.
+    After a failure the numbers are the last good ones (the defaults before any), ``stale`` says
+    whether they are older than the staleness threshold, ``error`` says what happened.
+    """
+
+    endpoint: str
+    waiting_queue_size: int = 0
+    running_requests: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
+    max_adapters: int = 0
+    block_size: int | None = None  # KV-cache block size, tokens
+    num_gpu_blocks: int | None = None
+    updated_at: float = 0.0  # time.monotonic() of the last good scrape; 0: never
+    stale: bool = True
+    error: str | None = None  # why the scrape failed or what the page lacked; None when complete
+    reason: Reason | None = None  # the error's kind; None when the scrape was complete
+
+
+Sink = Callable[[ScrapeResult], None]
 
 
 class ScrapeLoops:
@@ -240,7 +254,7 @@ class _EndpointLoop:
         self._connecting: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
-        self._current: tuple[Any, ...] = _NEVER_SCRAPED
+        self._current = ScrapeResult(target.name)  # never scraped
         self._last_ok = 0.0
         self._last_page: bytes | None = None
         self._last_parsed: EngineMetrics | None = None
@@ -346,21 +360,24 @@ class _EndpointLoop:
         # time.monotonic(), not loop.time(): snapshots may cross to another process.
         now = time.monotonic()
         self._last_ok = now
-        self._current = current = (
-            parsed.waiting_queue_size or 0,
-            parsed.running_requests or 0,
-            parsed.kv_cache_usage or 0.0,
-            parsed.running_adapters,
-            parsed.waiting_adapters,
-            parsed.max_adapters or 0,
-            parsed.block_size,
-            parsed.num_gpu_blocks,
-            now,  # updated_at
-            False,  # stale
-            f"metrics missing from the page: {', '.join(parsed.missing)}" if parsed.missing else None,  # error
+        missing = parsed.missing
+        self._current = current = ScrapeResult(
+            endpoint=self.name,
+            waiting_queue_size=parsed.waiting_queue_size or 0,
+            running_requests=parsed.running_requests or 0,
+            kv_cache_usage=parsed.kv_cache_usage or 0.0,
+            running_adapters=parsed.running_adapters,
+            waiting_adapters=parsed.waiting_adapters,
+            max_adapters=parsed.max_adapters or 0,
+            block_size=parsed.block_size,
+            num_gpu_blocks=parsed.num_gpu_blocks,
+            updated_at=now,
+            stale=False,
+            error=f"metrics missing from the page: {', '.join(missing)}" if missing else None,
+            reason="missing_metrics" if missing else None,
         )
         try:
-            self._sink(self.name, current, "missing_metrics" if parsed.missing else None)
+            self._sink(current)
         finally:
             self._next()
 
@@ -378,15 +395,16 @@ class _EndpointLoop:
         self._request = request_bytes(self._host, self._port, self._settings.path)
         self._send(self._loop.time())  # now, off the beat; the phase stays
 
-    def _failed(self, reason: str, detail: str) -> None:
+    def _failed(self, reason: Reason, detail: str) -> None:
         if self._closed:
             return
         now = time.monotonic()
         last_ok = self._last_ok
         stale = not last_ok or now - last_ok > self._settings.staleness
-        self._current = current = (*self._current[:_UPDATED_AT + 1], stale, detail)  # last good numbers kept
+        # The last good numbers are kept, and their time: scorers age them from updated_at.
+        self._current = current = msgspec.structs.replace(self._current, stale=stale, error=detail, reason=reason)
         try:
-            self._sink(self.name, current, reason)
+            self._sink(current)
         finally:
             self._next()
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
 
 from epp.datalayer.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, Metrics
 from epp.datalayer.engines import EngineMapping
-from epp.datalayer.loops import REASONS, ScrapeLoops, ScrapeSettings, Target
+from epp.datalayer.loops import REASONS, ScrapeLoops, ScrapeResult, ScrapeSettings, Target
 from epp.datalayer.worker import WorkerClient
 from epp.server.metrics import Metrics as ServiceMetrics
 
@@ -53,10 +52,10 @@ class Scraper:
         self._started = False
         self._loops: ScrapeLoops | WorkerClient
         if in_process:
-            self._loops = ScrapeLoops(engines, settings, self._apply_fields, default_engine=default_engine)
+            self._loops = ScrapeLoops(engines, settings, self._apply_result, default_engine=default_engine)
         else:
             self._loops = WorkerClient(
-                engines, settings, self._apply, default_engine=default_engine, on_lost=self.mark_all_stale
+                engines, settings, self._apply_result, default_engine=default_engine, on_lost=self.mark_all_stale
             )
 
     @property
@@ -98,8 +97,8 @@ class Scraper:
             engine = self._default_engine
         return Target(endpoint.name, endpoint.address, endpoint.port, engine)
 
-    def _apply_fields(self, name: str, fields: tuple[Any, ...], reason: str | None) -> None:
-        self._apply(name, Metrics(*fields), reason)
+    def _apply_result(self, result: ScrapeResult) -> None:
+        self._apply(result.endpoint, _metrics(result), result.reason)
 
     def _apply(self, name: str, metrics: Metrics, reason: str | None) -> None:
         """One loop's result: to the datastore, the counters and (on a change of state) the log."""
@@ -138,3 +137,20 @@ class Scraper:
         """Every endpoint's metrics become stale now (the scrape worker died)."""
         for endpoint in self._datastore.endpoints():
             self._apply(endpoint.name, replace(endpoint.metrics, stale=True, error=why), "connection")
+
+
+def _metrics(result: ScrapeResult) -> Metrics:
+    """The datastore's snapshot of what a loop reported."""
+    return Metrics(
+        waiting_queue_size=result.waiting_queue_size,
+        running_requests=result.running_requests,
+        kv_cache_usage=result.kv_cache_usage,
+        running_adapters=result.running_adapters,
+        waiting_adapters=result.waiting_adapters,
+        max_adapters=result.max_adapters,
+        block_size=result.block_size,
+        num_gpu_blocks=result.num_gpu_blocks,
+        updated_at=result.updated_at,
+        stale=result.stale,
+        error=result.error,
+    )

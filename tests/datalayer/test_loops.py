@@ -4,29 +4,59 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
+import msgspec
 import pytest
+from aiohttp import web
 
 from epp.datalayer.datastore import Metrics
 from epp.datalayer.engines import builtin_engines
-from epp.datalayer.loops import ScrapeLoops, Target
+from epp.datalayer.loops import REASONS, ScrapeLoops, ScrapeResult, Target
 
 from ._scraping import FAST, FakeServer, until
 
 
-async def test_the_loops_report_metrics_fields_in_order(fake: FakeServer) -> None:
-    # What ScrapeLoops hands its sink (and the worker ships): a tuple of Metrics' fields, in order.
-    reports: list[tuple[str, tuple[object, ...], str | None]] = []
-    loops = ScrapeLoops(builtin_engines(), FAST, lambda *report: reports.append(report))
+async def test_the_loops_report_a_result_with_every_metrics_field(fake: FakeServer) -> None:
+    # What ScrapeLoops hands its sink (and the worker ships): a ScrapeResult, with a field of the same
+    # name for each of Metrics' (the scraper copies them by name), and the endpoint and reason.
+    reports: list[ScrapeResult] = []
+    loops = ScrapeLoops(builtin_engines(), FAST, reports.append)
     loops.add(Target("pod", "127.0.0.1", fake.port, "vllm"))
     try:
         await until(lambda: len(reports) >= 2)
     finally:
         await loops.stop()
-    name, values, reason = reports[-1]
-    assert (name, reason, len(values)) == ("pod", None, len(fields(Metrics)))
-    metrics = Metrics(*values)
-    assert (metrics.waiting_queue_size, metrics.num_gpu_blocks, metrics.stale, metrics.error) == (7, 1000, False, None)
+    result = reports[-1]
+    assert (result.endpoint, result.reason) == ("pod", None)
+    assert {field.name for field in fields(Metrics)} <= set(ScrapeResult.__struct_fields__)
+    assert (result.waiting_queue_size, result.num_gpu_blocks, result.stale, result.error) == (7, 1000, False, None)
     assert loops.endpoints == {}
+
+
+async def test_a_failed_scrape_keeps_the_last_good_numbers_and_their_time(fake: FakeServer) -> None:
+    reports: list[ScrapeResult] = []
+    loops = ScrapeLoops(builtin_engines(), FAST, reports.append)
+    loops.add(Target("pod", "127.0.0.1", fake.port, "vllm"))
+    try:
+        await until(lambda: len(reports) >= 1)
+        fake.respond = lambda: web.Response(status=500)
+        await until(lambda: reports[-1].reason == "http_status")
+    finally:
+        await loops.stop()
+    good = [result for result in reports if result.reason is None][-1]
+    failed = reports[-1]
+    assert failed.error == "HTTP 500 from /metrics"
+    # The same numbers and time as the last good scrape (stale, too, once the threshold has passed).
+    assert msgspec.structs.replace(failed, stale=False, error=None, reason=None) == good
+
+
+def test_reasons_are_the_error_counters_label_values() -> None:
+    assert REASONS == ("connection", "timeout", "http_status", "missing_metrics")
+
+
+def test_a_result_before_any_scrape_is_stale_and_empty() -> None:
+    never = ScrapeResult("pod")
+    assert (never.stale, never.updated_at, never.error, never.reason) == (True, 0.0, None, None)
+    assert (never.waiting_queue_size, never.running_adapters, never.block_size) == (0, frozenset(), None)
 
 
 async def test_loops_are_spread_evenly_over_the_interval() -> None:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from aiohttp import web
 
-from epp.datalayer.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, parse_endpoint
+from epp.datalayer.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, Metrics, parse_endpoint
 from epp.datalayer.engines import builtin_engines
-from epp.datalayer.loops import REASONS, ScrapeSettings
+from epp.datalayer.loops import REASONS, ScrapeResult, ScrapeSettings
 from epp.server.metrics import Metrics as ServiceMetrics
 from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.request import Sink
@@ -375,3 +375,15 @@ async def test_https_with_the_certificate_unverified_by_default(
     finally:
         await scraper.stop()
         await runner.cleanup()
+
+
+def test_a_result_becomes_the_datastore_metrics_field_by_field() -> None:
+    from epp.datalayer.scraper import _metrics
+
+    result = ScrapeResult(
+        "pod", 7, 3, 0.25, frozenset({"a"}), frozenset({"w"}), 4, 16, 1000, 12.5, False, "why", "missing_metrics"
+    )
+    metrics = _metrics(result)
+    # Every field of Metrics comes from the field of the same name (values all differ from the defaults).
+    for field in fields(Metrics):
+        assert getattr(metrics, field.name) == getattr(result, field.name) != getattr(Metrics(), field.name), field.name

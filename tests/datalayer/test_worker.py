@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from epp.datalayer.datastore import Datastore
+from epp.datalayer.loops import ScrapeResult
 from epp.server.metrics import Metrics as ServiceMetrics
 
 from ._scraping import FakeServer, running, until
@@ -50,3 +51,19 @@ async def test_a_dead_worker_marks_endpoints_stale_and_is_restarted(fake: FakeSe
         assert worker.pid != first
     finally:
         await scraper.stop()
+
+
+def test_results_cross_to_the_parent_unchanged() -> None:
+    from epp.datalayer.worker import _decode_results, _encode_results
+
+    results = [
+        ScrapeResult("pod-0"),
+        ScrapeResult(
+            "pod-1", 7, 3, 0.25, frozenset({"a1", "a2"}), frozenset({"w"}), 4, 16, 1000, 12.5, False,
+            "metrics missing from the page: x", "missing_metrics",
+        ),  # fmt: skip
+        ScrapeResult("pod-2", kv_cache_usage=1.0, updated_at=3.0, error="HTTP 500 from /metrics", reason="http_status"),
+    ]
+    decoded = _decode_results(_encode_results(results))
+    assert decoded == results
+    assert all(type(r.running_adapters) is frozenset and type(r.kv_cache_usage) is float for r in decoded)
