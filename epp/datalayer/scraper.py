@@ -1,12 +1,17 @@
 """Model-server telemetry: keeps every pool endpoint's metrics fresh in the datastore.
 
-Where the loops run. :class:`Scraper` follows the datastore's membership (an endpoint added
-starts a loop, removed or changed cancels it) and applies every result to the datastore, the
-Prometheus counters and the log. By default the loops themselves run in a child process
+:class:`Scraper` follows the datastore's membership (an endpoint added starts a loop, removed or
+changed cancels it) and applies every result the loops report (a
+:class:`~epp.datalayer.loops.ScrapeResult`) to the datastore, to the scrape series
+(:class:`~epp.datalayer.metrics.ScrapeMetrics`, which the service registers in its registry) and,
+on a change of state, to the log.
+
+Where the loops run. By default the loops (:mod:`epp.datalayer.loops`) run in a child process
 (:mod:`epp.datalayer.worker`): 100 pods at 50 ms are 2,000 scrapes a second, and sharing the request
 path's event loop with that work raised request P99 by several milliseconds (bench/scrape_cost.py).
 The child sends results back in small batches; applying one costs the request loop a few
 microseconds. ``in_process=True`` runs the loops in the caller's loop instead (tests, tiny pools).
+If the worker dies, every endpoint is marked stale until its replacement reports.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from dataclasses import replace
 from epp.datalayer.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, Metrics
 from epp.datalayer.engines import EngineMapping
 from epp.datalayer.loops import REASONS, ScrapeLoops, ScrapeResult, ScrapeSettings, Target
+from epp.datalayer.metrics import ScrapeMetrics
 from epp.datalayer.worker import WorkerClient
-from epp.server.metrics import Metrics as ServiceMetrics
 
 # ScrapeSettings is re-exported: it is what Scraper is configured with.
 __all__ = ["ScrapeSettings", "Scraper"]
@@ -35,7 +40,7 @@ class Scraper:
         datastore: Datastore,
         engines: Mapping[str, EngineMapping],
         settings: ScrapeSettings,
-        metrics: ServiceMetrics,
+        metrics: ScrapeMetrics,
         *,
         default_engine: str = "vllm",
         engine_label: str = ENGINE_TYPE_LABEL,

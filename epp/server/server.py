@@ -47,6 +47,7 @@ from epp.flowcontrol.objectives import Objectives
 from epp.kube.discovery import Discovery
 from epp.server.metrics import Metrics, start_metrics_server
 from epp.scheduling.registry import Handle, endpoint_in_flight, load_registry
+from epp.datalayer.metrics import ScrapeMetrics
 from epp.datalayer.scraper import ScrapeSettings, Scraper
 from epp.server.settings import Settings
 from epp.server.tls import server_credentials
@@ -84,7 +85,7 @@ def engines_from_flags(overrides: tuple[tuple[str, str], ...]) -> dict[str, Engi
     return engines
 
 
-def _scraper(settings: Settings, config: PickerConfig, datastore: Datastore, metrics: Metrics) -> Scraper:
+def _scraper(settings: Settings, config: PickerConfig, datastore: Datastore, metrics: ScrapeMetrics) -> Scraper:
     """The scraper the flags and the config file's data layer describe (the config file wins)."""
     source, extractor = config.metrics_source, config.metrics_extractor
     scrape = ScrapeSettings(
@@ -144,9 +145,11 @@ class EndpointPicker:
         self.processor = ExternalProcessor(
             self.director, self.metrics, max_request_body_bytes=settings.max_request_body_bytes
         )
+        # The scrape series are served whether scraping is on or not (a counter at 0 when it is off).
+        scrape_metrics = ScrapeMetrics(self.metrics.registry)
         self.scraper: Scraper | None = None
         if settings.scrape_metrics:
-            self.scraper = _scraper(settings, config, self.datastore, self.metrics)
+            self.scraper = _scraper(settings, config, self.datastore, scrape_metrics)
         # Kubernetes discovery fills the datastore; None for a static pool.
         self.discovery = (
             Discovery.from_settings(settings, self.datastore, objectives=self.objectives)

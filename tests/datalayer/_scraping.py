@@ -11,8 +11,8 @@ from aiohttp import web
 from epp.datalayer.datastore import Datastore, Endpoint, parse_endpoint
 from epp.datalayer.engines import builtin_engines
 from epp.datalayer.loops import ScrapeSettings
+from epp.datalayer.metrics import ScrapeMetrics
 from epp.datalayer.scraper import Scraper
-from epp.server.metrics import Metrics as ServiceMetrics
 
 FAST = ScrapeSettings(interval=0.02, staleness=0.3, timeout=0.15)
 
@@ -57,9 +57,9 @@ class FakeServer:
 
 
 async def running(
-    datastore: Datastore, service_metrics: ServiceMetrics, settings: ScrapeSettings = FAST, *, in_process: bool = True
+    datastore: Datastore, scrape_metrics: ScrapeMetrics, settings: ScrapeSettings = FAST, *, in_process: bool = True
 ) -> Scraper:
-    scraper = Scraper(datastore, builtin_engines(), settings, service_metrics, in_process=in_process)
+    scraper = Scraper(datastore, builtin_engines(), settings, scrape_metrics, in_process=in_process)
     await scraper.start()
     return scraper
 

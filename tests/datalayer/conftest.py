@@ -6,9 +6,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 import epp.datalayer.page
-from epp.server.metrics import Metrics as ServiceMetrics
+from epp.datalayer.metrics import ScrapeMetrics
 
 from ._scraping import FakeServer
 
@@ -37,5 +38,5 @@ async def fake() -> AsyncIterator[FakeServer]:
 
 
 @pytest.fixture
-def service_metrics() -> ServiceMetrics:
-    return ServiceMetrics()
+def scrape_metrics() -> ScrapeMetrics:
+    return ScrapeMetrics(CollectorRegistry())

@@ -14,7 +14,7 @@ from aiohttp import web
 from epp.datalayer.datastore import ENGINE_TYPE_LABEL, Datastore, Endpoint, Metrics, parse_endpoint
 from epp.datalayer.engines import builtin_engines
 from epp.datalayer.loops import REASONS, ScrapeResult, ScrapeSettings
-from epp.server.metrics import Metrics as ServiceMetrics
+from epp.datalayer.metrics import ScrapeMetrics
 from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.request import Sink
 
@@ -26,16 +26,16 @@ sglang:token_usage{model_name="m"} 0.5
 """
 
 
-def _errors(service_metrics: ServiceMetrics, endpoint: str, reason: str) -> float:
-    value = service_metrics.registry.get_sample_value(
+def _errors(scrape_metrics: ScrapeMetrics, endpoint: str, reason: str) -> float:
+    value = scrape_metrics.registry.get_sample_value(
         "epp_endpoint_scrape_errors_total", {"endpoint": endpoint, "reason": reason}
     )
     return value or 0.0
 
 
-async def test_reads_the_vllm_page_into_the_endpoint_metrics(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_reads_the_vllm_page_into_the_endpoint_metrics(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     datastore = Datastore([fake.endpoint])
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
         metrics = datastore.endpoints()[0].metrics
@@ -53,11 +53,11 @@ async def test_reads_the_vllm_page_into_the_endpoint_metrics(fake: FakeServer, s
         await scraper.stop()
 
 
-async def test_engine_label_selects_the_sglang_names(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_engine_label_selects_the_sglang_names(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     fake.respond = lambda: web.Response(body=SGLANG_PAGE)
     endpoint = Endpoint(fake.endpoint.name, "127.0.0.1", fake.port, labels={ENGINE_TYPE_LABEL: "sglang"})
     datastore = Datastore([endpoint])
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
         metrics = datastore.endpoints()[0].metrics
@@ -66,7 +66,7 @@ async def test_engine_label_selects_the_sglang_names(fake: FakeServer, service_m
         await scraper.stop()
 
 
-async def test_chunked_pages_are_read(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_chunked_pages_are_read(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     def chunked() -> web.StreamResponse:
         response = web.Response(body=VLLM_PAGE)
         response.enable_chunked_encoding()
@@ -74,7 +74,7 @@ async def test_chunked_pages_are_read(fake: FakeServer, service_metrics: Service
 
     fake.respond = chunked
     datastore = Datastore([fake.endpoint])
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
         assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
@@ -91,15 +91,15 @@ async def test_chunked_pages_are_read(fake: FakeServer, service_metrics: Service
     ],
 )
 async def test_bad_answers_are_survived_recorded_and_counted(
-    fake: FakeServer, service_metrics: ServiceMetrics, respond: Callable[[], web.StreamResponse], reason: str, message: str
+    fake: FakeServer, scrape_metrics: ScrapeMetrics, respond: Callable[[], web.StreamResponse], reason: str, message: str
 ) -> None:
     datastore = Datastore([fake.endpoint])
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
         fake.respond = respond
         name = fake.endpoint.name
-        await until(lambda: _errors(service_metrics, name, reason) >= 3)
+        await until(lambda: _errors(scrape_metrics, name, reason) >= 3)
         assert message in (datastore.endpoints()[0].metrics.error or "")
         fake.respond = lambda: web.Response(body=VLLM_PAGE)  # recovers
         await until(lambda: datastore.endpoints()[0].metrics.error is None)
@@ -108,42 +108,42 @@ async def test_bad_answers_are_survived_recorded_and_counted(
         await scraper.stop()
 
 
-async def test_a_slow_pod_times_out_then_goes_stale_and_counts_as_such(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_a_slow_pod_times_out_then_goes_stale_and_counts_as_such(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     datastore = Datastore([fake.endpoint])
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     name = fake.endpoint.name
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
         fake.delay = 1.0  # far over the 0.15 s timeout
-        await until(lambda: _errors(service_metrics, name, "timeout") >= 1)
+        await until(lambda: _errors(scrape_metrics, name, "timeout") >= 1)
         metrics = datastore.endpoints()[0].metrics
         assert "no answer within" in (metrics.error or "")
         assert metrics.waiting_queue_size == 7  # last good numbers kept...
         await until(lambda: datastore.endpoints()[0].metrics.stale)  # ...until the staleness threshold
-        assert service_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": name}) == 1.0
+        assert scrape_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": name}) == 1.0
         fake.delay = 0.0
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
     finally:
         await scraper.stop()
 
 
-async def test_a_pod_that_refuses_connections_is_stale_from_the_start(service_metrics: ServiceMetrics) -> None:
+async def test_a_pod_that_refuses_connections_is_stale_from_the_start(scrape_metrics: ScrapeMetrics) -> None:
     from epp.testing.envoy import free_port
 
     endpoint = parse_endpoint(f"127.0.0.1:{free_port()}")
     datastore = Datastore([endpoint])
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
-        await until(lambda: _errors(service_metrics, endpoint.name, "connection") >= 3)
+        await until(lambda: _errors(scrape_metrics, endpoint.name, "connection") >= 3)
         metrics = datastore.endpoints()[0].metrics
         assert metrics.stale and "Error" in (metrics.error or "")
     finally:
         await scraper.stop()
 
 
-async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     datastore = Datastore()
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
         baseline = len(asyncio.all_tasks())
         datastore.upsert(fake.endpoint)
@@ -165,7 +165,7 @@ async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: Fake
             datastore.remove(fake.endpoint.name)
         await asyncio.sleep(0.05)
         assert len(asyncio.all_tasks()) == baseline
-        assert service_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": fake.endpoint.name}) is None
+        assert scrape_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": fake.endpoint.name}) is None
     finally:
         await scraper.stop()
 
@@ -200,12 +200,12 @@ class SilentServer:
         writer.close()
 
 
-async def test_an_endpoint_removed_while_connecting_leaks_nothing(service_metrics: ServiceMetrics) -> None:
+async def test_an_endpoint_removed_while_connecting_leaks_nothing(scrape_metrics: ScrapeMetrics) -> None:
     async with SilentServer() as server:
         endpoint = parse_endpoint(f"127.0.0.1:{server.port}")
         datastore = Datastore()
         settings = ScrapeSettings(interval=0.02, staleness=0.3, timeout=5.0, scheme="https")
-        scraper = await running(datastore, service_metrics, settings)
+        scraper = await running(datastore, scrape_metrics, settings)
         try:
             baseline = len(asyncio.all_tasks())
             datastore.upsert(endpoint)
@@ -218,14 +218,14 @@ async def test_an_endpoint_removed_while_connecting_leaks_nothing(service_metric
             await scraper.stop()
 
 
-async def test_a_connection_that_never_completes_times_out_and_is_retried(service_metrics: ServiceMetrics) -> None:
+async def test_a_connection_that_never_completes_times_out_and_is_retried(scrape_metrics: ScrapeMetrics) -> None:
     async with SilentServer() as server:
         endpoint = parse_endpoint(f"127.0.0.1:{server.port}")
         datastore = Datastore([endpoint])
         settings = ScrapeSettings(interval=0.02, staleness=0.3, timeout=0.15, scheme="https")
-        scraper = await running(datastore, service_metrics, settings)
+        scraper = await running(datastore, scrape_metrics, settings)
         try:
-            await until(lambda: _errors(service_metrics, endpoint.name, "timeout") >= 2)
+            await until(lambda: _errors(scrape_metrics, endpoint.name, "timeout") >= 2)
             assert server.accepted >= 2 and server.closed >= 1  # each attempt given up, then a new one
             metrics = datastore.endpoints()[0].metrics
             assert metrics.stale and "no answer within 0.15s" in (metrics.error or "")
@@ -234,11 +234,11 @@ async def test_a_connection_that_never_completes_times_out_and_is_retried(servic
         await until(lambda: server.closed == server.accepted)
 
 
-async def test_against_the_simulator_metrics_follow_the_load(service_metrics: ServiceMetrics) -> None:
+async def test_against_the_simulator_metrics_follow_the_load(scrape_metrics: ScrapeMetrics) -> None:
     config = EngineConfig(max_num_seqs=1, time_scale=0.05, num_gpu_blocks=4096, max_model_len=8192, seed=3)
     async with SimulatedPool(2, config) as pool:
         datastore = Datastore([parse_endpoint(f"127.0.0.1:{port}") for port in pool.ports])
-        scraper = await running(datastore, service_metrics)
+        scraper = await running(datastore, scrape_metrics)
         try:
             await until(lambda: all(not e.metrics.stale for e in datastore.endpoints()))
             assert {e.metrics.num_gpu_blocks for e in datastore.endpoints()} == {4096}
@@ -255,7 +255,7 @@ async def test_against_the_simulator_metrics_follow_the_load(service_metrics: Se
             await scraper.stop()
 
 
-async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_them(service_metrics: ServiceMetrics) -> None:
+async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_them(scrape_metrics: ScrapeMetrics) -> None:
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
     registry = CollectorRegistry()
@@ -280,7 +280,7 @@ async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_th
     await site.start()
     endpoint = parse_endpoint(f"127.0.0.1:{runner.addresses[0][1]}")
     datastore = Datastore([endpoint])
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
         assert (datastore.endpoints()[0].metrics.waiting_queue_size, datastore.endpoints()[0].metrics.kv_cache_usage) == (5, 0.5)
@@ -298,56 +298,56 @@ async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_th
     ],
 )
 async def test_a_server_that_refuses_the_name_filter_gets_whole_page_requests(
-    fake: FakeServer, service_metrics: ServiceMetrics, refusal: Callable[[], web.StreamResponse]
+    fake: FakeServer, scrape_metrics: ScrapeMetrics, refusal: Callable[[], web.StreamResponse]
 ) -> None:
     whole = fake.respond
     fake.respond = lambda: refusal() if fake.queries[-1] else whole()
     datastore = Datastore([fake.endpoint])
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
         assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
         await until(lambda: len(fake.queries) >= 4)
         assert fake.queries[0] != "" and set(fake.queries[1:]) == {""}  # asked once with the filter, then whole pages
         for reason in ("http_status", "missing_metrics"):
-            assert _errors(service_metrics, fake.endpoint.name, reason) == 0  # a fallback, not an error
+            assert _errors(scrape_metrics, fake.endpoint.name, reason) == 0  # a fallback, not an error
     finally:
         await scraper.stop()
 
 
-async def test_a_transient_server_error_keeps_the_name_filter(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_a_transient_server_error_keeps_the_name_filter(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     whole = fake.respond
     failures = iter(range(2))
     fake.respond = lambda: web.Response(status=503) if next(failures, None) is not None else whole()
     datastore = Datastore([fake.endpoint])
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
         await until(lambda: len(fake.queries) >= 4)
         assert all(query != "" for query in fake.queries)  # every scrape still asks for the few metrics it reads
-        assert _errors(service_metrics, fake.endpoint.name, "http_status") == 2
+        assert _errors(scrape_metrics, fake.endpoint.name, "http_status") == 2
     finally:
         await scraper.stop()
 
 
 async def test_a_server_that_closes_every_connection_is_scraped_without_errors(
-    fake: FakeServer, service_metrics: ServiceMetrics
+    fake: FakeServer, scrape_metrics: ScrapeMetrics
 ) -> None:
     fake.respond = lambda: web.Response(body=VLLM_PAGE, headers={"Connection": "close"})
     datastore = Datastore([fake.endpoint])
-    scraper = await running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     name = fake.endpoint.name
     try:
         await until(lambda: fake.requests >= 4)
         assert len(fake.connections) >= 3  # a new connection for each scrape
         assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
-        assert all(_errors(service_metrics, name, reason) == 0 for reason in REASONS)
+        assert all(_errors(scrape_metrics, name, reason) == 0 for reason in REASONS)
     finally:
         await scraper.stop()
 
 
 async def test_https_with_the_certificate_unverified_by_default(
-    tmp_path: Path, service_metrics: ServiceMetrics
+    tmp_path: Path, scrape_metrics: ScrapeMetrics
 ) -> None:
     import ssl
 
@@ -366,7 +366,7 @@ async def test_https_with_the_certificate_unverified_by_default(
     await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context).start()
     server.port = runner.addresses[0][1]
     datastore = Datastore([server.endpoint])
-    scraper = await running(datastore, service_metrics, replace(FAST, scheme="https"))
+    scraper = await running(datastore, scrape_metrics, replace(FAST, scheme="https"))
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
         assert datastore.endpoints()[0].metrics.waiting_queue_size == 7

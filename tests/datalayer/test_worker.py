@@ -6,16 +6,16 @@ import asyncio
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.loops import ScrapeResult
-from epp.server.metrics import Metrics as ServiceMetrics
+from epp.datalayer.metrics import ScrapeMetrics
 
 from ._scraping import FakeServer, running, until
 
 
 async def test_worker_process_scrapes_follows_the_pool_and_exits_with_its_parent(
-    fake: FakeServer, service_metrics: ServiceMetrics
+    fake: FakeServer, scrape_metrics: ScrapeMetrics
 ) -> None:
     datastore = Datastore([fake.endpoint])
-    scraper = await running(datastore, service_metrics, in_process=False)
+    scraper = await running(datastore, scrape_metrics, in_process=False)
     worker = scraper.loops
     pid = worker.pid
     try:
@@ -34,12 +34,12 @@ async def test_worker_process_scrapes_follows_the_pool_and_exits_with_its_parent
     assert pid is not None
 
 
-async def test_a_dead_worker_marks_endpoints_stale_and_is_restarted(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_a_dead_worker_marks_endpoints_stale_and_is_restarted(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     import os
     import signal
 
     datastore = Datastore([fake.endpoint])
-    scraper = await running(datastore, service_metrics, in_process=False)
+    scraper = await running(datastore, scrape_metrics, in_process=False)
     worker = scraper.loops
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
