@@ -1,14 +1,15 @@
 """The keep-alive GET client against raw servers that answer exactly what each test says: the
-callback connection the scraper drives (:class:`GetConnection`) and ``await get()`` on top of it."""
+callback connection the scrape loops drive (:class:`GetConnection`), request after request."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from epp.datalayer.httpget import GetConnection, HttpGetError, PersistentGet, connect, request_bytes
+from epp.datalayer.httpget import GetConnection, HttpGetError, connect, request_bytes
 
 Answer = Callable[[int], list[bytes]]  # request number -> the byte pieces to send back
 
@@ -85,74 +86,6 @@ def chunked(body: bytes) -> list[bytes]:
     return [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", encoded[:5], encoded[5:], b"0\r\nX-Trailer: t\r\n\r\n"]
 
 
-@pytest.mark.parametrize(
-    "answer",
-    [
-        pytest.param(lambda n: sized(BODY), id="content-length"),
-        pytest.param(lambda n: sized(BODY, pieces=9), id="content-length-in-pieces"),
-        pytest.param(lambda n: chunked(BODY), id="chunked-split-everywhere"),
-    ],
-)
-async def test_reads_bodies_on_one_reused_connection(serve, answer: Answer) -> None:  # type: ignore[no-untyped-def]
-    server = await serve(answer)
-    client = PersistentGet("127.0.0.1", server.port, "/metrics")
-    try:
-        for _ in range(5):
-            assert await client.get() == (200, BODY)
-    finally:
-        client.close()
-    assert server.connections == 1
-
-
-async def test_status_is_reported_and_connection_close_is_honoured(serve) -> None:  # type: ignore[no-untyped-def]
-    server = await serve(lambda n: [sized(b"nope", b"503 Service Unavailable")[0][:-2] + b"Connection: close\r\n\r\n", b"nope"])
-    client = PersistentGet("127.0.0.1", server.port, "/metrics")
-    try:
-        assert await client.get() == (503, b"nope")
-        assert await client.get() == (503, b"nope")  # reconnected after the server's close
-    finally:
-        client.close()
-    assert server.connections == 2
-
-
-@pytest.mark.parametrize(
-    ("answer", "message"),
-    [
-        pytest.param(lambda n: [b"SSH-2.0-OpenSSH\r\n\r\n"], "not an HTTP/1.1 response", id="not-http"),
-        pytest.param(lambda n: [b"HTTP/1.1 200 OK\r\n\r\n"], "neither Content-Length nor chunked", id="no-framing"),
-        pytest.param(lambda n: [b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n"], "bad Content-Length", id="bad-length"),
-        pytest.param(lambda n: [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"], "bad chunk size", id="bad-chunk"),
-        pytest.param(lambda n: sized(BODY)[:1] + [BODY[:100], b"<close>"], "connection closed", id="closed-mid-body"),
-    ],
-)
-async def test_broken_answers_raise_and_the_next_call_starts_clean(serve, answer: Answer, message: str) -> None:  # type: ignore[no-untyped-def]
-    good = sized(BODY)
-    server = await serve(lambda n: answer(n) if n == 0 else good)
-    client = PersistentGet("127.0.0.1", server.port, "/metrics")
-    try:
-        with pytest.raises(HttpGetError, match=message):
-            await client.get()
-        assert await client.get() == (200, BODY)
-    finally:
-        client.close()
-
-
-async def test_a_timeout_abandons_the_connection(serve) -> None:  # type: ignore[no-untyped-def]
-    server = await serve(lambda n: [] if n == 0 else sized(BODY))
-    client = PersistentGet("127.0.0.1", server.port, "/metrics")
-    try:
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.2):
-                await client.get()
-        assert await client.get() == (200, BODY)  # a new connection: no stale bytes from the first
-    finally:
-        client.close()
-    assert server.connections == 2
-
-
-# --- the callback connection ------------------------------------------------------------------
-
-
 class Events:
     """What a GetConnection reported, in order."""
 
@@ -173,6 +106,10 @@ class Events:
         self.connection = await connect("127.0.0.1", port, self.response, self.error)
         return self.connection
 
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+
 
 async def _until(predicate: Callable[[], bool]) -> None:
     for _ in range(300):
@@ -183,6 +120,99 @@ async def _until(predicate: Callable[[], bool]) -> None:
 
 
 REQUEST = request_bytes("127.0.0.1", 1, "/metrics")
+
+
+async def _get(events: Events, port: int) -> object:
+    """One GET as the scraper makes it: on the open connection, or on a new one if the last was closed;
+    returns what was reported for it, ``(status, body)`` or the :class:`HttpGetError`."""
+    connection = events.connection
+    if connection is None or connection.closed:
+        connection = await events.connect(port)
+    before = len(events.seen)
+    connection.send(REQUEST)
+    await _until(lambda: len(events.seen) > before)
+    return events.seen[-1]
+
+
+# --- request after request, on one connection or a new one, as the scrape loops make them ---------
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param(lambda n: sized(BODY), id="content-length"),
+        pytest.param(lambda n: sized(BODY, pieces=9), id="content-length-in-pieces"),
+        pytest.param(lambda n: chunked(BODY), id="chunked-split-everywhere"),
+    ],
+)
+async def test_reads_bodies_on_one_reused_connection(serve, answer: Answer) -> None:  # type: ignore[no-untyped-def]
+    server = await serve(answer)
+    events = Events()
+    try:
+        for _ in range(5):
+            assert await _get(events, server.port) == (200, BODY)
+    finally:
+        events.close()
+    assert server.connections == 1
+
+
+async def test_status_is_reported_and_connection_close_is_honoured(serve) -> None:  # type: ignore[no-untyped-def]
+    head = sized(b"nope", b"503 Service Unavailable")[0][:-2] + b"Connection: close\r\n\r\n"
+    server = await serve(lambda n: [head, b"nope"])
+    events = Events()
+    try:
+        assert await _get(events, server.port) == (503, b"nope")
+        assert await _get(events, server.port) == (503, b"nope")  # reconnected after the server's close
+    finally:
+        events.close()
+    assert server.connections == 2
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        pytest.param(lambda n: [b"SSH-2.0-OpenSSH\r\n\r\n"], "not an HTTP/1.1 response", id="not-http"),
+        pytest.param(lambda n: [b"HTTP/1.1 200 OK\r\n\r\n"], "neither Content-Length nor chunked", id="no-framing"),
+        pytest.param(
+            lambda n: [b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n"], "bad Content-Length", id="bad-length"
+        ),
+        pytest.param(
+            lambda n: [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"], "bad chunk size", id="bad-chunk"
+        ),
+        pytest.param(lambda n: [*sized(BODY)[:1], BODY[:100], b"<close>"], "connection closed", id="closed-mid-body"),
+    ],
+)
+async def test_broken_answers_are_errors_and_the_next_request_starts_clean(  # type: ignore[no-untyped-def]
+    serve, answer: Answer, message: str
+) -> None:
+    good = sized(BODY)
+    server = await serve(lambda n: answer(n) if n == 0 else good)
+    events = Events()
+    try:
+        failure = await _get(events, server.port)
+        assert isinstance(failure, HttpGetError) and re.search(message, str(failure))
+        assert events.connection is not None and events.connection.closed  # nothing half-read survives
+        assert await _get(events, server.port) == (200, BODY)
+    finally:
+        events.close()
+
+
+async def test_a_timeout_abandons_the_connection(serve) -> None:  # type: ignore[no-untyped-def]
+    server = await serve(lambda n: [] if n == 0 else sized(BODY))
+    events = Events()
+    connection = await events.connect(server.port)
+    try:
+        connection.send(REQUEST)
+        await asyncio.sleep(0.2)  # the owner's timeout: no answer came
+        connection.close()
+        assert await _get(events, server.port) == (200, BODY)  # a new connection: no stale bytes from the first
+        assert events.seen == [(200, BODY)]  # the abandoned request was never reported
+    finally:
+        events.close()
+    assert server.connections == 2
+
+
+# --- the callback connection ------------------------------------------------------------------
 
 
 async def test_each_response_and_each_failure_is_one_callback(serve) -> None:  # type: ignore[no-untyped-def]
@@ -242,3 +272,9 @@ async def test_connection_close_is_visible_when_the_response_is_reported(serve) 
     connection.send(REQUEST)
     await _until(lambda: len(events.seen) == 1)
     assert events.seen == [(200, b"ok")] and events.closed_when_answered == [True]  # the next send needs a new one
+
+
+def test_public_api_is_locked() -> None:
+    import epp.datalayer.httpget
+
+    assert epp.datalayer.httpget.__all__ == ["GetConnection", "HttpGetError", "connect", "request_bytes"]
