@@ -331,4 +331,5 @@ def engine_from_config(
             if text and not is_label_name(text):
                 raise ValueError(f"engine {name!r}: {key}: invalid label name {text!r}")
             changes[attr] = text or default_label
+    # Each value in changes has its field's type (set above, key by key); mypy sees only dict[str, object].
     return replace(base or EngineMapping(name), name=name, **changes)  # type: ignore[arg-type]

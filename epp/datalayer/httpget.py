@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable
+from typing import cast
 
 __all__ = ["GetConnection", "HttpGetError", "connect", "request_bytes"]
 
@@ -49,8 +50,8 @@ class GetConnection(asyncio.Protocol):
     """
 
     __slots__ = (
-        "transport", "closed", "busy", "_on_response", "_on_error", "_head", "_status", "_length",
-        "_chunked", "_close_after", "_body", "_raw",
+        "_body", "_chunked", "_close_after", "_head", "_length", "_on_error", "_on_response", "_raw", "_status",
+        "busy", "closed", "transport",
     )  # fmt: skip
 
     def __init__(self, on_response: Callable[[int, bytes], None], on_error: Callable[[HttpGetError], None]) -> None:
@@ -69,7 +70,7 @@ class GetConnection(asyncio.Protocol):
         self._raw = bytearray()  # chunked: what arrived and is not decoded into _body yet
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # create_connection's: a read-write Transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -220,9 +220,9 @@ class _EndpointLoop:
     """One endpoint's scrape loop: a timer sends, the response callback parses and reports."""
 
     __slots__ = (
-        "name", "slot", "sent_at", "_engine", "_settings", "_tls", "_sink", "_loop", "_host", "_port", "_request",
-        "_filtered", "_connection", "_connecting", "_timer", "_deadline", "_current", "_last_ok",
-        "_last_page", "_last_parsed", "_closed",
+        "_closed", "_connecting", "_connection", "_current", "_deadline", "_engine", "_filtered", "_host",
+        "_last_ok", "_last_page", "_last_parsed", "_loop", "_port", "_request", "_settings", "_sink", "_timer",
+        "_tls", "name", "sent_at", "slot",
     )  # fmt: skip
 
     def __init__(

@@ -16,6 +16,7 @@ If the worker dies, every endpoint is marked stale until its replacement reports
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
@@ -109,14 +110,14 @@ class Scraper:
         """One loop's result: to the datastore, the counters and (on a change of state) the log."""
         if not self._datastore.update_metrics(name, metrics):
             return  # left the pool while the result was on its way
-        service = self._metrics
+        series = self._metrics
         if reason is None or reason == "missing_metrics":
-            service.scrapes.inc()
+            series.scrapes.inc()
         if reason is not None:
-            service.scrape_errors.labels(name, reason).inc()
+            series.scrape_errors.labels(name, reason).inc()
         if self._stale.get(name) is not metrics.stale:  # labels() costs microseconds: only on a change
             self._stale[name] = metrics.stale
-            service.endpoint_stale.labels(name).set(1 if metrics.stale else 0)
+            series.endpoint_stale.labels(name).set(1 if metrics.stale else 0)
         if self._errors.get(name, "") != metrics.error:
             if metrics.error:
                 log.warning("endpoint %s: metrics scrape: %s", name, metrics.error)
@@ -127,16 +128,12 @@ class Scraper:
     def _forget(self, name: str) -> None:
         self._errors.pop(name, None)
         self._stale.pop(name, None)
-        service = self._metrics
-        try:
-            service.endpoint_stale.remove(name)
-        except KeyError:
-            pass
+        series = self._metrics
+        with contextlib.suppress(KeyError):  # never scraped, or never failed for that reason
+            series.endpoint_stale.remove(name)
         for reason in REASONS:
-            try:
-                service.scrape_errors.remove(name, reason)
-            except KeyError:
-                pass
+            with contextlib.suppress(KeyError):
+                series.scrape_errors.remove(name, reason)
 
     def mark_all_stale(self, why: str) -> None:
         """Every endpoint's metrics become stale now (the scrape worker died)."""

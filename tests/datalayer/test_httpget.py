@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from epp.datalayer.httpget import GetConnection, HttpGetError, connect, request_bytes
 
 Answer = Callable[[int], list[bytes]]  # request number -> the byte pieces to send back
+Serve = Callable[[Answer], Awaitable["RawServer"]]  # starts a RawServer (the serve fixture)
 
 
 class RawServer:
@@ -57,7 +58,7 @@ class RawServer:
 
 
 @pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Answer], asyncio.Future[RawServer]]]:
+async def serve() -> AsyncIterator[Serve]:
     servers: list[RawServer] = []
 
     async def start(answer: Answer) -> RawServer:
@@ -66,7 +67,7 @@ async def serve() -> AsyncIterator[Callable[[Answer], asyncio.Future[RawServer]]
         servers.append(server)
         return server
 
-    yield start  # type: ignore[misc]
+    yield start
     for server in servers:
         await server.stop()
 
@@ -83,7 +84,8 @@ def sized(body: bytes, status: bytes = b"200 OK", pieces: int = 1) -> list[bytes
 def chunked(body: bytes) -> list[bytes]:
     parts = [body[i : i + 7000] for i in range(0, len(body), 7000)]
     encoded = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts)
-    return [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", encoded[:5], encoded[5:], b"0\r\nX-Trailer: t\r\n\r\n"]
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return [head, encoded[:5], encoded[5:], b"0\r\nX-Trailer: t\r\n\r\n"]
 
 
 class Events:
@@ -145,7 +147,7 @@ async def _get(events: Events, port: int) -> object:
         pytest.param(lambda n: chunked(BODY), id="chunked-split-everywhere"),
     ],
 )
-async def test_reads_bodies_on_one_reused_connection(serve, answer: Answer) -> None:  # type: ignore[no-untyped-def]
+async def test_reads_bodies_on_one_reused_connection(serve: Serve, answer: Answer) -> None:
     server = await serve(answer)
     events = Events()
     try:
@@ -156,7 +158,7 @@ async def test_reads_bodies_on_one_reused_connection(serve, answer: Answer) -> N
     assert server.connections == 1
 
 
-async def test_status_is_reported_and_connection_close_is_honoured(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_status_is_reported_and_connection_close_is_honoured(serve: Serve) -> None:
     head = sized(b"nope", b"503 Service Unavailable")[0][:-2] + b"Connection: close\r\n\r\n"
     server = await serve(lambda n: [head, b"nope"])
     events = Events()
@@ -182,8 +184,8 @@ async def test_status_is_reported_and_connection_close_is_honoured(serve) -> Non
         pytest.param(lambda n: [*sized(BODY)[:1], BODY[:100], b"<close>"], "connection closed", id="closed-mid-body"),
     ],
 )
-async def test_broken_answers_are_errors_and_the_next_request_starts_clean(  # type: ignore[no-untyped-def]
-    serve, answer: Answer, message: str
+async def test_broken_answers_are_errors_and_the_next_request_starts_clean(
+    serve: Serve, answer: Answer, message: str
 ) -> None:
     good = sized(BODY)
     server = await serve(lambda n: answer(n) if n == 0 else good)
@@ -197,7 +199,7 @@ async def test_broken_answers_are_errors_and_the_next_request_starts_clean(  # t
         events.close()
 
 
-async def test_a_timeout_abandons_the_connection(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_a_timeout_abandons_the_connection(serve: Serve) -> None:
     server = await serve(lambda n: [] if n == 0 else sized(BODY))
     events = Events()
     connection = await events.connect(server.port)
@@ -215,14 +217,17 @@ async def test_a_timeout_abandons_the_connection(serve) -> None:  # type: ignore
 # --- the callback connection ------------------------------------------------------------------
 
 
-async def test_each_response_and_each_failure_is_one_callback(serve) -> None:  # type: ignore[no-untyped-def]
-    server = await serve(lambda n: sized(BODY, pieces=3) if n < 2 else sized(BODY)[:1] + [BODY[:10], b"<close>"])
+async def test_each_response_and_each_failure_is_one_callback(serve: Serve) -> None:
+    server = await serve(lambda n: sized(BODY, pieces=3) if n < 2 else [*sized(BODY)[:1], BODY[:10], b"<close>"])
     events = Events()
     connection = await events.connect(server.port)
+    def seen(count: int) -> Callable[[], bool]:
+        return lambda: len(events.seen) == count
+
     for expected in (1, 2):
         connection.send(REQUEST)
         assert connection.busy
-        await _until(lambda: len(events.seen) == expected)
+        await _until(seen(expected))
         assert events.seen[-1] == (200, BODY) and not connection.busy
     connection.send(REQUEST)
     await _until(lambda: len(events.seen) == 3)
@@ -232,7 +237,7 @@ async def test_each_response_and_each_failure_is_one_callback(serve) -> None:  #
         connection.send(REQUEST)
 
 
-async def test_one_request_at_a_time(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_one_request_at_a_time(serve: Serve) -> None:
     server = await serve(lambda n: [])  # never answers
     events = Events()
     connection = await events.connect(server.port)
@@ -244,7 +249,7 @@ async def test_one_request_at_a_time(serve) -> None:  # type: ignore[no-untyped-
         connection.close()
 
 
-async def test_an_abandoned_request_is_never_reported(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_an_abandoned_request_is_never_reported(serve: Serve) -> None:
     server = await serve(lambda n: [b"<pause>", *sized(BODY)])  # answers, but late
     events = Events()
     connection = await events.connect(server.port)
@@ -255,7 +260,7 @@ async def test_an_abandoned_request_is_never_reported(serve) -> None:  # type: i
     assert events.seen == []
 
 
-async def test_bytes_nobody_asked_for_close_the_connection_silently(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_bytes_nobody_asked_for_close_the_connection_silently(serve: Serve) -> None:
     server = await serve(lambda n: [*sized(BODY), b"<pause>", *sized(b"extra")])
     events = Events()
     connection = await events.connect(server.port)
@@ -264,7 +269,7 @@ async def test_bytes_nobody_asked_for_close_the_connection_silently(serve) -> No
     assert events.seen == [(200, BODY)]  # the unasked-for answer is not reported
 
 
-async def test_connection_close_is_visible_when_the_response_is_reported(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_connection_close_is_visible_when_the_response_is_reported(serve: Serve) -> None:
     head = sized(b"ok")[0][:-2] + b"Connection: close\r\n\r\n"
     server = await serve(lambda n: [head, b"ok"])
     events = Events()

@@ -91,7 +91,11 @@ async def test_chunked_pages_are_read(fake: FakeServer, scrape_metrics: ScrapeMe
     ],
 )
 async def test_bad_answers_are_survived_recorded_and_counted(
-    fake: FakeServer, scrape_metrics: ScrapeMetrics, respond: Callable[[], web.StreamResponse], reason: str, message: str
+    fake: FakeServer,
+    scrape_metrics: ScrapeMetrics,
+    respond: Callable[[], web.StreamResponse],
+    reason: str,
+    message: str,
 ) -> None:
     datastore = Datastore([fake.endpoint])
     scraper = await running(datastore, scrape_metrics)
@@ -108,7 +112,9 @@ async def test_bad_answers_are_survived_recorded_and_counted(
         await scraper.stop()
 
 
-async def test_a_slow_pod_times_out_then_goes_stale_and_counts_as_such(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
+async def test_a_slow_pod_times_out_then_goes_stale_and_counts_as_such(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics
+) -> None:
     datastore = Datastore([fake.endpoint])
     scraper = await running(datastore, scrape_metrics)
     name = fake.endpoint.name
@@ -141,7 +147,9 @@ async def test_a_pod_that_refuses_connections_is_stale_from_the_start(scrape_met
         await scraper.stop()
 
 
-async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
+async def test_endpoints_added_and_removed_start_and_stop_their_loops(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics
+) -> None:
     datastore = Datastore()
     scraper = await running(datastore, scrape_metrics)
     try:
@@ -165,7 +173,8 @@ async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: Fake
             datastore.remove(fake.endpoint.name)
         await asyncio.sleep(0.05)
         assert len(asyncio.all_tasks()) == baseline
-        assert scrape_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": fake.endpoint.name}) is None
+        stale = scrape_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": fake.endpoint.name})
+        assert stale is None
     finally:
         await scraper.stop()
 
@@ -246,7 +255,8 @@ async def test_against_the_simulator_metrics_follow_the_load(scrape_metrics: Scr
             # Three long requests on a pod that runs one at a time: two wait.
             engine = pool[0].engine
             for _ in range(3):
-                engine.submit(engine.new_request(config.model, np.arange(64), max_tokens=2000, ignore_eos=True, sink=Sink()))
+                request = engine.new_request(config.model, np.arange(64), max_tokens=2000, ignore_eos=True, sink=Sink())
+                engine.submit(request)
             first = datastore.endpoints()[0].name
             await until(lambda: datastore.get(first).metrics.waiting_queue_size == 2)
             assert datastore.get(first).metrics.running_requests == 1
@@ -255,7 +265,9 @@ async def test_against_the_simulator_metrics_follow_the_load(scrape_metrics: Scr
             await scraper.stop()
 
 
-async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_them(scrape_metrics: ScrapeMetrics) -> None:
+async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_them(
+    scrape_metrics: ScrapeMetrics,
+) -> None:
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
     registry = CollectorRegistry()
@@ -283,7 +295,8 @@ async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_th
     scraper = await running(datastore, scrape_metrics)
     try:
         await until(lambda: not datastore.endpoints()[0].metrics.stale)
-        assert (datastore.endpoints()[0].metrics.waiting_queue_size, datastore.endpoints()[0].metrics.kv_cache_usage) == (5, 0.5)
+        metrics = datastore.endpoints()[0].metrics
+        assert (metrics.waiting_queue_size, metrics.kv_cache_usage) == (5, 0.5)
         assert queries[0] == list(builtin_engines()["vllm"].metric_names())
     finally:
         await scraper.stop()

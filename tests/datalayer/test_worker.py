@@ -34,7 +34,9 @@ async def test_worker_process_scrapes_follows_the_pool_and_exits_with_its_parent
     assert pid is not None
 
 
-async def test_a_dead_worker_marks_endpoints_stale_and_is_restarted(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
+async def test_a_dead_worker_marks_endpoints_stale_and_is_restarted(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics
+) -> None:
     import os
     import signal
 
@@ -59,9 +61,8 @@ def test_results_cross_to_the_parent_unchanged() -> None:
     results = [
         ScrapeResult("pod-0"),
         ScrapeResult(
-            "pod-1", 7, 3, 0.25, frozenset({"a1", "a2"}), frozenset({"w"}), 4, 16, 1000, 12.5, False,
-            "metrics missing from the page: x", "missing_metrics",
-        ),  # fmt: skip
+            "pod-1", 7, 3, 0.25, frozenset({"a1", "a2"}), frozenset({"w"}), 4, 16, 1000, 12.5, False, "x", "http_status"
+        ),
         ScrapeResult("pod-2", kv_cache_usage=1.0, updated_at=3.0, error="HTTP 500 from /metrics", reason="http_status"),
     ]
     decoded = _decode_results(_encode_results(results))
