@@ -9,8 +9,9 @@ upstream) a loop:
    per-fetch timeout;
 2. extracts the few values the picker uses with the endpoint's engine mapping (vLLM, SGLang,
    trtllm-serve, Triton TRT-LLM, chosen by the pod label ``inference.networking.k8s.io/engine-type``;
-   metric names overridable) - a targeted parser, not a general one (:mod:`epp.datalayer.engines`);
-3. hands the new metrics (and why the scrape failed, if it did) to its sink.
+   metric names overridable; :mod:`epp.datalayer.engines`) - a targeted reader, not a general parser
+   (:mod:`epp.datalayer.page`);
+3. hands its sink a :class:`ScrapeResult`: the new numbers, or why the scrape failed.
 
 The GET asks for only the metrics the engine mapping reads (``?name[]=vllm:num_requests_waiting&...``),
 which prometheus_client - the exposition library of vLLM and SGLang - honours: the answer is about
@@ -40,7 +41,7 @@ fewest loops, and the loops of one slot fire in the same event-loop turn. Their 
 together and their answers come back together, so one wake-up of the process serves several
 scrapes. Measured in the worker process at 100 pods (10 loops a slot), a scrape cost ~25% less
 CPU than with phases spread continuously (a 1 ms grid: no gain; 10 ms: a little more, for bursts
-twice the size). With the callbacks, the one-pass reading of small pages (:mod:`epp.datalayer.engines`)
+twice the size). With the callbacks, the one-pass reading of small pages (:mod:`epp.datalayer.page`)
 and 10 ms result batches (:mod:`epp.datalayer.worker`), a scrape costs about half the CPU of the
 earlier task-per-endpoint loop: at 100 pods ~105 µs instead of ~230 µs, worker and request-path
 process together (bench/scrape_cost.py, medians of 3 alternating runs on a shared 2-core machine).
