@@ -283,3 +283,13 @@ def test_public_api_is_locked() -> None:
     import epp.datalayer.httpget
 
     assert epp.datalayer.httpget.__all__ == ["GetConnection", "HttpGetError", "connect", "request_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("host", "authority"),
+    [("10.0.0.7", b"10.0.0.7:8000"), ("fd00::7", b"[fd00::7]:8000"), ("pod.local", b"pod.local:8000")],
+)
+def test_the_request_names_its_host_with_ipv6_bracketed(host: str, authority: bytes) -> None:
+    request = request_bytes(host, 8000, "/metrics?name[]=a")
+    assert request.startswith(b"GET /metrics?name[]=a HTTP/1.1\r\nHost: " + authority + b"\r\n")
+    assert request.endswith(b"\r\n\r\n") and request.count(b"\r\n\r\n") == 1

@@ -78,3 +78,20 @@ async def test_loops_are_spread_evenly_over_the_interval() -> None:
 def test_settings_that_cannot_work_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be positive"):
         ScrapeLoops(builtin_engines(), replace(FAST, **bad), lambda *report: None)
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/metrics", "/metrics?name[]=sglang:num_queue_reqs&name[]=sglang:num_running_reqs"),
+        ("/metrics?x=1", "/metrics?x=1&name[]=sglang:num_queue_reqs&name[]=sglang:num_running_reqs"),
+    ],
+)
+def test_the_name_filter_asks_for_each_metric_the_engine_reads(path: str, expected: str) -> None:
+    from epp.datalayer.engines import engine_from_config
+    from epp.datalayer.loops import _filtered_path
+
+    engine = engine_from_config(
+        "e", {"queuedRequestsSpec": "sglang:num_queue_reqs", "runningRequestsSpec": 'sglang:num_running_reqs{a="b"}'}
+    )
+    assert _filtered_path(path, engine) == expected

@@ -392,3 +392,27 @@ def test_remembered_readings_belong_to_their_selector_and_labels() -> None:
 
 def test_public_api_is_locked() -> None:
     assert epp.datalayer.page.__all__ == ["CacheInfoLabels", "CompiledSelector", "Page", "read_page", "sample_runs"]
+
+
+def test_the_index_regex_prefers_the_longest_name(page_reading: str) -> None:
+    from epp.datalayer.page import _index, sample_runs
+
+    assert sample_runs([]) is None
+    runs = sample_runs(["m", "m_total"])
+    assert runs is not None
+    # "m" is a prefix of "m_total": each line goes to its own metric, not to the shorter name.
+    assert _index(runs, b"m_total 5\nm 1\n") == {b"m_total": b" 5", b"m": b" 1"}
+
+
+def test_small_pages_are_indexed_and_large_or_ungrouped_ones_searched(page_reading: str) -> None:
+    from epp.datalayer.page import read_page, sample_runs
+
+    runs = sample_runs(["vllm:num_requests_waiting"])
+    small = b"vllm:num_requests_waiting 1\n"
+    large = small + b"# " + b"x" * 20_000 + b"\n"
+    ungrouped = b"vllm:num_requests_waiting 1\nx 1\nvllm:num_requests_waiting 2\n"
+    indexed = page_reading == "index"  # the search variant turns the index off
+    assert (read_page(small, runs).index is not None) is indexed
+    assert read_page(large, runs).index is None
+    assert read_page(ungrouped, runs).index is None
+    assert read_page(small, None).index is None  # nothing wanted: nothing to index

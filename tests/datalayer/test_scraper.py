@@ -400,3 +400,19 @@ def test_a_result_becomes_the_datastore_metrics_field_by_field() -> None:
     # Every field of Metrics comes from the field of the same name (values all differ from the defaults).
     for field in fields(Metrics):
         assert getattr(metrics, field.name) == getattr(result, field.name) != getattr(Metrics(), field.name), field.name
+
+
+async def test_an_unknown_engine_label_falls_back_to_the_default_names_with_one_warning(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics, caplog: pytest.LogCaptureFixture
+) -> None:
+    labels = {ENGINE_TYPE_LABEL: "tgi"}
+    datastore = Datastore([Endpoint(f"pod-{i}", "127.0.0.1", fake.port, labels=labels) for i in range(2)])
+    with caplog.at_level("WARNING", logger="epp.datalayer.scraper"):
+        scraper = await running(datastore, scrape_metrics)
+    try:
+        await until(lambda: all(not endpoint.metrics.stale for endpoint in datastore.endpoints()))
+        assert {endpoint.metrics.waiting_queue_size for endpoint in datastore.endpoints()} == {7}  # vLLM's names
+        warnings = [record.getMessage() for record in caplog.records if "unknown engine type" in record.getMessage()]
+        assert len(warnings) == 1 and "'tgi'" in warnings[0] and "using vllm metric names" in warnings[0]
+    finally:
+        await scraper.stop()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 
 from epp.datalayer.datastore import Datastore
-from epp.datalayer.loops import ScrapeResult
+from epp.datalayer.engines import builtin_engines
+from epp.datalayer.loops import ScrapeResult, Target
 from epp.datalayer.metrics import ScrapeMetrics
 
-from ._scraping import FakeServer, running, until
+from ._scraping import FAST, FakeServer, running, until
 
 
 async def test_worker_process_scrapes_follows_the_pool_and_exits_with_its_parent(
@@ -68,3 +69,15 @@ def test_results_cross_to_the_parent_unchanged() -> None:
     decoded = _decode_results(_encode_results(results))
     assert decoded == results
     assert all(type(r.running_adapters) is frozenset and type(r.kv_cache_usage) is float for r in decoded)
+
+
+def test_results_of_endpoints_removed_meanwhile_are_dropped() -> None:
+    from epp.datalayer.worker import WorkerClient, _encode_results
+
+    applied: list[ScrapeResult] = []
+    client = WorkerClient(builtin_engines(), FAST, applied.append)
+    client.add(Target("kept", "127.0.0.1", 9, "vllm"))
+    client.add(Target("gone", "127.0.0.1", 9, "vllm"))
+    client.remove("gone")  # the worker may have sent its result before it heard of this
+    client._results(_encode_results([ScrapeResult("gone"), ScrapeResult("kept", waiting_queue_size=3)]))
+    assert applied == [ScrapeResult("kept", waiting_queue_size=3)]
