@@ -32,12 +32,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-
-from epp.envoy.bootstrap import BootstrapOptions, render  # noqa: E402
-from epp.testing.envoy import EnvoyProcess  # noqa: E402
-from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker  # noqa: E402
+from epp.envoy.bootstrap import BootstrapOptions, render
+from epp.testing.envoy import EnvoyProcess
+from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
 
 _RATE_SCRIPT = """
 wrk.method = "POST"
@@ -156,10 +153,10 @@ def measure_latency(
             for mode in results:
                 picker = _picker(pods, mode == "scraping on")
                 picker.start()
-                envoy = EnvoyProcess(
-                    render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, picker_port=picker.grpc_port)),
-                    concurrency=1,
+                options = BootstrapOptions(
+                    listen_address="127.0.0.1", listen_port=0, admin_port=0, picker_port=picker.grpc_port
                 )
+                envoy = EnvoyProcess(render(options), concurrency=1)
                 try:
                     envoy.start()
                     if pin:
@@ -196,17 +193,24 @@ def _run_rate(url: str, script: Path, connections: int, duration: int, delay_ms:
     units = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
     def ms(text: str) -> float:
-        number, unit = re.fullmatch(r"([\d.]+)([a-z]+)", text).groups()  # type: ignore[union-attr]
+        number, unit = _match(r"([\d.]+)([a-z]+)\Z", text).groups()
         return float(number) * units[unit]
 
     percentiles = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", output, re.M))
     errors = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", output))
     return {
-        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1)),  # type: ignore[union-attr]
+        "rps": float(_match(r"Requests/sec:\s+([\d.]+)", output).group(1)),
         "p50_ms": ms(percentiles["50"]),
         "p99_ms": ms(percentiles["99"]),
         "errors": errors,
     }
+
+
+def _match(pattern: str, text: str) -> re.Match[str]:
+    match = re.search(pattern, text)
+    if match is None:
+        raise RuntimeError(f"no {pattern!r} in wrk's output:\n{text}")
+    return match
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,13 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument(
-        "--in-process", action="store_true", help="scrape on the request path's event loop (--metrics-scraper-process=false)"
+        "--in-process",
+        action="store_true",
+        help="scrape on the request path's event loop (--metrics-scraper-process=false)",
     )
     parser.add_argument(
         "--whole-pages", action="store_true", help="scrape whole pages (--model-server-metrics-name-filter=false)"
     )
     parser.add_argument(
-        "--farm-nice", type=int, default=19, help="CPU niceness of the metrics farm (19: it never competes with the picker)"
+        "--farm-nice",
+        type=int,
+        default=19,
+        help="CPU niceness of the metrics farm (19: it never competes with the picker)",
     )
     parser.add_argument(
         "--pin",
@@ -253,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         r = measure_cost(pods, args.window)
         print(
             f"{pods:>5} | {r['page_bytes'] / 1024:5.1f}KB | {r['cores_on']:15.3f} {r['main_cores_on']:14.3f} "
-            f"{r['cores_off']:10.3f} {r['cores_on'] - r['cores_off']:13.3f} | {r['scrapes_per_s_on']:9.0f} {pods * 20:8d} | "
+            f"{r['cores_off']:10.3f} {r['cores_on'] - r['cores_off']:13.3f} | "
+            f"{r['scrapes_per_s_on']:9.0f} {pods * 20:8d} | "
             f"{(r['cores_on'] - r['cores_off']) / max(r['scrapes_per_s_on'], 1) * 1e6:9.0f}",
             flush=True,
         )
@@ -274,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         per_run = ", ".join(f"{run['p99_ms']:.2f}" for run in runs)
         print(
             f"  {mode:<13} req/s {summary[mode]['rps']:6.0f}   P50 {summary[mode]['p50_ms']:6.2f} ms   "
-            f"P99 {summary[mode]['p99_ms']:6.2f} ms   (P99 per round: {per_run}; errors {sum(r['errors'] for r in runs)})"
+            f"P99 {summary[mode]['p99_ms']:6.2f} ms   "
+            f"(P99 per round: {per_run}; errors {sum(r['errors'] for r in runs)})"
         )
     delta = summary["scraping on"]["p99_ms"] - summary["scraping off"]["p99_ms"]
     print(f"\n  P99 added by scraping: {delta:+.2f} ms (median of rounds)")

@@ -12,9 +12,9 @@ Content-Length or chunked encoding as it arrives, and its end calls ``on_respons
 or a failure (connection closed, not HTTP/1.1, bad framing) calls ``on_error(exc)`` and closes the
 connection so that nothing half-read survives. No future, task or timer is made per request: the
 scraper pays only for the socket calls and the framing. Timeouts are the caller's: it abandons a
-request with :meth:`GetConnection.close`, after which the connection never calls back.
-:class:`PersistentGet` puts the same machinery behind ``await get()``. TLS (``https``) is the
-transport's business.
+request with :meth:`GetConnection.close`, after which the connection never calls back; a new
+request after a failure or a ``Connection: close`` needs a new connection (:func:`connect`). TLS
+(``https``) is the transport's business.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable
+from typing import cast
 
-__all__ = ["GetConnection", "HttpGetError", "PersistentGet", "connect", "request_bytes"]
+__all__ = ["GetConnection", "HttpGetError", "connect", "request_bytes"]
 
 _MAX_HEADER_BYTES = 64 * 1024
 _MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -49,8 +50,8 @@ class GetConnection(asyncio.Protocol):
     """
 
     __slots__ = (
-        "transport", "closed", "busy", "_on_response", "_on_error", "_head", "_status", "_length",
-        "_chunked", "_close_after", "_body", "_raw",
+        "_body", "_chunked", "_close_after", "_head", "_length", "_on_error", "_on_response", "_raw", "_status",
+        "busy", "closed", "transport",
     )  # fmt: skip
 
     def __init__(self, on_response: Callable[[int, bytes], None], on_error: Callable[[HttpGetError], None]) -> None:
@@ -69,7 +70,7 @@ class GetConnection(asyncio.Protocol):
         self._raw = bytearray()  # chunked: what arrived and is not decoded into _body yet
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # create_connection's: a read-write Transport
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -209,41 +210,3 @@ async def connect(
     _, connection = await loop.create_connection(lambda: GetConnection(on_response, on_error), host, port, ssl=tls)
     return connection
 
-
-class PersistentGet:
-    """``await get()`` -> (status, body) of ``GET path`` on one reused connection to host:port."""
-
-    def __init__(self, host: str, port: int, path: str, *, tls: ssl.SSLContext | None = None) -> None:
-        self._host = host
-        self._port = port
-        self._tls = tls
-        self._request = request_bytes(host, port, path)
-        self._connection: GetConnection | None = None
-        self._waiter: asyncio.Future[tuple[int, bytes]] | None = None
-
-    async def get(self) -> tuple[int, bytes]:
-        connection = self._connection
-        if connection is None or connection.closed:
-            connection = await connect(self._host, self._port, self._answered, self._failed, tls=self._tls)
-            self._connection = connection
-        waiter: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        self._waiter = waiter
-        connection.send(self._request)
-        try:
-            return await waiter
-        except BaseException:
-            self.close()  # a timeout or cancellation leaves a response half-read: start over
-            raise
-
-    def close(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            connection.close()
-
-    def _answered(self, status: int, body: bytes) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result((status, body))
-
-    def _failed(self, exc: HttpGetError) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(exc)

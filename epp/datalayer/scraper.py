@@ -1,420 +1,37 @@
-"""Model-server telemetry: one scrape loop per endpoint, feeding immutable snapshots to the datastore.
+"""Model-server telemetry: keeps every pool endpoint's metrics fresh in the datastore.
 
-Design
-------
-:class:`ScrapeLoops` runs one loop per endpoint. Every ``--refresh-metrics-interval`` (50 ms, as
-upstream) a loop:
+:class:`Scraper` follows the datastore's membership (an endpoint added starts a loop, removed or
+changed cancels it) and applies every result the loops report (a
+:class:`~epp.datalayer.loops.ScrapeResult`) to the datastore, to the scrape series
+(:class:`~epp.datalayer.metrics.ScrapeMetrics`, which the service registers in its registry) and,
+on a change of state, to the log.
 
-1. GETs the endpoint's metrics page on one keep-alive connection (:mod:`epp.datalayer.httpget`), bounded by a
-   per-fetch timeout;
-2. extracts the few values the picker uses with the endpoint's engine mapping (vLLM, SGLang,
-   trtllm-serve, Triton TRT-LLM, chosen by the pod label ``inference.networking.k8s.io/engine-type``;
-   metric names overridable) - a targeted parser, not a general one (:mod:`epp.datalayer.engines`);
-3. hands the new metrics (and why the scrape failed, if it did) to its sink.
-
-The GET asks for only the metrics the engine mapping reads (``?name[]=vllm:num_requests_waiting&...``),
-which prometheus_client - the exposition library of vLLM and SGLang - honours: the answer is about
-2 KB instead of ~50 KB, which is most of what a scrape costs. A server that refuses the query (400, 404,
-405, 414 or 422) or answers it with nothing usable is asked for the whole page from then on, at
-once; a 5xx is the pod's trouble and counts as a failed scrape.
-
-Failures never end a loop: an HTTP error, a timeout, a refused connection or a page that lacks a
-metric is recorded in the snapshot (``Metrics.error``); the last good numbers stay, and once no
-scrape has succeeded for ``--metrics-staleness-threshold`` (2 s) the endpoint is marked stale,
-which scorers and saturation detection read as "fully loaded". A loop that falls behind (a slow
-pod) skips the beats it missed and keeps its phase.
-
-What a scrape costs. At 100 pods that is 2,000 scrapes a second, so the loop is callbacks, not a
-task: a timer (``loop.call_at``) per endpoint writes the pre-built request, the connection's
-``data_received`` frames the response and, once it is whole, parses it and calls the sink, then
-sets the next timer. No task switch, future, ``asyncio.sleep`` or ``asyncio.timeout`` per scrape:
-timeouts are one sweeper for all loops, which every ``min(0.1 s, timeout / 4)`` gives up the
-requests in flight for longer than the timeout (a fetch fails between ``timeout`` and ``timeout``
-plus that period). Connecting, the rare part, is a task. A page identical to the previous one (an
-idle pod) is not parsed again. The sink gets the metrics as a tuple of
-:class:`~epp.datalayer.datastore.Metrics` fields in order, the form the worker ships (:class:`Scraper` makes
-the Metrics).
-
-Phases. Each loop has its own phase, so that a hundred pods are scraped spread over the interval
-rather than in one burst - but on a 5 ms grid (``_SLOT``): a new loop takes the grid slot with the
-fewest loops, and the loops of one slot fire in the same event-loop turn. Their requests go out
-together and their answers come back together, so one wake-up of the process serves several
-scrapes. Measured in the worker process at 100 pods (10 loops a slot), a scrape cost ~25% less
-CPU than with phases spread continuously (a 1 ms grid: no gain; 10 ms: a little more, for bursts
-twice the size). With the callbacks, the one-pass reading of small pages (:mod:`epp.datalayer.engines`)
-and 10 ms result batches (:mod:`epp.datalayer.worker`), a scrape costs about half the CPU of the
-earlier task-per-endpoint loop: at 100 pods ~105 µs instead of ~230 µs, worker and request-path
-process together (bench/scrape_cost.py, medians of 3 alternating runs on a shared 2-core machine).
-
-Where the loops run. :class:`Scraper` follows the datastore's membership (an endpoint added
-starts a loop, removed or changed cancels it) and applies every result to the datastore, the
-Prometheus counters and the log. By default the loops themselves run in a child process
+Where the loops run. By default the loops (:mod:`epp.datalayer.loops`) run in a child process
 (:mod:`epp.datalayer.worker`): 100 pods at 50 ms are 2,000 scrapes a second, and sharing the request
 path's event loop with that work raised request P99 by several milliseconds (bench/scrape_cost.py).
 The child sends results back in small batches; applying one costs the request loop a few
 microseconds. ``in_process=True`` runs the loops in the caller's loop instead (tests, tiny pools).
+If the worker dies, every endpoint is marked stale until its replacement reports.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
+import contextlib
 import logging
-import math
-import ssl
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any
-from urllib.parse import quote
+from collections.abc import Mapping
+from dataclasses import replace
 
 from epp.datalayer.datastore import Datastore
-from epp.datalayer.engines import ENGINE_TYPE_LABEL, EngineMapping, EngineMetrics
-from epp.datalayer.httpget import GetConnection, HttpGetError, connect, request_bytes
+from epp.datalayer.engines import ENGINE_TYPE_LABEL, EngineMapping
+from epp.datalayer.loops import REASONS, ScrapeLoops, ScrapeResult, ScrapeSettings, Target
+from epp.datalayer.metrics import ScrapeMetrics
 from epp.datalayer.worker import WorkerClient
 from epp.framework import Endpoint, Metrics
-from epp.server.metrics import Metrics as ServiceMetrics
 
-__all__ = ["ScrapeLoops", "ScrapeSettings", "Scraper", "Target"]
+# ScrapeSettings is re-exported: it is what Scraper is configured with.
+__all__ = ["ScrapeSettings", "Scraper"]
 
 log = logging.getLogger(__name__)
-
-# Why a scrape failed; the label values of epp_endpoint_scrape_errors_total.
-REASONS = ("connection", "timeout", "http_status", "missing_metrics")
-# Answers of a server that will not take the ?name[]= query: ask it for the whole page instead.
-_FILTER_REFUSED = frozenset({400, 404, 405, 414, 422})
-
-
-@dataclass(frozen=True, slots=True)
-class ScrapeSettings:
-    interval: float = 0.05  # --refresh-metrics-interval
-    staleness: float = 2.0  # --metrics-staleness-threshold
-    timeout: float = 1.0  # per fetch; a pod slower than this is failing
-    path: str = "/metrics"  # --model-server-metrics-path
-    scheme: str = "http"  # --model-server-metrics-scheme
-    port: int = 0  # --model-server-metrics-port; 0: the endpoint's own port
-    insecure_skip_verify: bool = True  # --model-server-metrics-https-insecure-skip-verify
-    name_filter: bool = True  # ask for only the metrics in use (?name[]=...); whole page if refused
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """What a loop needs to know about an endpoint (picklable: it crosses to the worker)."""
-
-    name: str
-    address: str
-    port: int
-    engine: str
-
-
-# The fields of Metrics, in order: the loops build these tuples directly (a frozen dataclass costs
-# several times more to make, and the worker would take it apart again to ship it).
-_FIELDS = (
-    "waiting_queue_size", "running_requests", "kv_cache_usage", "running_adapters", "waiting_adapters",
-    "max_adapters", "block_size", "num_gpu_blocks", "updated_at", "stale", "error",
-)  # fmt: skip
-if tuple(f.name for f in dataclasses.fields(Metrics)) != _FIELDS:
-    raise RuntimeError(
-        "epp.datalayer.datastore.Metrics changed its fields: update epp.datalayer.scraper (_FIELDS, _EndpointLoop._response)"
-    )
-_NEVER_SCRAPED = tuple(getattr(Metrics(), name) for name in _FIELDS)
-_UPDATED_AT = _FIELDS.index("updated_at")
-
-# (endpoint name, its new metrics as a tuple of Metrics fields in order, why the scrape failed or None)
-Sink = Callable[[str, tuple[Any, ...], "str | None"], None]
-
-
-class ScrapeLoops:
-    """One scrape loop per target, in the running event loop, reporting to ``sink``."""
-
-    def __init__(
-        self,
-        engines: Mapping[str, EngineMapping],
-        settings: ScrapeSettings,
-        sink: Sink,
-        *,
-        default_engine: str = "vllm",
-    ) -> None:
-        if default_engine not in engines:
-            raise ValueError(f"default engine {default_engine!r} is not one of {sorted(engines)}")
-        if not (settings.interval > 0 and settings.timeout > 0 and settings.staleness > 0):
-            raise ValueError(f"scrape interval, timeout and staleness must be positive, got {settings}")
-        self._engines = engines
-        self._default_engine = default_engine
-        self._settings = settings
-        self._sink = sink
-        self._endpoints: dict[str, _EndpointLoop] = {}
-        # Phases on a grid (see the module docstring): slot k's loops send at epoch + k * width + n * interval.
-        self._slot_width = settings.interval / max(1, round(settings.interval / _SLOT))
-        self._slot_load = [0] * max(1, round(settings.interval / _SLOT))
-        self._epoch: float | None = None
-        self._sweeper: asyncio.TimerHandle | None = None
-        self._sweep_every = min(_SWEEP_EVERY, settings.timeout / 4)
-        self._tls: ssl.SSLContext | None = None
-        if settings.scheme == "https":
-            self._tls = ssl.create_default_context()
-            if settings.insecure_skip_verify:
-                self._tls.check_hostname = False
-                self._tls.verify_mode = ssl.CERT_NONE
-
-    @property
-    def endpoints(self) -> Mapping[str, _EndpointLoop]:
-        """The loops by endpoint name."""
-        return self._endpoints
-
-    def add(self, target: Target) -> None:
-        """Start scraping ``target`` (restarting its loop if it already had one)."""
-        self.remove(target.name)
-        engine = self._engines.get(target.engine)
-        if engine is None:
-            engine = self._engines[self._default_engine]
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if self._epoch is None:
-            self._epoch = now
-        load = self._slot_load
-        slot = load.index(min(load))  # the least busy: loops spread evenly over the interval
-        load[slot] += 1
-        endpoint = _EndpointLoop(target, engine, self._settings, self._tls, self._sink, loop, slot)
-        self._endpoints[target.name] = endpoint
-        interval = self._settings.interval
-        phase = self._epoch + slot * self._slot_width
-        endpoint.start(phase + max(0, math.ceil((now - phase) / interval)) * interval)
-        if self._sweeper is None:
-            self._sweeper = loop.call_later(self._sweep_every, self._sweep)
-
-    def remove(self, name: str) -> None:
-        """Stop scraping ``name`` and close its connection (no result of it is reported after this)."""
-        endpoint = self._endpoints.pop(name, None)
-        if endpoint is not None:
-            endpoint.close()
-            self._slot_load[endpoint.slot] -= 1
-
-    async def stop(self) -> None:
-        """Stop every loop and close its connection."""
-        endpoints = list(self._endpoints.values())
-        self._endpoints.clear()
-        self._slot_load = [0] * len(self._slot_load)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
-        connecting = [task for endpoint in endpoints if (task := endpoint.close()) is not None]
-        await asyncio.gather(*connecting, return_exceptions=True)
-
-    def _sweep(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._sweeper = loop.call_later(self._sweep_every, self._sweep)  # first: a failing sink cannot stop it
-        limit = loop.time() - self._settings.timeout
-        for endpoint in [e for e in self._endpoints.values() if e.sent_at is not None and e.sent_at <= limit]:
-            endpoint.expire()
-
-
-_SWEEP_EVERY = 0.1  # seconds between timeout checks at most: a tenth of the default 1 s timeout
-_SLOT = 0.005  # seconds between the phases loops may have: a tenth of the default 50 ms interval (measured: see above)
-
-
-class _EndpointLoop:
-    """One endpoint's scrape loop: a timer sends, the response callback parses and reports."""
-
-    __slots__ = (
-        "name", "slot", "sent_at", "_engine", "_settings", "_tls", "_sink", "_loop", "_host", "_port", "_request",
-        "_filtered", "_connection", "_connecting", "_timer", "_deadline", "_current", "_last_ok",
-        "_last_page", "_last_parsed", "_closed",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        target: Target,
-        engine: EngineMapping,
-        settings: ScrapeSettings,
-        tls: ssl.SSLContext | None,
-        sink: Sink,
-        loop: asyncio.AbstractEventLoop,
-        slot: int,
-    ) -> None:
-        self.name = target.name
-        self.slot = slot
-        """Which phase of the interval this loop has (see :class:`ScrapeLoops`)."""
-        self.sent_at: float | None = None
-        """``loop.time()`` when the request in flight (or the connection being opened) was started."""
-        self._engine = engine
-        self._settings = settings
-        self._tls = tls
-        self._sink = sink
-        self._loop = loop
-        self._host = target.address
-        self._port = settings.port or target.port
-        self._filtered = settings.name_filter
-        path = _filtered_path(settings.path, engine) if self._filtered else settings.path
-        self._request = request_bytes(self._host, self._port, path)
-        self._connection: GetConnection | None = None
-        self._connecting: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._deadline = 0.0
-        self._current: tuple[Any, ...] = _NEVER_SCRAPED
-        self._last_ok = 0.0
-        self._last_page: bytes | None = None
-        self._last_parsed: EngineMetrics | None = None
-        self._closed = False
-
-    @property
-    def connected(self) -> bool:
-        """Whether a connection to the endpoint is open."""
-        return self._connection is not None and not self._connection.closed
-
-    @property
-    def closed(self) -> bool:
-        """Whether the loop was stopped (:meth:`close`): it scrapes and reports no more."""
-        return self._closed
-
-    def start(self, first: float) -> None:
-        """Scrape at ``first`` (``loop.time()``), then every interval after it."""
-        self._deadline = first
-        self._timer = self._loop.call_at(first, self._beat)
-
-    def close(self) -> asyncio.Task[None] | None:
-        """Stop for good; returns the connecting task it cancelled, if there was one."""
-        self._closed = True
-        self.sent_at = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        connecting, self._connecting = self._connecting, None
-        if connecting is not None:
-            connecting.cancel()
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
-        return connecting
-
-    def expire(self) -> None:
-        """Give up the request in flight, older than the timeout (called by the sweeper)."""
-        self.sent_at = None
-        if self._connecting is not None:
-            self._connecting.cancel()
-            self._connecting = None
-        if self._connection is not None:
-            self._connection.close()  # a response may be half-read: start over on a new connection
-            self._connection = None
-        self._failed("timeout", f"no answer within {self._settings.timeout:g}s")
-
-    def _beat(self) -> None:
-        self._timer = None
-        started = self._loop.time()
-        interval = self._settings.interval
-        self._deadline += interval
-        if self._deadline < started:  # fell behind (a slow pod): skip the missed beats, keep the phase
-            self._deadline += (started - self._deadline) // interval * interval + interval
-        self._send(started)
-
-    def _send(self, now: float) -> None:
-        self.sent_at = now
-        connection = self._connection
-        if connection is not None and not connection.closed:
-            connection.send(self._request)
-        else:
-            self._connection = None
-            self._connecting = self._loop.create_task(self._connect(), name=f"connect {self.name}")
-
-    async def _connect(self) -> None:
-        try:
-            connection = await connect(self._host, self._port, self._response, self._error, tls=self._tls)
-        except Exception as exc:  # refused, unreachable, TLS handshake...: recorded, never fatal
-            self._connecting = None
-            self.sent_at = None
-            self._failed("connection", f"{type(exc).__name__}: {exc}")
-            return
-        self._connecting = None
-        if self._closed:  # close() cancels this task first, but a leaked socket would be worse
-            connection.close()
-            return
-        self._connection = connection
-        try:
-            connection.send(self._request)
-        except HttpGetError as exc:  # closed by the server as soon as it was opened
-            self._error(exc)
-
-    def _response(self, status: int, page: bytes) -> None:
-        """The connection's callback: a whole response arrived."""
-        if self.sent_at is None:
-            return
-        self.sent_at = None
-        if status != 200:
-            # A server that does not know ?name[]= refuses the query (400/404/422); a 5xx is the
-            # pod's trouble, not the filter's, and must not cost it 50 KB pages for good.
-            if self._filtered and status in _FILTER_REFUSED:
-                self._whole_pages()
-            else:
-                self._failed("http_status", f"HTTP {status} from {self._settings.path}")
-            return
-        parsed = self._last_parsed
-        if page != self._last_page or parsed is None:  # an idle pod serves the same page over and over
-            parsed = self._engine.parse(page)
-            self._last_page, self._last_parsed = page, parsed
-        if self._filtered and _nothing_read(parsed):
-            self._whole_pages()
-            return
-        # time.monotonic(), not loop.time(): snapshots may cross to another process.
-        now = time.monotonic()
-        self._last_ok = now
-        self._current = current = (
-            parsed.waiting_queue_size or 0,
-            parsed.running_requests or 0,
-            parsed.kv_cache_usage or 0.0,
-            parsed.running_adapters,
-            parsed.waiting_adapters,
-            parsed.max_adapters or 0,
-            parsed.block_size,
-            parsed.num_gpu_blocks,
-            now,  # updated_at
-            False,  # stale
-            f"metrics missing from the page: {', '.join(parsed.missing)}" if parsed.missing else None,  # error
-        )
-        try:
-            self._sink(self.name, current, "missing_metrics" if parsed.missing else None)
-        finally:
-            self._next()
-
-    def _error(self, exc: Exception) -> None:
-        """The connection's callback: the request failed (connection closed, not HTTP/1.1)."""
-        if self.sent_at is None:
-            return
-        self.sent_at = None
-        self._failed("connection", f"{type(exc).__name__}: {exc}")
-
-    def _whole_pages(self) -> None:
-        # This server refuses or misreads ``?name[]=``: ask for the whole page from now on, at once.
-        log.info("endpoint %s: metrics name filter not supported; scraping the whole page", self.name)
-        self._filtered = False
-        self._request = request_bytes(self._host, self._port, self._settings.path)
-        self._send(self._loop.time())  # now, off the beat; the phase stays
-
-    def _failed(self, reason: str, detail: str) -> None:
-        if self._closed:
-            return
-        now = time.monotonic()
-        last_ok = self._last_ok
-        stale = not last_ok or now - last_ok > self._settings.staleness
-        self._current = current = (*self._current[:_UPDATED_AT + 1], stale, detail)  # last good numbers kept
-        try:
-            self._sink(self.name, current, reason)
-        finally:
-            self._next()
-
-    def _next(self) -> None:
-        if not self._closed:
-            self._timer = self._loop.call_at(self._deadline, self._beat)
-
-
-def _filtered_path(path: str, engine: EngineMapping) -> str:
-    """``path`` asking for only ``engine``'s metrics: prometheus_client (vLLM's and SGLang's
-    exposition) answers ``?name[]=a&name[]=b`` with those samples alone, ~2 KB instead of ~50 KB."""
-    query = "&".join(f"name[]={quote(name, safe=':')}" for name in engine.metric_names())
-    return f"{path}{'&' if '?' in path else '?'}{query}" if query else path
-
-
-def _nothing_read(parsed: EngineMetrics) -> bool:
-    return parsed.waiting_queue_size is None and parsed.running_requests is None and parsed.kv_cache_usage is None
 
 
 class Scraper:
@@ -425,7 +42,7 @@ class Scraper:
         datastore: Datastore,
         engines: Mapping[str, EngineMapping],
         settings: ScrapeSettings,
-        metrics: ServiceMetrics,
+        metrics: ScrapeMetrics,
         *,
         default_engine: str = "vllm",
         engine_label: str = ENGINE_TYPE_LABEL,
@@ -442,10 +59,10 @@ class Scraper:
         self._started = False
         self._loops: ScrapeLoops | WorkerClient
         if in_process:
-            self._loops = ScrapeLoops(engines, settings, self._apply_fields, default_engine=default_engine)
+            self._loops = ScrapeLoops(engines, settings, self._apply_result, default_engine=default_engine)
         else:
             self._loops = WorkerClient(
-                engines, settings, self._apply, default_engine=default_engine, on_lost=self.mark_all_stale
+                engines, settings, self._apply_result, default_engine=default_engine, on_lost=self.mark_all_stale
             )
 
     @property
@@ -487,21 +104,21 @@ class Scraper:
             engine = self._default_engine
         return Target(endpoint.name, endpoint.address, endpoint.port, engine)
 
-    def _apply_fields(self, name: str, fields: tuple[Any, ...], reason: str | None) -> None:
-        self._apply(name, Metrics(*fields), reason)
+    def _apply_result(self, result: ScrapeResult) -> None:
+        self._apply(result.endpoint, _metrics(result), result.reason)
 
     def _apply(self, name: str, metrics: Metrics, reason: str | None) -> None:
         """One loop's result: to the datastore, the counters and (on a change of state) the log."""
         if not self._datastore.update_metrics(name, metrics):
             return  # left the pool while the result was on its way
-        service = self._metrics
+        series = self._metrics
         if reason is None or reason == "missing_metrics":
-            service.scrapes.inc()
+            series.scrapes.inc()
         if reason is not None:
-            service.scrape_errors.labels(name, reason).inc()
+            series.scrape_errors.labels(name, reason).inc()
         if self._stale.get(name) is not metrics.stale:  # labels() costs microseconds: only on a change
             self._stale[name] = metrics.stale
-            service.endpoint_stale.labels(name).set(1 if metrics.stale else 0)
+            series.endpoint_stale.labels(name).set(1 if metrics.stale else 0)
         if self._errors.get(name, "") != metrics.error:
             if metrics.error:
                 log.warning("endpoint %s: metrics scrape: %s", name, metrics.error)
@@ -512,18 +129,31 @@ class Scraper:
     def _forget(self, name: str) -> None:
         self._errors.pop(name, None)
         self._stale.pop(name, None)
-        service = self._metrics
-        try:
-            service.endpoint_stale.remove(name)
-        except KeyError:
-            pass
+        series = self._metrics
+        with contextlib.suppress(KeyError):  # never scraped, or never failed for that reason
+            series.endpoint_stale.remove(name)
         for reason in REASONS:
-            try:
-                service.scrape_errors.remove(name, reason)
-            except KeyError:
-                pass
+            with contextlib.suppress(KeyError):
+                series.scrape_errors.remove(name, reason)
 
     def mark_all_stale(self, why: str) -> None:
         """Every endpoint's metrics become stale now (the scrape worker died)."""
         for endpoint in self._datastore.endpoints():
             self._apply(endpoint.name, replace(endpoint.metrics, stale=True, error=why), "connection")
+
+
+def _metrics(result: ScrapeResult) -> Metrics:
+    """The datastore's snapshot of what a loop reported."""
+    return Metrics(
+        waiting_queue_size=result.waiting_queue_size,
+        running_requests=result.running_requests,
+        kv_cache_usage=result.kv_cache_usage,
+        running_adapters=result.running_adapters,
+        waiting_adapters=result.waiting_adapters,
+        max_adapters=result.max_adapters,
+        block_size=result.block_size,
+        num_gpu_blocks=result.num_gpu_blocks,
+        updated_at=result.updated_at,
+        stale=result.stale,
+        error=result.error,
+    )

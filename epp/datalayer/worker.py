@@ -1,17 +1,19 @@
-"""The scrape worker: :class:`epp.datalayer.scraper.ScrapeLoops` in a child process, and the parent's client.
+"""The scrape worker: :class:`epp.datalayer.loops.ScrapeLoops` in a child process, and the parent's client.
 
-Why a process: see :mod:`epp.datalayer.scraper`. The two ends talk over a socketpair with length-prefixed
-pickles (both ends are this same code, started together, so pickle's reach is not a concern):
+Why a process: see :mod:`epp.datalayer.scraper`. The two ends talk over a socketpair, one
+length-prefixed message per frame:
 
-* parent -> worker: ``("start", engines, settings, default_engine)`` once, then
-  ``("add", Target)`` / ``("remove", name)`` as the pool changes;
-* worker -> parent: lists of ``(name, Metrics fields as a tuple, reason)`` - the loops' reports
-  as they make them (:data:`epp.datalayer.scraper.Sink`) - one list per 10 ms at most, so the request loop
-  is woken ~100 times a second rather than once per scrape. Each wake-up of the picker process
-  costs far more than applying one result (bench/scrape_cost.py at 100 pods: the request-path
-  process used ~0.045 core with 5 ms batches, ~0.024 with 20 ms); 10 ms is the compromise with
-  freshness. A result's age on arrival does not skew the picker: scorers add the requests sent
-  since the scrape's own time (``Metrics.updated_at``), not since its arrival.
+* parent -> worker, pickles (both ends are this same code, started together, so pickle's reach is
+  not a concern; these messages are rare): ``("start", engines, settings, default_engine)`` once,
+  then ``("add", Target)`` / ``("remove", name)`` as the pool changes;
+* worker -> parent, msgpack: lists of :class:`~epp.datalayer.loops.ScrapeResult`, the loops'
+  reports as they make them, decoded into the same typed messages. msgspec encodes a list of them
+  several times faster than pickle does a list of tuples, and decodes them as fast. One list per
+  10 ms at most, so the request loop is woken ~100 times a second rather than once per scrape.
+  Each wake-up of the picker process costs far more than applying one result (bench/scrape_cost.py
+  at 100 pods: the request-path process used ~0.045 core with 5 ms batches, ~0.024 with 20 ms);
+  10 ms is the compromise with freshness. A result's age on arrival does not skew the picker:
+  scorers add the requests sent since the scrape's own time (``updated_at``), not since its arrival.
 
 The worker runs at a lower CPU priority (nice 10): scraping is background work, and when the
 machine is contended the request path should not wait behind it.
@@ -33,10 +35,12 @@ import struct
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
+
+import msgspec
 
 from epp.datalayer.engines import EngineMapping
-from epp.framework import Metrics
+from epp.datalayer.loops import ScrapeLoops, ScrapeResult, ScrapeSettings, Sink, Target
 
 __all__ = ["WorkerClient"]
 
@@ -47,23 +51,29 @@ _BATCH_DELAY = 0.01  # seconds a result may wait for others to share its wake-up
 _RESTART_DELAY = 1.0
 _NICENESS = 10
 
+_encode_results = msgspec.msgpack.Encoder().encode
+_decode_results = msgspec.msgpack.Decoder(list[ScrapeResult]).decode
 
-def _frame(message: object) -> bytes:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+def _frame(data: bytes) -> bytes:
     return _LENGTH.pack(len(data)) + data
 
 
-class _Frames(asyncio.Protocol):
-    """Splits the byte stream into messages."""
+def _control(message: tuple[Any, ...]) -> bytes:
+    return _frame(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def __init__(self, on_message: Callable[[Any], None], on_lost: Callable[[Exception | None], None]) -> None:
-        self._on_message = on_message
+
+class _Frames(asyncio.Protocol):
+    """Splits the byte stream into frames, each handed to ``on_frame``."""
+
+    def __init__(self, on_frame: Callable[[bytes], None], on_lost: Callable[[Exception | None], None]) -> None:
+        self._on_frame = on_frame
         self._on_lost = on_lost
         self._buffer = bytearray()
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's: a read-write Transport
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
@@ -73,16 +83,13 @@ class _Frames(asyncio.Protocol):
             (size,) = _LENGTH.unpack_from(buffer, start)
             if len(buffer) - start - 4 < size:
                 break
-            message = pickle.loads(buffer[start + 4 : start + 4 + size])
+            frame = bytes(buffer[start + 4 : start + 4 + size])
             start += 4 + size
-            self._on_message(message)
+            self._on_frame(frame)
         del buffer[:start]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._on_lost(exc)
-
-
-Sink = Callable[[str, Metrics, "str | None"], None]
 
 
 class WorkerClient:
@@ -91,7 +98,7 @@ class WorkerClient:
     def __init__(
         self,
         engines: Mapping[str, EngineMapping],
-        settings: object,
+        settings: ScrapeSettings,
         sink: Sink,
         *,
         default_engine: str = "vllm",
@@ -100,7 +107,7 @@ class WorkerClient:
         self._start_message = ("start", dict(engines), settings, default_engine)
         self._sink = sink
         self._on_lost = on_lost
-        self._targets: dict[str, object] = {}
+        self._targets: dict[str, Target] = {}
         self._process: subprocess.Popen[bytes] | None = None
         self._transport: asyncio.Transport | None = None
         self._stopping = False
@@ -123,11 +130,11 @@ class WorkerClient:
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_unix_connection(lambda: _Frames(self._results, self._lost), sock=parent)
         self._transport = transport
-        transport.write(_frame(self._start_message))
+        transport.write(_control(self._start_message))
         for target in self._targets.values():
-            transport.write(_frame(("add", target)))
+            transport.write(_control(("add", target)))
 
-    def add(self, target: Any) -> None:
+    def add(self, target: Target) -> None:
         self._targets[target.name] = target
         self._send(("add", target))
 
@@ -149,15 +156,15 @@ class WorkerClient:
                 process.kill()
                 await asyncio.to_thread(process.wait)
 
-    def _send(self, message: object) -> None:
+    def _send(self, message: tuple[Any, ...]) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(_frame(message))
+            self._transport.write(_control(message))
 
-    def _results(self, batch: list[tuple[str, tuple[Any, ...], str | None]]) -> None:
-        sink = self._sink
-        for name, fields, reason in batch:
-            if name in self._targets:
-                sink(name, Metrics(*fields), reason)
+    def _results(self, frame: bytes) -> None:
+        sink, targets = self._sink, self._targets
+        for result in _decode_results(frame):
+            if result.endpoint in targets:  # not one removed while its result was on its way
+                sink(result)
 
     def _lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -182,45 +189,56 @@ class WorkerClient:
 # --- the worker process -------------------------------------------------------------------------
 
 
-async def _work(sock: socket.socket) -> None:
-    from epp.datalayer.scraper import ScrapeLoops
+class _Worker:
+    """The child's side: runs the loops as the parent says, batches their results back to it."""
 
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    pending: list[tuple[str, tuple[Any, ...], str | None]] = []
-    state: dict[str, Any] = {"loops": None, "transport": None}
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._loops: ScrapeLoops | None = None
+        self._pending: list[ScrapeResult] = []
+        self.transport: asyncio.Transport | None = None
+        self.done: asyncio.Future[None] = loop.create_future()
 
-    def flush() -> None:
-        transport = state["transport"]
-        if pending and transport is not None and not transport.is_closing():
-            transport.write(_frame(pending.copy()))
-        pending.clear()
-
-    def sink(name: str, fields: tuple[Any, ...], reason: str | None) -> None:
-        if not pending:
-            loop.call_later(_BATCH_DELAY, flush)
-        # A plain tuple of the fields pickles several times faster than the dataclass.
-        pending.append((name, fields, reason))
-
-    def on_message(message: tuple[Any, ...]) -> None:
+    def on_frame(self, frame: bytes) -> None:
+        message = pickle.loads(frame)
         kind = message[0]
         if kind == "start":
             _, engines, settings, default_engine = message
-            state["loops"] = ScrapeLoops(engines, settings, sink, default_engine=default_engine)
+            self._loops = ScrapeLoops(engines, settings, self._sink, default_engine=default_engine)
+        elif self._loops is None:
+            raise RuntimeError(f"{kind!r} before 'start'")
         elif kind == "add":
-            state["loops"].add(message[1])
+            self._loops.add(message[1])
         elif kind == "remove":
-            state["loops"].remove(message[1])
+            self._loops.remove(message[1])
 
-    def on_lost(exc: Exception | None) -> None:
-        if not done.done():
-            done.set_result(None)
+    def on_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
 
-    transport, _ = await loop.create_unix_connection(lambda: _Frames(on_message, on_lost), sock=sock)
-    state["transport"] = transport
-    await done
-    if state["loops"] is not None:
-        await state["loops"].stop()
+    async def stop(self) -> None:
+        if self._loops is not None:
+            await self._loops.stop()
+
+    def _sink(self, result: ScrapeResult) -> None:
+        if not self._pending:
+            self._loop.call_later(_BATCH_DELAY, self._flush)
+        self._pending.append(result)
+
+    def _flush(self) -> None:
+        transport = self.transport
+        if self._pending and transport is not None and not transport.is_closing():
+            transport.write(_frame(_encode_results(self._pending)))
+        self._pending.clear()
+
+
+async def _work(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    worker = _Worker(loop)
+    transport, _ = await loop.create_unix_connection(lambda: _Frames(worker.on_frame, worker.on_lost), sock=sock)
+    worker.transport = transport
+    await worker.done
+    await worker.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

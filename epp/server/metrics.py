@@ -8,7 +8,7 @@ plugins' own through :class:`epp.framework.PluginMetrics`); :class:`Metrics` put
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from epp.requestcontrol.metrics import RequestMetrics
 from epp.scheduling.metrics import PluginCallMetrics
@@ -25,22 +25,6 @@ class Metrics:
         self.plugins = PluginCallMetrics(r)
         self.ready_pods = Gauge(
             "inference_pool_ready_pods", "Endpoints in the pool that can take requests.", ["name"], registry=r
-        )
-        self.scrape_errors = Counter(
-            "epp_endpoint_scrape_errors_total",
-            "Failed or incomplete metrics scrapes, by endpoint and reason "
-            "(connection, timeout, http_status, missing_metrics).",
-            ["endpoint", "reason"],
-            registry=r,
-        )
-        self.scrapes = Counter(
-            "epp_endpoint_scrapes_total", "Metrics scrapes that returned a page (all endpoints).", registry=r
-        )
-        self.endpoint_stale = Gauge(
-            "epp_endpoint_metrics_stale",
-            "1 while an endpoint's metrics are older than --metrics-staleness-threshold (treated as fully loaded).",
-            ["endpoint"],
-            registry=r,
         )
 
 

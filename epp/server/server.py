@@ -39,6 +39,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.engines import ENGINE_TYPE_LABEL, EngineMapping, builtin_engines, engine_from_config
+from epp.datalayer.metrics import ScrapeMetrics
 from epp.datalayer.scraper import Scraper, ScrapeSettings
 from epp.extproc.processor import ExternalProcessor
 from epp.flowcontrol import FlowControlMetrics, build_admission
@@ -86,7 +87,7 @@ def engines_from_flags(overrides: tuple[tuple[str, str], ...]) -> dict[str, Engi
     return engines
 
 
-def _scraper(settings: Settings, config: PickerConfig, datastore: Datastore, metrics: Metrics) -> Scraper:
+def _scraper(settings: Settings, config: PickerConfig, datastore: Datastore, metrics: ScrapeMetrics) -> Scraper:
     """The scraper the flags and the config file's data layer describe (the config file wins)."""
     source, extractor = config.metrics_source, config.metrics_extractor
     scrape = ScrapeSettings(
@@ -163,9 +164,11 @@ class EndpointPicker:
         self.processor = ExternalProcessor(
             self.director, self.metrics.requests, max_request_body_bytes=settings.max_request_body_bytes
         )
+        # The scrape series are served whether scraping is on or not (a counter at 0 when it is off).
+        scrape_metrics = ScrapeMetrics(self.metrics.registry)
         self.scraper: Scraper | None = None
         if settings.scrape_metrics:
-            self.scraper = _scraper(settings, config, self.datastore, self.metrics)
+            self.scraper = _scraper(settings, config, self.datastore, scrape_metrics)
         # Kubernetes discovery fills the datastore; None for a static pool.
         self.discovery = _discovery(settings, self.datastore, self.objectives) if settings.kube_discovery else None
         # Capacity may have changed: a queued request may go (cheap when nothing is queued).

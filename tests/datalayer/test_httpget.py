@@ -1,16 +1,18 @@
 """The keep-alive GET client against raw servers that answer exactly what each test says: the
-callback connection the scraper drives (:class:`GetConnection`) and ``await get()`` on top of it."""
+callback connection the scrape loops drive (:class:`GetConnection`), request after request."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from epp.datalayer.httpget import GetConnection, HttpGetError, PersistentGet, connect, request_bytes
+from epp.datalayer.httpget import GetConnection, HttpGetError, connect, request_bytes
 
 Answer = Callable[[int], list[bytes]]  # request number -> the byte pieces to send back
+Serve = Callable[[Answer], Awaitable["RawServer"]]  # starts a RawServer (the serve fixture)
 
 
 class RawServer:
@@ -56,7 +58,7 @@ class RawServer:
 
 
 @pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Answer], asyncio.Future[RawServer]]]:
+async def serve() -> AsyncIterator[Serve]:
     servers: list[RawServer] = []
 
     async def start(answer: Answer) -> RawServer:
@@ -65,7 +67,7 @@ async def serve() -> AsyncIterator[Callable[[Answer], asyncio.Future[RawServer]]
         servers.append(server)
         return server
 
-    yield start  # type: ignore[misc]
+    yield start
     for server in servers:
         await server.stop()
 
@@ -82,75 +84,8 @@ def sized(body: bytes, status: bytes = b"200 OK", pieces: int = 1) -> list[bytes
 def chunked(body: bytes) -> list[bytes]:
     parts = [body[i : i + 7000] for i in range(0, len(body), 7000)]
     encoded = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts)
-    return [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", encoded[:5], encoded[5:], b"0\r\nX-Trailer: t\r\n\r\n"]
-
-
-@pytest.mark.parametrize(
-    "answer",
-    [
-        pytest.param(lambda n: sized(BODY), id="content-length"),
-        pytest.param(lambda n: sized(BODY, pieces=9), id="content-length-in-pieces"),
-        pytest.param(lambda n: chunked(BODY), id="chunked-split-everywhere"),
-    ],
-)
-async def test_reads_bodies_on_one_reused_connection(serve, answer: Answer) -> None:  # type: ignore[no-untyped-def]
-    server = await serve(answer)
-    client = PersistentGet("127.0.0.1", server.port, "/metrics")
-    try:
-        for _ in range(5):
-            assert await client.get() == (200, BODY)
-    finally:
-        client.close()
-    assert server.connections == 1
-
-
-async def test_status_is_reported_and_connection_close_is_honoured(serve) -> None:  # type: ignore[no-untyped-def]
-    server = await serve(lambda n: [sized(b"nope", b"503 Service Unavailable")[0][:-2] + b"Connection: close\r\n\r\n", b"nope"])
-    client = PersistentGet("127.0.0.1", server.port, "/metrics")
-    try:
-        assert await client.get() == (503, b"nope")
-        assert await client.get() == (503, b"nope")  # reconnected after the server's close
-    finally:
-        client.close()
-    assert server.connections == 2
-
-
-@pytest.mark.parametrize(
-    ("answer", "message"),
-    [
-        pytest.param(lambda n: [b"SSH-2.0-OpenSSH\r\n\r\n"], "not an HTTP/1.1 response", id="not-http"),
-        pytest.param(lambda n: [b"HTTP/1.1 200 OK\r\n\r\n"], "neither Content-Length nor chunked", id="no-framing"),
-        pytest.param(lambda n: [b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n"], "bad Content-Length", id="bad-length"),
-        pytest.param(lambda n: [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"], "bad chunk size", id="bad-chunk"),
-        pytest.param(lambda n: sized(BODY)[:1] + [BODY[:100], b"<close>"], "connection closed", id="closed-mid-body"),
-    ],
-)
-async def test_broken_answers_raise_and_the_next_call_starts_clean(serve, answer: Answer, message: str) -> None:  # type: ignore[no-untyped-def]
-    good = sized(BODY)
-    server = await serve(lambda n: answer(n) if n == 0 else good)
-    client = PersistentGet("127.0.0.1", server.port, "/metrics")
-    try:
-        with pytest.raises(HttpGetError, match=message):
-            await client.get()
-        assert await client.get() == (200, BODY)
-    finally:
-        client.close()
-
-
-async def test_a_timeout_abandons_the_connection(serve) -> None:  # type: ignore[no-untyped-def]
-    server = await serve(lambda n: [] if n == 0 else sized(BODY))
-    client = PersistentGet("127.0.0.1", server.port, "/metrics")
-    try:
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.2):
-                await client.get()
-        assert await client.get() == (200, BODY)  # a new connection: no stale bytes from the first
-    finally:
-        client.close()
-    assert server.connections == 2
-
-
-# --- the callback connection ------------------------------------------------------------------
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return [head, encoded[:5], encoded[5:], b"0\r\nX-Trailer: t\r\n\r\n"]
 
 
 class Events:
@@ -173,6 +108,10 @@ class Events:
         self.connection = await connect("127.0.0.1", port, self.response, self.error)
         return self.connection
 
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+
 
 async def _until(predicate: Callable[[], bool]) -> None:
     for _ in range(300):
@@ -185,14 +124,110 @@ async def _until(predicate: Callable[[], bool]) -> None:
 REQUEST = request_bytes("127.0.0.1", 1, "/metrics")
 
 
-async def test_each_response_and_each_failure_is_one_callback(serve) -> None:  # type: ignore[no-untyped-def]
-    server = await serve(lambda n: sized(BODY, pieces=3) if n < 2 else sized(BODY)[:1] + [BODY[:10], b"<close>"])
+async def _get(events: Events, port: int) -> object:
+    """One GET as the scraper makes it: on the open connection, or on a new one if the last was closed;
+    returns what was reported for it, ``(status, body)`` or the :class:`HttpGetError`."""
+    connection = events.connection
+    if connection is None or connection.closed:
+        connection = await events.connect(port)
+    before = len(events.seen)
+    connection.send(REQUEST)
+    await _until(lambda: len(events.seen) > before)
+    return events.seen[-1]
+
+
+# --- request after request, on one connection or a new one, as the scrape loops make them ---------
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param(lambda n: sized(BODY), id="content-length"),
+        pytest.param(lambda n: sized(BODY, pieces=9), id="content-length-in-pieces"),
+        pytest.param(lambda n: chunked(BODY), id="chunked-split-everywhere"),
+    ],
+)
+async def test_reads_bodies_on_one_reused_connection(serve: Serve, answer: Answer) -> None:
+    server = await serve(answer)
+    events = Events()
+    try:
+        for _ in range(5):
+            assert await _get(events, server.port) == (200, BODY)
+    finally:
+        events.close()
+    assert server.connections == 1
+
+
+async def test_status_is_reported_and_connection_close_is_honoured(serve: Serve) -> None:
+    head = sized(b"nope", b"503 Service Unavailable")[0][:-2] + b"Connection: close\r\n\r\n"
+    server = await serve(lambda n: [head, b"nope"])
+    events = Events()
+    try:
+        assert await _get(events, server.port) == (503, b"nope")
+        assert await _get(events, server.port) == (503, b"nope")  # reconnected after the server's close
+    finally:
+        events.close()
+    assert server.connections == 2
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        pytest.param(lambda n: [b"SSH-2.0-OpenSSH\r\n\r\n"], "not an HTTP/1.1 response", id="not-http"),
+        pytest.param(lambda n: [b"HTTP/1.1 200 OK\r\n\r\n"], "neither Content-Length nor chunked", id="no-framing"),
+        pytest.param(
+            lambda n: [b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n"], "bad Content-Length", id="bad-length"
+        ),
+        pytest.param(
+            lambda n: [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"], "bad chunk size", id="bad-chunk"
+        ),
+        pytest.param(lambda n: [*sized(BODY)[:1], BODY[:100], b"<close>"], "connection closed", id="closed-mid-body"),
+    ],
+)
+async def test_broken_answers_are_errors_and_the_next_request_starts_clean(
+    serve: Serve, answer: Answer, message: str
+) -> None:
+    good = sized(BODY)
+    server = await serve(lambda n: answer(n) if n == 0 else good)
+    events = Events()
+    try:
+        failure = await _get(events, server.port)
+        assert isinstance(failure, HttpGetError) and re.search(message, str(failure))
+        assert events.connection is not None and events.connection.closed  # nothing half-read survives
+        assert await _get(events, server.port) == (200, BODY)
+    finally:
+        events.close()
+
+
+async def test_a_timeout_abandons_the_connection(serve: Serve) -> None:
+    server = await serve(lambda n: [] if n == 0 else sized(BODY))
     events = Events()
     connection = await events.connect(server.port)
+    try:
+        connection.send(REQUEST)
+        await asyncio.sleep(0.2)  # the owner's timeout: no answer came
+        connection.close()
+        assert await _get(events, server.port) == (200, BODY)  # a new connection: no stale bytes from the first
+        assert events.seen == [(200, BODY)]  # the abandoned request was never reported
+    finally:
+        events.close()
+    assert server.connections == 2
+
+
+# --- the callback connection ------------------------------------------------------------------
+
+
+async def test_each_response_and_each_failure_is_one_callback(serve: Serve) -> None:
+    server = await serve(lambda n: sized(BODY, pieces=3) if n < 2 else [*sized(BODY)[:1], BODY[:10], b"<close>"])
+    events = Events()
+    connection = await events.connect(server.port)
+    def seen(count: int) -> Callable[[], bool]:
+        return lambda: len(events.seen) == count
+
     for expected in (1, 2):
         connection.send(REQUEST)
         assert connection.busy
-        await _until(lambda: len(events.seen) == expected)
+        await _until(seen(expected))
         assert events.seen[-1] == (200, BODY) and not connection.busy
     connection.send(REQUEST)
     await _until(lambda: len(events.seen) == 3)
@@ -202,7 +237,7 @@ async def test_each_response_and_each_failure_is_one_callback(serve) -> None:  #
         connection.send(REQUEST)
 
 
-async def test_one_request_at_a_time(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_one_request_at_a_time(serve: Serve) -> None:
     server = await serve(lambda n: [])  # never answers
     events = Events()
     connection = await events.connect(server.port)
@@ -214,7 +249,7 @@ async def test_one_request_at_a_time(serve) -> None:  # type: ignore[no-untyped-
         connection.close()
 
 
-async def test_an_abandoned_request_is_never_reported(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_an_abandoned_request_is_never_reported(serve: Serve) -> None:
     server = await serve(lambda n: [b"<pause>", *sized(BODY)])  # answers, but late
     events = Events()
     connection = await events.connect(server.port)
@@ -225,7 +260,7 @@ async def test_an_abandoned_request_is_never_reported(serve) -> None:  # type: i
     assert events.seen == []
 
 
-async def test_bytes_nobody_asked_for_close_the_connection_silently(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_bytes_nobody_asked_for_close_the_connection_silently(serve: Serve) -> None:
     server = await serve(lambda n: [*sized(BODY), b"<pause>", *sized(b"extra")])
     events = Events()
     connection = await events.connect(server.port)
@@ -234,7 +269,7 @@ async def test_bytes_nobody_asked_for_close_the_connection_silently(serve) -> No
     assert events.seen == [(200, BODY)]  # the unasked-for answer is not reported
 
 
-async def test_connection_close_is_visible_when_the_response_is_reported(serve) -> None:  # type: ignore[no-untyped-def]
+async def test_connection_close_is_visible_when_the_response_is_reported(serve: Serve) -> None:
     head = sized(b"ok")[0][:-2] + b"Connection: close\r\n\r\n"
     server = await serve(lambda n: [head, b"ok"])
     events = Events()
@@ -242,3 +277,19 @@ async def test_connection_close_is_visible_when_the_response_is_reported(serve) 
     connection.send(REQUEST)
     await _until(lambda: len(events.seen) == 1)
     assert events.seen == [(200, b"ok")] and events.closed_when_answered == [True]  # the next send needs a new one
+
+
+def test_public_api_is_locked() -> None:
+    import epp.datalayer.httpget
+
+    assert epp.datalayer.httpget.__all__ == ["GetConnection", "HttpGetError", "connect", "request_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("host", "authority"),
+    [("10.0.0.7", b"10.0.0.7:8000"), ("fd00::7", b"[fd00::7]:8000"), ("pod.local", b"pod.local:8000")],
+)
+def test_the_request_names_its_host_with_ipv6_bracketed(host: str, authority: bytes) -> None:
+    request = request_bytes(host, 8000, "/metrics?name[]=a")
+    assert request.startswith(b"GET /metrics?name[]=a HTTP/1.1\r\nHost: " + authority + b"\r\n")
+    assert request.endswith(b"\r\n\r\n") and request.count(b"\r\n\r\n") == 1

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -13,28 +13,14 @@ from aiohttp import web
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.engines import ENGINE_TYPE_LABEL, builtin_engines
-from epp.datalayer.scraper import REASONS, ScrapeLoops, Scraper, ScrapeSettings, Target
+from epp.datalayer.loops import REASONS, ScrapeResult, ScrapeSettings
+from epp.datalayer.metrics import ScrapeMetrics
 from epp.datalayer.static import parse_endpoint
 from epp.framework import Endpoint, Metrics
-from epp.server.metrics import Metrics as ServiceMetrics
 from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.request import Sink
 
-FAST = ScrapeSettings(interval=0.02, staleness=0.3, timeout=0.15)
-
-VLLM_PAGE = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} 3.0
-# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
-# TYPE vllm:lora_requests_info gauge
-vllm:lora_requests_info{max_lora="2",running_lora_adapters="a1",waiting_lora_adapters="a2"} 1.7e9
-# TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0
-"""
+from ._scraping import FAST, VLLM_PAGE, FakeServer, running, until
 
 SGLANG_PAGE = b"""sglang:num_queue_reqs{model_name="m"} 4
 sglang:num_running_reqs{model_name="m"} 2
@@ -42,107 +28,47 @@ sglang:token_usage{model_name="m"} 0.5
 """
 
 
-@dataclass
-class FakeServer:
-    """A model server whose /metrics behaviour a test changes on the fly."""
-
-    respond: Callable[[], web.StreamResponse] = lambda: web.Response(body=VLLM_PAGE)
-    delay: float = 0.0
-    queries: list[str] = field(default_factory=list)
-    connections: set[object] = field(default_factory=set)
-    requests: int = 0
-    port: int = 0
-    runner: web.AppRunner | None = None
-
-    async def handler(self, request: web.Request) -> web.StreamResponse:
-        self.requests += 1
-        self.queries.append(request.query_string)
-        self.connections.add(request.transport)
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        return self.respond()
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return parse_endpoint(f"127.0.0.1:{self.port}")
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeServer]:
-    server = FakeServer()
-    app = web.Application()
-    app.router.add_get("/metrics", server.handler)
-    server.runner = web.AppRunner(app, access_log=None)
-    await server.runner.setup()
-    site = web.TCPSite(server.runner, "127.0.0.1", 0)
-    await site.start()
-    server.port = server.runner.addresses[0][1]
-    yield server
-    await server.runner.cleanup()
-
-
-@pytest.fixture
-def service_metrics() -> ServiceMetrics:
-    return ServiceMetrics()
-
-
-async def _running(
-    datastore: Datastore, service_metrics: ServiceMetrics, settings: ScrapeSettings = FAST, *, in_process: bool = True
-) -> Scraper:
-    scraper = Scraper(datastore, builtin_engines(), settings, service_metrics, in_process=in_process)
-    await scraper.start()
-    return scraper
-
-
-async def _until(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
-
-
-def _errors(service_metrics: ServiceMetrics, endpoint: str, reason: str) -> float:
-    value = service_metrics.registry.get_sample_value(
+def _errors(scrape_metrics: ScrapeMetrics, endpoint: str, reason: str) -> float:
+    value = scrape_metrics.registry.get_sample_value(
         "epp_endpoint_scrape_errors_total", {"endpoint": endpoint, "reason": reason}
     )
     return value or 0.0
 
 
-async def test_reads_the_vllm_page_into_the_endpoint_metrics(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_reads_the_vllm_page_into_the_endpoint_metrics(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     datastore = Datastore([fake.endpoint])
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
         metrics = datastore.endpoints()[0].metrics
         assert (metrics.waiting_queue_size, metrics.running_requests, metrics.kv_cache_usage) == (7, 3, 0.25)
         assert metrics.running_adapters == {"a1"} and metrics.waiting_adapters == {"a2"} and metrics.max_adapters == 2
         assert (metrics.block_size, metrics.num_gpu_blocks) == (16, 1000)
         assert metrics.error is None
-        await _until(lambda: fake.requests >= 5)
+        await until(lambda: fake.requests >= 5)
         assert len(fake.connections) == 1  # keep-alive: every scrape on one connection
         # The same page again and again (an idle pod): still one fresh snapshot per scrape.
-        await _until(lambda: datastore.endpoints()[0].metrics.updated_at > metrics.updated_at)
+        await until(lambda: datastore.endpoints()[0].metrics.updated_at > metrics.updated_at)
         later = datastore.endpoints()[0].metrics
         assert later == replace(metrics, updated_at=later.updated_at)
     finally:
         await scraper.stop()
 
 
-async def test_engine_label_selects_the_sglang_names(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_engine_label_selects_the_sglang_names(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     fake.respond = lambda: web.Response(body=SGLANG_PAGE)
     endpoint = Endpoint(fake.endpoint.name, "127.0.0.1", fake.port, labels={ENGINE_TYPE_LABEL: "sglang"})
     datastore = Datastore([endpoint])
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
         metrics = datastore.endpoints()[0].metrics
         assert (metrics.waiting_queue_size, metrics.running_requests, metrics.kv_cache_usage) == (4, 2, 0.5)
     finally:
         await scraper.stop()
 
 
-async def test_chunked_pages_are_read(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_chunked_pages_are_read(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     def chunked() -> web.StreamResponse:
         response = web.Response(body=VLLM_PAGE)
         response.enable_chunked_encoding()
@@ -150,9 +76,9 @@ async def test_chunked_pages_are_read(fake: FakeServer, service_metrics: Service
 
     fake.respond = chunked
     datastore = Datastore([fake.endpoint])
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
         assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
     finally:
         await scraper.stop()
@@ -167,71 +93,79 @@ async def test_chunked_pages_are_read(fake: FakeServer, service_metrics: Service
     ],
 )
 async def test_bad_answers_are_survived_recorded_and_counted(
-    fake: FakeServer, service_metrics: ServiceMetrics, respond: Callable[[], web.StreamResponse], reason: str, message: str
+    fake: FakeServer,
+    scrape_metrics: ScrapeMetrics,
+    respond: Callable[[], web.StreamResponse],
+    reason: str,
+    message: str,
 ) -> None:
     datastore = Datastore([fake.endpoint])
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
         fake.respond = respond
         name = fake.endpoint.name
-        await _until(lambda: _errors(service_metrics, name, reason) >= 3)
+        await until(lambda: _errors(scrape_metrics, name, reason) >= 3)
         assert message in (datastore.endpoints()[0].metrics.error or "")
         fake.respond = lambda: web.Response(body=VLLM_PAGE)  # recovers
-        await _until(lambda: datastore.endpoints()[0].metrics.error is None)
+        await until(lambda: datastore.endpoints()[0].metrics.error is None)
         assert name in scraper.loops.endpoints
     finally:
         await scraper.stop()
 
 
-async def test_a_slow_pod_times_out_then_goes_stale_and_counts_as_such(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_a_slow_pod_times_out_then_goes_stale_and_counts_as_such(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics
+) -> None:
     datastore = Datastore([fake.endpoint])
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     name = fake.endpoint.name
     try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
         fake.delay = 1.0  # far over the 0.15 s timeout
-        await _until(lambda: _errors(service_metrics, name, "timeout") >= 1)
+        await until(lambda: _errors(scrape_metrics, name, "timeout") >= 1)
         metrics = datastore.endpoints()[0].metrics
         assert "no answer within" in (metrics.error or "")
         assert metrics.waiting_queue_size == 7  # last good numbers kept...
-        await _until(lambda: datastore.endpoints()[0].metrics.stale)  # ...until the staleness threshold
-        assert service_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": name}) == 1.0
+        await until(lambda: datastore.endpoints()[0].metrics.stale)  # ...until the staleness threshold
+        assert scrape_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": name}) == 1.0
         fake.delay = 0.0
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
     finally:
         await scraper.stop()
 
 
-async def test_a_pod_that_refuses_connections_is_stale_from_the_start(service_metrics: ServiceMetrics) -> None:
+async def test_a_pod_that_refuses_connections_is_stale_from_the_start(scrape_metrics: ScrapeMetrics) -> None:
     from epp.testing.envoy import free_port
 
     endpoint = parse_endpoint(f"127.0.0.1:{free_port()}")
     datastore = Datastore([endpoint])
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
-        await _until(lambda: _errors(service_metrics, endpoint.name, "connection") >= 3)
+        await until(lambda: _errors(scrape_metrics, endpoint.name, "connection") >= 3)
         metrics = datastore.endpoints()[0].metrics
         assert metrics.stale and "Error" in (metrics.error or "")
     finally:
         await scraper.stop()
 
 
-async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_endpoints_added_and_removed_start_and_stop_their_loops(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics
+) -> None:
     datastore = Datastore()
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
         baseline = len(asyncio.all_tasks())
         datastore.upsert(fake.endpoint)
         assert set(scraper.loops.endpoints) == {fake.endpoint.name}
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
         loop = scraper.loops.endpoints[fake.endpoint.name]
         assert loop.connected and not loop.closed
         datastore.remove(fake.endpoint.name)
         assert scraper.loops.endpoints == {}
         assert loop.closed and not loop.connected
         # The server sees its connection closed, and no request after it.
-        await _until(lambda: all(transport.is_closing() for transport in fake.connections))
+        await until(lambda: all(transport.is_closing() for transport in fake.connections))
         served = fake.requests
         await asyncio.sleep(0.1)
         assert fake.requests == served
@@ -241,7 +175,8 @@ async def test_endpoints_added_and_removed_start_and_stop_their_loops(fake: Fake
             datastore.remove(fake.endpoint.name)
         await asyncio.sleep(0.05)
         assert len(asyncio.all_tasks()) == baseline
-        assert service_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": fake.endpoint.name}) is None
+        stale = scrape_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": fake.endpoint.name})
+        assert stale is None
     finally:
         await scraper.stop()
 
@@ -276,104 +211,65 @@ class SilentServer:
         writer.close()
 
 
-async def test_an_endpoint_removed_while_connecting_leaks_nothing(service_metrics: ServiceMetrics) -> None:
+async def test_an_endpoint_removed_while_connecting_leaks_nothing(scrape_metrics: ScrapeMetrics) -> None:
     async with SilentServer() as server:
         endpoint = parse_endpoint(f"127.0.0.1:{server.port}")
         datastore = Datastore()
         settings = ScrapeSettings(interval=0.02, staleness=0.3, timeout=5.0, scheme="https")
-        scraper = await _running(datastore, service_metrics, settings)
+        scraper = await running(datastore, scrape_metrics, settings)
         try:
             baseline = len(asyncio.all_tasks())
             datastore.upsert(endpoint)
-            await _until(lambda: server.accepted == 1)  # connected; the TLS handshake hangs
+            await until(lambda: server.accepted == 1)  # connected; the TLS handshake hangs
             assert [t.get_name() for t in asyncio.all_tasks()].count(f"connect {endpoint.name}") == 1
             datastore.remove(endpoint.name)
-            await _until(lambda: server.closed == 1)
-            await _until(lambda: len(asyncio.all_tasks()) == baseline)  # the server's handler ends too
+            await until(lambda: server.closed == 1)
+            await until(lambda: len(asyncio.all_tasks()) == baseline)  # the server's handler ends too
         finally:
             await scraper.stop()
 
 
-async def test_a_connection_that_never_completes_times_out_and_is_retried(service_metrics: ServiceMetrics) -> None:
+async def test_a_connection_that_never_completes_times_out_and_is_retried(scrape_metrics: ScrapeMetrics) -> None:
     async with SilentServer() as server:
         endpoint = parse_endpoint(f"127.0.0.1:{server.port}")
         datastore = Datastore([endpoint])
         settings = ScrapeSettings(interval=0.02, staleness=0.3, timeout=0.15, scheme="https")
-        scraper = await _running(datastore, service_metrics, settings)
+        scraper = await running(datastore, scrape_metrics, settings)
         try:
-            await _until(lambda: _errors(service_metrics, endpoint.name, "timeout") >= 2)
+            await until(lambda: _errors(scrape_metrics, endpoint.name, "timeout") >= 2)
             assert server.accepted >= 2 and server.closed >= 1  # each attempt given up, then a new one
             metrics = datastore.endpoints()[0].metrics
             assert metrics.stale and "no answer within 0.15s" in (metrics.error or "")
         finally:
             await scraper.stop()
-        await _until(lambda: server.closed == server.accepted)
+        await until(lambda: server.closed == server.accepted)
 
 
-async def test_against_the_simulator_metrics_follow_the_load(service_metrics: ServiceMetrics) -> None:
+async def test_against_the_simulator_metrics_follow_the_load(scrape_metrics: ScrapeMetrics) -> None:
     config = EngineConfig(max_num_seqs=1, time_scale=0.05, num_gpu_blocks=4096, max_model_len=8192, seed=3)
     async with SimulatedPool(2, config) as pool:
         datastore = Datastore([parse_endpoint(f"127.0.0.1:{port}") for port in pool.ports])
-        scraper = await _running(datastore, service_metrics)
+        scraper = await running(datastore, scrape_metrics)
         try:
-            await _until(lambda: all(not e.metrics.stale for e in datastore.endpoints()))
+            await until(lambda: all(not e.metrics.stale for e in datastore.endpoints()))
             assert {e.metrics.num_gpu_blocks for e in datastore.endpoints()} == {4096}
             assert {e.metrics.block_size for e in datastore.endpoints()} == {16}
             # Three long requests on a pod that runs one at a time: two wait.
             engine = pool[0].engine
             for _ in range(3):
-                engine.submit(engine.new_request(config.model, np.arange(64), max_tokens=2000, ignore_eos=True, sink=Sink()))
+                request = engine.new_request(config.model, np.arange(64), max_tokens=2000, ignore_eos=True, sink=Sink())
+                engine.submit(request)
             first = datastore.endpoints()[0].name
-            await _until(lambda: datastore.get(first).metrics.waiting_queue_size == 2)
+            await until(lambda: datastore.get(first).metrics.waiting_queue_size == 2)
             assert datastore.get(first).metrics.running_requests == 1
             assert datastore.endpoints()[1].metrics.waiting_queue_size == 0
         finally:
             await scraper.stop()
 
 
-async def test_worker_process_scrapes_follows_the_pool_and_exits_with_its_parent(
-    fake: FakeServer, service_metrics: ServiceMetrics
+async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_them(
+    scrape_metrics: ScrapeMetrics,
 ) -> None:
-    datastore = Datastore([fake.endpoint])
-    scraper = await _running(datastore, service_metrics, in_process=False)
-    worker = scraper.loops
-    pid = worker.pid
-    try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
-        assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
-        datastore.remove(fake.endpoint.name)
-        await asyncio.sleep(0.2)
-        served = fake.requests
-        await asyncio.sleep(0.3)
-        assert fake.requests == served  # the worker stopped scraping the removed endpoint
-        datastore.upsert(fake.endpoint)
-        await _until(lambda: fake.requests > served + 3)
-    finally:
-        await scraper.stop()
-    assert worker._process.poll() is not None  # exited, not orphaned
-    assert pid is not None
-
-
-async def test_a_dead_worker_marks_endpoints_stale_and_is_restarted(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
-    import os
-    import signal
-
-    datastore = Datastore([fake.endpoint])
-    scraper = await _running(datastore, service_metrics, in_process=False)
-    worker = scraper.loops
-    try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
-        first = worker.pid
-        os.kill(first, signal.SIGKILL)
-        await _until(lambda: datastore.endpoints()[0].metrics.stale)
-        assert "scrape worker stopped" in (datastore.endpoints()[0].metrics.error or "")
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
-        assert worker.pid != first
-    finally:
-        await scraper.stop()
-
-
-async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_them(service_metrics: ServiceMetrics) -> None:
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
     registry = CollectorRegistry()
@@ -398,10 +294,11 @@ async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_th
     await site.start()
     endpoint = parse_endpoint(f"127.0.0.1:{runner.addresses[0][1]}")
     datastore = Datastore([endpoint])
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
-        assert (datastore.endpoints()[0].metrics.waiting_queue_size, datastore.endpoints()[0].metrics.kv_cache_usage) == (5, 0.5)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
+        metrics = datastore.endpoints()[0].metrics
+        assert (metrics.waiting_queue_size, metrics.kv_cache_usage) == (5, 0.5)
         assert queries[0] == list(builtin_engines()["vllm"].metric_names())
     finally:
         await scraper.stop()
@@ -416,93 +313,56 @@ async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_th
     ],
 )
 async def test_a_server_that_refuses_the_name_filter_gets_whole_page_requests(
-    fake: FakeServer, service_metrics: ServiceMetrics, refusal: Callable[[], web.StreamResponse]
+    fake: FakeServer, scrape_metrics: ScrapeMetrics, refusal: Callable[[], web.StreamResponse]
 ) -> None:
     whole = fake.respond
     fake.respond = lambda: refusal() if fake.queries[-1] else whole()
     datastore = Datastore([fake.endpoint])
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
         assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
-        await _until(lambda: len(fake.queries) >= 4)
+        await until(lambda: len(fake.queries) >= 4)
         assert fake.queries[0] != "" and set(fake.queries[1:]) == {""}  # asked once with the filter, then whole pages
         for reason in ("http_status", "missing_metrics"):
-            assert _errors(service_metrics, fake.endpoint.name, reason) == 0  # a fallback, not an error
+            assert _errors(scrape_metrics, fake.endpoint.name, reason) == 0  # a fallback, not an error
     finally:
         await scraper.stop()
 
 
-async def test_a_transient_server_error_keeps_the_name_filter(fake: FakeServer, service_metrics: ServiceMetrics) -> None:
+async def test_a_transient_server_error_keeps_the_name_filter(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
     whole = fake.respond
     failures = iter(range(2))
     fake.respond = lambda: web.Response(status=503) if next(failures, None) is not None else whole()
     datastore = Datastore([fake.endpoint])
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
-        await _until(lambda: len(fake.queries) >= 4)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: len(fake.queries) >= 4)
         assert all(query != "" for query in fake.queries)  # every scrape still asks for the few metrics it reads
-        assert _errors(service_metrics, fake.endpoint.name, "http_status") == 2
+        assert _errors(scrape_metrics, fake.endpoint.name, "http_status") == 2
     finally:
         await scraper.stop()
 
 
 async def test_a_server_that_closes_every_connection_is_scraped_without_errors(
-    fake: FakeServer, service_metrics: ServiceMetrics
+    fake: FakeServer, scrape_metrics: ScrapeMetrics
 ) -> None:
     fake.respond = lambda: web.Response(body=VLLM_PAGE, headers={"Connection": "close"})
     datastore = Datastore([fake.endpoint])
-    scraper = await _running(datastore, service_metrics)
+    scraper = await running(datastore, scrape_metrics)
     name = fake.endpoint.name
     try:
-        await _until(lambda: fake.requests >= 4)
+        await until(lambda: fake.requests >= 4)
         assert len(fake.connections) >= 3  # a new connection for each scrape
         assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
-        assert all(_errors(service_metrics, name, reason) == 0 for reason in REASONS)
+        assert all(_errors(scrape_metrics, name, reason) == 0 for reason in REASONS)
     finally:
         await scraper.stop()
 
 
-async def test_the_loops_report_metrics_fields_in_order(fake: FakeServer) -> None:
-    # What ScrapeLoops hands its sink (and the worker ships): a tuple of Metrics' fields, in order.
-    reports: list[tuple[str, tuple[object, ...], str | None]] = []
-    loops = ScrapeLoops(builtin_engines(), FAST, lambda *report: reports.append(report))
-    loops.add(Target("pod", "127.0.0.1", fake.port, "vllm"))
-    try:
-        await _until(lambda: len(reports) >= 2)
-    finally:
-        await loops.stop()
-    name, values, reason = reports[-1]
-    assert (name, reason, len(values)) == ("pod", None, len(fields(Metrics)))
-    metrics = Metrics(*values)
-    assert (metrics.waiting_queue_size, metrics.num_gpu_blocks, metrics.stale, metrics.error) == (7, 1000, False, None)
-    assert loops.endpoints == {}
-
-
-async def test_loops_are_spread_evenly_over_the_interval() -> None:
-    # 20 ms at 5 ms a slot: 4 phases. New loops take the emptiest one, so 8 loops are 2 per phase.
-    loops = ScrapeLoops(builtin_engines(), FAST, lambda *report: None)
-    try:
-        for i in range(8):
-            loops.add(Target(f"pod-{i}", "127.0.0.1", 9, "vllm"))
-        slots = [endpoint.slot for endpoint in loops.endpoints.values()]
-        assert sorted(slots) == [0, 0, 1, 1, 2, 2, 3, 3]
-        loops.remove("pod-5")
-        loops.add(Target("pod-8", "127.0.0.1", 9, "vllm"))
-        assert loops.endpoints["pod-8"].slot == slots[5]  # the phase that lost a loop
-    finally:
-        await loops.stop()
-
-
-@pytest.mark.parametrize("bad", [{"interval": 0.0}, {"timeout": -1.0}, {"staleness": 0.0}])
-def test_settings_that_cannot_work_are_refused(bad: dict[str, float]) -> None:
-    with pytest.raises(ValueError, match="must be positive"):
-        ScrapeLoops(builtin_engines(), replace(FAST, **bad), lambda *report: None)
-
-
 async def test_https_with_the_certificate_unverified_by_default(
-    tmp_path: Path, service_metrics: ServiceMetrics
+    tmp_path: Path, scrape_metrics: ScrapeMetrics
 ) -> None:
     import ssl
 
@@ -521,12 +381,40 @@ async def test_https_with_the_certificate_unverified_by_default(
     await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context).start()
     server.port = runner.addresses[0][1]
     datastore = Datastore([server.endpoint])
-    scraper = await _running(datastore, service_metrics, replace(FAST, scheme="https"))
+    scraper = await running(datastore, scrape_metrics, replace(FAST, scheme="https"))
     try:
-        await _until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
         assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
-        await _until(lambda: server.requests >= 4)
+        await until(lambda: server.requests >= 4)
         assert len(server.connections) == 1  # keep-alive over TLS too
     finally:
         await scraper.stop()
         await runner.cleanup()
+
+
+def test_a_result_becomes_the_datastore_metrics_field_by_field() -> None:
+    from epp.datalayer.scraper import _metrics
+
+    result = ScrapeResult(
+        "pod", 7, 3, 0.25, frozenset({"a"}), frozenset({"w"}), 4, 16, 1000, 12.5, False, "why", "missing_metrics"
+    )
+    metrics = _metrics(result)
+    # Every field of Metrics comes from the field of the same name (values all differ from the defaults).
+    for field in fields(Metrics):
+        assert getattr(metrics, field.name) == getattr(result, field.name) != getattr(Metrics(), field.name), field.name
+
+
+async def test_an_unknown_engine_label_falls_back_to_the_default_names_with_one_warning(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics, caplog: pytest.LogCaptureFixture
+) -> None:
+    labels = {ENGINE_TYPE_LABEL: "tgi"}
+    datastore = Datastore([Endpoint(f"pod-{i}", "127.0.0.1", fake.port, labels=labels) for i in range(2)])
+    with caplog.at_level("WARNING", logger="epp.datalayer.scraper"):
+        scraper = await running(datastore, scrape_metrics)
+    try:
+        await until(lambda: all(not endpoint.metrics.stale for endpoint in datastore.endpoints()))
+        assert {endpoint.metrics.waiting_queue_size for endpoint in datastore.endpoints()} == {7}  # vLLM's names
+        warnings = [record.getMessage() for record in caplog.records if "unknown engine type" in record.getMessage()]
+        assert len(warnings) == 1 and "'tgi'" in warnings[0] and "using vllm metric names" in warnings[0]
+    finally:
+        await scraper.stop()

@@ -1,0 +1,74 @@
+"""What the scrape tests share: a model server that misbehaves on demand, fast settings, waiting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from epp.datalayer.datastore import Datastore
+from epp.datalayer.engines import builtin_engines
+from epp.datalayer.loops import ScrapeSettings
+from epp.datalayer.metrics import ScrapeMetrics
+from epp.datalayer.scraper import Scraper
+from epp.datalayer.static import parse_endpoint
+from epp.framework import Endpoint
+
+FAST = ScrapeSettings(interval=0.02, staleness=0.3, timeout=0.15)
+
+VLLM_PAGE = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="a1",waiting_lora_adapters="a2"} 1.7e9
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0
+"""
+
+
+@dataclass
+class FakeServer:
+    """A model server whose /metrics behaviour a test changes on the fly."""
+
+    respond: Callable[[], web.StreamResponse] = lambda: web.Response(body=VLLM_PAGE)
+    delay: float = 0.0
+    queries: list[str] = field(default_factory=list)
+    connections: set[object] = field(default_factory=set)
+    requests: int = 0
+    port: int = 0
+    runner: web.AppRunner | None = None
+
+    async def handler(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        self.queries.append(request.query_string)
+        self.connections.add(request.transport)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return self.respond()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return parse_endpoint(f"127.0.0.1:{self.port}")
+
+
+async def running(
+    datastore: Datastore, scrape_metrics: ScrapeMetrics, settings: ScrapeSettings = FAST, *, in_process: bool = True
+) -> Scraper:
+    scraper = Scraper(datastore, builtin_engines(), settings, scrape_metrics, in_process=in_process)
+    await scraper.start()
+    return scraper
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)

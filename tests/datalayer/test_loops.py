@@ -1,0 +1,97 @@
+"""The scrape loops (epp.datalayer.loops) on their own: what they report, their phases, their settings."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import msgspec
+import pytest
+from aiohttp import web
+
+from epp.datalayer.engines import builtin_engines
+from epp.datalayer.loops import REASONS, ScrapeLoops, ScrapeResult, Target
+from epp.framework import Metrics
+
+from ._scraping import FAST, FakeServer, until
+
+
+async def test_the_loops_report_a_result_with_every_metrics_field(fake: FakeServer) -> None:
+    # What ScrapeLoops hands its sink (and the worker ships): a ScrapeResult, with a field of the same
+    # name for each of Metrics' (the scraper copies them by name), and the endpoint and reason.
+    reports: list[ScrapeResult] = []
+    loops = ScrapeLoops(builtin_engines(), FAST, reports.append)
+    loops.add(Target("pod", "127.0.0.1", fake.port, "vllm"))
+    try:
+        await until(lambda: len(reports) >= 2)
+    finally:
+        await loops.stop()
+    result = reports[-1]
+    assert (result.endpoint, result.reason) == ("pod", None)
+    assert {field.name for field in fields(Metrics)} <= set(ScrapeResult.__struct_fields__)
+    assert (result.waiting_queue_size, result.num_gpu_blocks, result.stale, result.error) == (7, 1000, False, None)
+    assert loops.endpoints == {}
+
+
+async def test_a_failed_scrape_keeps_the_last_good_numbers_and_their_time(fake: FakeServer) -> None:
+    reports: list[ScrapeResult] = []
+    loops = ScrapeLoops(builtin_engines(), FAST, reports.append)
+    loops.add(Target("pod", "127.0.0.1", fake.port, "vllm"))
+    try:
+        await until(lambda: len(reports) >= 1)
+        fake.respond = lambda: web.Response(status=500)
+        await until(lambda: reports[-1].reason == "http_status")
+    finally:
+        await loops.stop()
+    good = [result for result in reports if result.reason is None][-1]
+    failed = reports[-1]
+    assert failed.error == "HTTP 500 from /metrics"
+    # The same numbers and time as the last good scrape (stale, too, once the threshold has passed).
+    assert msgspec.structs.replace(failed, stale=False, error=None, reason=None) == good
+
+
+def test_reasons_are_the_error_counters_label_values() -> None:
+    assert REASONS == ("connection", "timeout", "http_status", "missing_metrics")
+
+
+def test_a_result_before_any_scrape_is_stale_and_empty() -> None:
+    never = ScrapeResult("pod")
+    assert (never.stale, never.updated_at, never.error, never.reason) == (True, 0.0, None, None)
+    assert (never.waiting_queue_size, never.running_adapters, never.block_size) == (0, frozenset(), None)
+
+
+async def test_loops_are_spread_evenly_over_the_interval() -> None:
+    # 20 ms at 5 ms a slot: 4 phases. New loops take the emptiest one, so 8 loops are 2 per phase.
+    loops = ScrapeLoops(builtin_engines(), FAST, lambda *report: None)
+    try:
+        for i in range(8):
+            loops.add(Target(f"pod-{i}", "127.0.0.1", 9, "vllm"))
+        slots = [endpoint.slot for endpoint in loops.endpoints.values()]
+        assert sorted(slots) == [0, 0, 1, 1, 2, 2, 3, 3]
+        loops.remove("pod-5")
+        loops.add(Target("pod-8", "127.0.0.1", 9, "vllm"))
+        assert loops.endpoints["pod-8"].slot == slots[5]  # the phase that lost a loop
+    finally:
+        await loops.stop()
+
+
+@pytest.mark.parametrize("bad", [{"interval": 0.0}, {"timeout": -1.0}, {"staleness": 0.0}])
+def test_settings_that_cannot_work_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        ScrapeLoops(builtin_engines(), replace(FAST, **bad), lambda *report: None)
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/metrics", "/metrics?name[]=sglang:num_queue_reqs&name[]=sglang:num_running_reqs"),
+        ("/metrics?x=1", "/metrics?x=1&name[]=sglang:num_queue_reqs&name[]=sglang:num_running_reqs"),
+    ],
+)
+def test_the_name_filter_asks_for_each_metric_the_engine_reads(path: str, expected: str) -> None:
+    from epp.datalayer.engines import engine_from_config
+    from epp.datalayer.loops import _filtered_path
+
+    engine = engine_from_config(
+        "e", {"queuedRequestsSpec": "sglang:num_queue_reqs", "runningRequestsSpec": 'sglang:num_running_reqs{a="b"}'}
+    )
+    assert _filtered_path(path, engine) == expected
