@@ -267,16 +267,19 @@ class Scheduler:
             started = clock()
             try:
                 scores = site.plugin.score(request, candidates)
-                if len(scores) != count:
-                    site.observe(clock() - started)
-                    site.failed(request, "malformed", f"returned {len(scores)} scores for {count} candidates; scored 0")
-                    continue
-                totals, clean = _accumulate(totals, scores, site.weight)
             except Exception:
                 site.observe(clock() - started)
                 site.failed(request, "exception", "failed; scored 0", exc_info=True)
                 continue
-            site.observe(clock() - started)
+            site.observe(clock() - started)  # the plugin's own time: accumulating is the runner's
+            try:
+                if len(scores) != count:
+                    site.failed(request, "malformed", f"returned {len(scores)} scores for {count} candidates; scored 0")
+                    continue
+                totals, clean = _accumulate(totals, scores, site.weight)
+            except Exception:  # no length, or scores that are not numbers
+                site.failed(request, "malformed", "returned something that is not one number per candidate; scored 0")
+                continue
             if not clean:
                 site.failed(request, "malformed", "returned scores outside [0, 1] or NaN (clamped; NaN counts 0)")
         site = compiled.picker
