@@ -1,12 +1,9 @@
 """``least-kv-cache-filter`` (GIE): the same band over KV-cache usage (0..1):
 usage <= min + (max - min) / n. No parameters.
 
-Queue and KV-cache usage are read in flight (``Endpoint.queue_depth``, ``Endpoint.kv_usage``): the
-scraped numbers plus what this picker sent since that scrape. An endpoint whose metrics are stale
-counts as fully loaded: ``low-queue-filter`` and ``lora-affinity-filter`` drop it;
-``least-queue-filter`` and ``least-kv-cache-filter`` compute their band over the fresh endpoints
-only and keep stale ones only when every candidate is stale (all equally unknown: nothing to tell
-them apart). ``label-selector-filter`` reads no metrics; staleness does not affect it.
+The usage read is ``Endpoint.kv_usage``: the scraped KV-cache usage plus the prompt tokens this picker
+sent since that scrape. The band is computed over the endpoints whose metrics are fresh; stale ones are
+kept only when every candidate is stale (all equally unknown: nothing to tell them apart).
 """
 
 from __future__ import annotations

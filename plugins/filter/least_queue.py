@@ -4,12 +4,9 @@ shortest and the longest queue among the ``n`` candidates: queue <= min + (max -
 the minimum leaves the next plugins a choice, which upstream found better in aggregate. The
 shortest queue always survives, so a non-empty candidate list stays non-empty. No parameters.
 
-Queue and KV-cache usage are read in flight (``Endpoint.queue_depth``, ``Endpoint.kv_usage``): the
-scraped numbers plus what this picker sent since that scrape. An endpoint whose metrics are stale
-counts as fully loaded: ``low-queue-filter`` and ``lora-affinity-filter`` drop it;
-``least-queue-filter`` and ``least-kv-cache-filter`` compute their band over the fresh endpoints
-only and keep stale ones only when every candidate is stale (all equally unknown: nothing to tell
-them apart). ``label-selector-filter`` reads no metrics; staleness does not affect it.
+The queue read is ``Endpoint.queue_depth``: the scraped waiting queue plus what this picker sent since
+that scrape. The band is computed over the endpoints whose metrics are fresh; stale ones are kept only
+when every candidate is stale (all equally unknown: nothing to tell them apart).
 """
 
 from __future__ import annotations

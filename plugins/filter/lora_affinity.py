@@ -9,12 +9,8 @@ the base model up among the adapters and so drops every endpoint without a free 
 not reproduced.) Parameters: ``threshold`` (number in [0, 1], default 0.999, upstream's
 LORA_AFFINITY_THRESHOLD).
 
-Queue and KV-cache usage are read in flight (``Endpoint.queue_depth``, ``Endpoint.kv_usage``): the
-scraped numbers plus what this picker sent since that scrape. An endpoint whose metrics are stale
-counts as fully loaded: ``low-queue-filter`` and ``lora-affinity-filter`` drop it;
-``least-queue-filter`` and ``least-kv-cache-filter`` compute their band over the fresh endpoints
-only and keep stale ones only when every candidate is stale (all equally unknown: nothing to tell
-them apart). ``label-selector-filter`` reads no metrics; staleness does not affect it.
+An endpoint whose metrics are stale counts as fully loaded: it is dropped (its adapter lists are not to be
+trusted).
 """
 
 from __future__ import annotations

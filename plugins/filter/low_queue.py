@@ -2,12 +2,8 @@
 When none qualifies it keeps none, as upstream's does, and the request finds no endpoint.
 Parameters: ``threshold`` (int >= 0, default 128, upstream's queueing threshold).
 
-Queue and KV-cache usage are read in flight (``Endpoint.queue_depth``, ``Endpoint.kv_usage``): the
-scraped numbers plus what this picker sent since that scrape. An endpoint whose metrics are stale
-counts as fully loaded: ``low-queue-filter`` and ``lora-affinity-filter`` drop it;
-``least-queue-filter`` and ``least-kv-cache-filter`` compute their band over the fresh endpoints
-only and keep stale ones only when every candidate is stale (all equally unknown: nothing to tell
-them apart). ``label-selector-filter`` reads no metrics; staleness does not affect it.
+The queue read is ``Endpoint.queue_depth``: the scraped waiting queue plus what this picker sent since
+that scrape. An endpoint whose metrics are stale counts as fully loaded: it is dropped.
 """
 
 from __future__ import annotations
