@@ -20,8 +20,11 @@ def test_wheel_installs_plugins_under_the_epp_namespace(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("epp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "epp/plugins/__init__.py" in names
-    assert "epp/plugins/random_picker.py" in names
+    assert "epp/plugins/picker/random.py" in names
     assert "epp/py.typed" in names
+    assert "epp/scheduling/default-config.yaml" in names  # read at startup when no config is given
+    assert "epp/prefix/_native.pyi" in names
+    assert not [n for n in names if n.startswith("plugins/")]  # never a bare top-level plugins package
     assert [n for n in names if n.startswith("epp/prefix/_native.") and n.endswith((".so", ".pyd"))]  # the C extension, built
     assert not [n for n in names if n.startswith("plugins/")]  # never a bare top-level `plugins`
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
