@@ -31,7 +31,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from urllib.request import urlopen
 
 import aiohttp
