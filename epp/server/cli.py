@@ -8,6 +8,7 @@ version accepts but does not implement yet are listed at startup, never silently
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import logging
 import os
@@ -17,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from epp.datalayer.static import check_unique, parse_endpoints, read_endpoints_file
-from epp.framework import Duration
+from epp.framework import Duration, Endpoint
 from epp.scheduling.registry import disabled_from_env
-from epp.server.flags import FlagError, FlagSet, make_flag
+from epp.server.flags import FlagError, FlagSet, HelpRequested, make_flag, print_usage_error
 from epp.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 
-__all__ = ["SERVE_FLAGS", "main", "settings_from_args"]
+__all__ = ["SERVE_FLAGS", "main", "settings_from_args", "version"]
 
 log = logging.getLogger("epp")
 
@@ -121,7 +122,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
     """Settings from ``epp serve`` arguments, and the names of given flags that have no effect yet."""
     values, positional, given = SERVE_FLAGS.parse(argv)
     if positional:
-        raise FlagError(f"unexpected argument(s): {' '.join(positional)}")
+        raise SERVE_FLAGS.positional_error(argv, positional)
     if values["config-file"] and values["config-text"]:
         raise FlagError("give --config-file or --config-text, not both")
     config_text: str | None = values["config-text"] or None
@@ -130,15 +131,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
             config_text = Path(values["config-file"]).read_text()
         except OSError as exc:
             raise FlagError(f"--config-file: {exc}") from None
-    try:
-        endpoints = parse_endpoints(values["endpoints"])
-    except ValueError as exc:
-        raise FlagError(f"--endpoints: {exc}") from None
-    if values["endpoints-file"]:
-        try:
-            endpoints = check_unique(endpoints + read_endpoints_file(values["endpoints-file"]))
-        except (OSError, ValueError) as exc:
-            raise FlagError(f"--endpoints-file: {exc}") from None
+    endpoints = _endpoints(values["endpoints"], values["endpoints-file"])
     selector, target_ports = _discovery_flags(values, static=bool(endpoints))
     if values["zap-encoder"] not in ("console", "json"):
         raise FlagError(f"--zap-encoder must be console or json, got {values['zap-encoder']!r}")
@@ -187,6 +180,46 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
     )
     not_yet = sorted(name for name in given if not SERVE_FLAGS.flags[name].implemented)
     return settings, not_yet
+
+
+def _no_url(flag: str, text: str) -> None:
+    """A FlagError for the first URL in ``text``: endpoints are ip:port (the picker answers with them)."""
+    for word in text.replace(",", " ").split():
+        if "://" in word:
+            hostport = word.partition("://")[2].partition("/")[0]
+            raise FlagError(
+                f"{flag}: {word!r} is a URL, not an endpoint", f"give ip:port without scheme or path, e.g. {hostport}"
+            )
+
+
+def _endpoints(flag_text: str, file: str) -> list[Endpoint]:
+    """The static pool of --endpoints and --endpoints-file together, checked."""
+    _no_url("--endpoints", flag_text)
+    try:
+        endpoints = parse_endpoints(flag_text)
+    except ValueError as exc:
+        raise FlagError(f"--endpoints: {exc}") from None
+    if not file:
+        return endpoints
+    try:
+        text = Path(file).read_text()
+    except OSError as exc:
+        raise FlagError(f"--endpoints-file: {exc}") from None
+    _no_url("--endpoints-file", "\n".join(line.partition("#")[0] for line in text.splitlines()))
+    try:
+        endpoints = check_unique(endpoints + read_endpoints_file(file))
+    except (OSError, ValueError) as exc:
+        raise FlagError(f"--endpoints-file: {exc}") from None
+    for endpoint in endpoints:
+        for key, value in endpoint.labels.items():
+            # Kubernetes label values never hold ',' or '=' (alphanumerics, '-', '_', '.'): such a
+            # value is two labels written with a comma.
+            if "," in value or "=" in value:
+                raise FlagError(
+                    f"--endpoints-file: {endpoint.hostport}: label {key}={value!r} is not one key=value label",
+                    "separate labels with spaces: zone=a tier=y (see 'epp serve -h')",
+                )
+    return endpoints
 
 
 def _discovery_flags(values: dict[str, Any], *, static: bool) -> tuple[tuple[tuple[str, str], ...], tuple[int, ...]]:
@@ -244,15 +277,24 @@ def _run(coroutine: Any) -> None:
         uvloop.run(coroutine)
 
 
-def _serve(argv: Sequence[str]) -> int:
+def _parse_serve_flags(program: str, argv: Sequence[str]) -> tuple[Settings, list[str]] | int:
+    """Settings from ``argv``, or the exit status once the usage (0) or a usage error (2) is printed."""
     try:
-        settings, not_yet = settings_from_args(argv)
+        return settings_from_args(argv)
+    except HelpRequested:
+        print(SERVE_FLAGS.usage().replace(f"Usage of {SERVE_FLAGS.program}:", f"Usage of {program}:", 1))
+        if program == "epp serve":
+            print(_ENDPOINTS_FILE_HELP)
+        return 0
     except FlagError as exc:
-        if str(exc) == "help requested":
-            print(SERVE_FLAGS.usage(), file=sys.stderr)
-            return 0
-        print(f"epp serve: {exc}\n\n{SERVE_FLAGS.usage()}", file=sys.stderr)
-        return 2
+        return print_usage_error(program, exc)
+
+
+def _serve(argv: Sequence[str]) -> int:
+    parsed = _parse_serve_flags("epp serve", argv)
+    if isinstance(parsed, int):
+        return parsed
+    settings, not_yet = parsed
     configure_logging(settings.verbosity, settings.log_format)
     for name in not_yet:
         log.warning("flag --%s is accepted for compatibility with the upstream picker but has no effect yet", name)
@@ -270,7 +312,7 @@ def _serve(argv: Sequence[str]) -> int:
     from epp.kube.client import KubeConfigError
     from epp.scheduling.config import ConfigError
     from epp.scheduling.registry import PluginLoadError
-    from epp.server.server import serve
+    from epp.server.server import StartupError, serve
 
     try:
         _run(serve(settings))
@@ -280,7 +322,59 @@ def _serve(argv: Sequence[str]) -> int:
     except PluginLoadError as exc:
         log.error("plugins: %s", exc)
         return 2
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
     return 0
+
+
+def _validate_config(argv: Sequence[str]) -> int:
+    """``epp validate-config``: build the configuration as ``epp serve`` would, then exit; no port is bound."""
+    parsed = _parse_serve_flags("epp validate-config", argv)
+    if isinstance(parsed, int):
+        return parsed
+    settings, _ = parsed
+    configure_logging(settings.verbosity, settings.log_format)
+
+    from epp.kube.client import KubeConfigError
+    from epp.scheduling.config import ConfigError
+    from epp.scheduling.registry import PluginLoadError
+    from epp.server.server import EndpointPicker
+
+    try:
+        # The picker's constructor is startup up to the first port: registry, config, plugins,
+        # admission, scraper and discovery objects. start() (ports, child processes) is not called.
+        picker = EndpointPicker(settings)
+    except (ConfigError, KubeConfigError) as exc:
+        log.error("invalid configuration: %s", exc)
+        return 2
+    except PluginLoadError as exc:
+        log.error("plugins: %s", exc)
+        return 2
+    source = "the built-in default configuration" if settings.config_text is None else "the configuration"
+    print(
+        f"{source} is valid: {len(picker.config.plugins)} plugin(s), "
+        f"scheduling profile(s) {', '.join(picker.scheduler.profiles)}"
+    )
+    return 0
+
+
+def _version(argv: Sequence[str]) -> int:
+    if argv:
+        return print_usage_error("epp version", FlagError(f"unexpected argument(s): {' '.join(argv)}"))
+    print(f"epp {version()}")
+    return 0
+
+
+def version() -> str:
+    """The installed distribution's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as distribution_version
+
+    try:
+        return distribution_version("epp")
+    except PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
 
 
 def _demo(argv: Sequence[str]) -> int:
@@ -289,18 +383,55 @@ def _demo(argv: Sequence[str]) -> int:
     return demo_main(argv)
 
 
-_COMMANDS = {"serve": _serve, "demo": _demo}
+def _envoy_config(argv: Sequence[str]) -> int:
+    from epp.server.envoy_config import main as envoy_config_main
+
+    return envoy_config_main(argv)
+
+
+_COMMANDS = {
+    "serve": _serve,
+    "validate-config": _validate_config,
+    "envoy-config": _envoy_config,
+    "demo": _demo,
+    "version": _version,
+}
+
+_USAGE = """\
+usage: epp <command> [flags]
+
+commands:
+  serve            run the endpoint picker (the default when the first argument is a flag)
+  validate-config  check --config-file/--config-text (and every other serve flag) as serve would, then exit
+  envoy-config     print an Envoy bootstrap that puts Envoy in front of the picker
+  demo             start the local demo: Envoy + simulated vLLM pods + the picker
+  version          print the version (also: epp --version)
+
+Run 'epp <command> -h' for a command's flags."""
+
+_ENDPOINTS_FILE_HELP = """
+--endpoints-file format: one endpoint per line, ip:port or [ipv6]:port, then optional pod labels
+as space-separated key=value words; # starts a comment. For example:
+  10.0.0.7:8000 inference.networking.k8s.io/engine-type=sglang zone=a
+Labels are separated by spaces, not commas ("zone=a,tier=y" is refused)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in _COMMANDS:
-        return _COMMANDS[args[0]](args[1:])
-    if args and args[0].startswith("-") and args[0] not in ("-h", "--help", "-help"):
+    if not args:
+        print(_USAGE, file=sys.stderr)
+        return 2
+    command = args[0]
+    if command in _COMMANDS:
+        return _COMMANDS[command](args[1:])
+    if command in ("-h", "--help", "-help", "help"):
+        print(_USAGE)
+        return 0
+    if command in ("--version", "-version"):
+        return _version(args[1:])
+    if command.startswith("-"):
         return _serve(args)  # `epp --grpc-port ...`: the upstream binary takes flags directly
-    print(
-        "usage: epp serve [flags]   run the endpoint picker (epp serve -h lists the flags)\n"
-        "       epp demo            start the local demo: Envoy + simulated vLLM pods + the picker",
-        file=sys.stderr,
-    )
-    return 0 if args and args[0] in ("-h", "--help", "-help") else 2
+    close = difflib.get_close_matches(command, _COMMANDS, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    print(f"epp: unknown command '{command}'{hint}\nRun 'epp -h' for the list of commands.", file=sys.stderr)
+    return 2
