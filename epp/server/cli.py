@@ -298,6 +298,19 @@ def _serve(argv: Sequence[str]) -> int:
     configure_logging(settings.verbosity, settings.log_format)
     for name in not_yet:
         log.warning("flag --%s is accepted for compatibility with the upstream picker but has no effect yet", name)
+    # A TLS/plaintext mismatch with Envoy shows only as grpc's own handshake errors (or nothing, the
+    # other way round): say once which Envoy configuration pairs with this one.
+    if settings.secure_serving:
+        log.info(
+            "ext_proc is served over TLS (--secure-serving=true): Envoy must use TLS to the picker "
+            "(deploy/envoy/envoy-tls.yaml, epp envoy-config --picker-tls=true); "
+            "for deploy/envoy/envoy.yaml start with --secure-serving=false"
+        )
+    else:
+        log.info(
+            "ext_proc is served in plaintext (--secure-serving=false): pairs with deploy/envoy/envoy.yaml "
+            "(epp envoy-config --picker-tls=false)"
+        )
     if settings.pool_name and settings.endpoints:
         log.info(
             "static pool given (--endpoints): no Kubernetes discovery; --pool-name %s only names the pool",

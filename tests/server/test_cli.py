@@ -226,6 +226,8 @@ def test_validate_config_refuses_a_bad_file_as_startup_does(tmp_path: Path) -> N
     # `epp serve` stops on the same file with the same message and exit status.
     served = _epp("serve", "--config-file", str(bad), "--metrics-port", "-1", "--grpc-port", "0", "--grpc-health-port", "0")
     assert served.returncode == 2 and message in served.stderr
+    # TLS is the default: start-up says which Envoy configuration pairs with it (issue 16, item 4).
+    assert "Envoy must use TLS to the picker (deploy/envoy/envoy-tls.yaml" in served.stderr
     assert "Traceback" not in checked.stderr + served.stderr
 
 
