@@ -1,15 +1,20 @@
-"""The ``epp`` command: ``epp serve [flags]`` runs the picker, ``epp demo`` the local demo.
+"""The ``epp`` command: ``serve`` runs the picker; ``validate-config``, ``envoy-config``, ``demo``, ``version``.
 
 Flags keep the upstream Endpoint Picker's names and defaults, parsed the Go way (:mod:`epp.server.flags`),
 so the container arguments of the upstream Helm chart are accepted unchanged. Upstream flags this
 version accepts but does not implement yet are listed at startup, never silently ignored.
+
+Every usage error (an unknown command or flag, a bad value) is printed the same way, on stderr: the
+error, a hint when one helps (a did-you-mean, the boolean ``=``), a pointer at ``-h``; exit status 2.
+Help asked for goes to stdout, exit 0. ``validate-config`` takes serve's flags and builds the picker
+as start-up does, without binding a port: the same messages and exit status (2) for a bad config.
+A start-up failure outside the config (a port in use) is one log line naming the flag, exit 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import difflib
-import json
 import logging
 import os
 import sys
@@ -17,10 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from epp.datalayer.static import check_unique, parse_endpoints, read_endpoints_file
-from epp.framework import Duration, Endpoint
+from epp.framework import Duration
 from epp.scheduling.registry import disabled_from_env
 from epp.server.flags import FlagError, FlagSet, HelpRequested, make_flag, print_usage_error
+from epp.server.logs import configure_logging
+from epp.server.pool_flags import ENDPOINTS_FILE_HELP, static_endpoints
 from epp.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 
 __all__ = ["SERVE_FLAGS", "main", "settings_from_args", "version"]
@@ -131,7 +137,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
             config_text = Path(values["config-file"]).read_text()
         except OSError as exc:
             raise FlagError(f"--config-file: {exc}") from None
-    endpoints = _endpoints(values["endpoints"], values["endpoints-file"])
+    endpoints = static_endpoints(values["endpoints"], values["endpoints-file"])
     selector, target_ports = _discovery_flags(values, static=bool(endpoints))
     if values["zap-encoder"] not in ("console", "json"):
         raise FlagError(f"--zap-encoder must be console or json, got {values['zap-encoder']!r}")
@@ -182,46 +188,6 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
     return settings, not_yet
 
 
-def _no_url(flag: str, text: str) -> None:
-    """A FlagError for the first URL in ``text``: endpoints are ip:port (the picker answers with them)."""
-    for word in text.replace(",", " ").split():
-        if "://" in word:
-            hostport = word.partition("://")[2].partition("/")[0]
-            raise FlagError(
-                f"{flag}: {word!r} is a URL, not an endpoint", f"give ip:port without scheme or path, e.g. {hostport}"
-            )
-
-
-def _endpoints(flag_text: str, file: str) -> list[Endpoint]:
-    """The static pool of --endpoints and --endpoints-file together, checked."""
-    _no_url("--endpoints", flag_text)
-    try:
-        endpoints = parse_endpoints(flag_text)
-    except ValueError as exc:
-        raise FlagError(f"--endpoints: {exc}") from None
-    if not file:
-        return endpoints
-    try:
-        text = Path(file).read_text()
-    except OSError as exc:
-        raise FlagError(f"--endpoints-file: {exc}") from None
-    _no_url("--endpoints-file", "\n".join(line.partition("#")[0] for line in text.splitlines()))
-    try:
-        endpoints = check_unique(endpoints + read_endpoints_file(file))
-    except (OSError, ValueError) as exc:
-        raise FlagError(f"--endpoints-file: {exc}") from None
-    for endpoint in endpoints:
-        for key, value in endpoint.labels.items():
-            # Kubernetes label values never hold ',' or '=' (alphanumerics, '-', '_', '.'): such a
-            # value is two labels written with a comma.
-            if "," in value or "=" in value:
-                raise FlagError(
-                    f"--endpoints-file: {endpoint.hostport}: label {key}={value!r} is not one key=value label",
-                    "separate labels with spaces: zone=a tier=y (see 'epp serve -h')",
-                )
-    return endpoints
-
-
 def _discovery_flags(values: dict[str, Any], *, static: bool) -> tuple[tuple[tuple[str, str], ...], tuple[int, ...]]:
     """Check the discovery flags together; the no-CRD mode's selector and ports (empty without it)."""
     from epp.kube.pods import PoolSpecError, parse_selector, parse_target_ports
@@ -244,30 +210,6 @@ def _discovery_flags(values: dict[str, Any], *, static: bool) -> tuple[tuple[tup
         raise FlagError(str(exc)) from None
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": record.created,
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["error"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(verbosity: int, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbosity >= 3 else logging.INFO)
-
-
 def _run(coroutine: Any) -> None:
     try:
         import uvloop
@@ -284,7 +226,7 @@ def _parse_serve_flags(program: str, argv: Sequence[str]) -> tuple[Settings, lis
     except HelpRequested:
         print(SERVE_FLAGS.usage().replace(f"Usage of {SERVE_FLAGS.program}:", f"Usage of {program}:", 1))
         if program == "epp serve":
-            print(_ENDPOINTS_FILE_HELP)
+            print(ENDPOINTS_FILE_HELP)
         return 0
     except FlagError as exc:
         return print_usage_error(program, exc)
@@ -421,12 +363,6 @@ commands:
   version          print the version (also: epp --version)
 
 Run 'epp <command> -h' for a command's flags."""
-
-_ENDPOINTS_FILE_HELP = """
---endpoints-file format: one endpoint per line, ip:port or [ipv6]:port, then optional pod labels
-as space-separated key=value words; # starts a comment. For example:
-  10.0.0.7:8000 inference.networking.k8s.io/engine-type=sglang zone=a
-Labels are separated by spaces, not commas ("zone=a,tier=y" is refused)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
