@@ -19,8 +19,10 @@ The worker runs at a lower CPU priority (nice 10): scraping is background work, 
 machine is contended the request path should not wait behind it.
 
 The worker lives exactly as long as its parent wants it: it exits when the socket closes (parent
-stopped or died; no orphan scrapes), ignores SIGINT (Ctrl-C reaches the whole process group; the
-parent decides), and if it dies the parent marks every endpoint stale and starts a new one.
+stopped or died; no orphan scrapes), ignores SIGINT and SIGTERM (Ctrl-C, or a SIGTERM sent to the
+whole process group, reaches it too, and would otherwise end it before the parent's own clean stop,
+which then read as a crash: "restarting it"; the parent decides, and kills it if it must), and if it
+dies the parent marks every endpoint stale and starts a new one.
 """
 
 from __future__ import annotations
@@ -243,7 +245,8 @@ async def _work(sock: socket.socket) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when scraping ends
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)  # the parent decides when scraping ends (see the module docstring)
     # Background work: when the CPU is contended, the request path (the parent) goes first.
     os.nice(_NICENESS)
     sock = socket.socket(fileno=int(args[0]))

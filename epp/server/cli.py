@@ -1,14 +1,20 @@
-"""The ``epp`` command: ``epp serve [flags]`` runs the picker, ``epp demo`` the local demo.
+"""The ``epp`` command: ``serve`` runs the picker; ``validate-config``, ``envoy-config``, ``demo``, ``version``.
 
 Flags keep the upstream Endpoint Picker's names and defaults, parsed the Go way (:mod:`epp.server.flags`),
 so the container arguments of the upstream Helm chart are accepted unchanged. Upstream flags this
 version accepts but does not implement yet are listed at startup, never silently ignored.
+
+Every usage error (an unknown command or flag, a bad value) is printed the same way, on stderr: the
+error, a hint when one helps (a did-you-mean, the boolean ``=``), a pointer at ``-h``; exit status 2.
+Help asked for goes to stdout, exit 0. ``validate-config`` takes serve's flags and builds the picker
+as start-up does, without binding a port: the same messages and exit status (2) for a bad config.
+A start-up failure outside the config (a port in use) is one log line naming the flag, exit 1.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import difflib
 import logging
 import os
 import sys
@@ -16,13 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from epp.datalayer.static import check_unique, parse_endpoints, read_endpoints_file
 from epp.framework import Duration
 from epp.scheduling.registry import disabled_from_env
-from epp.server.flags import FlagError, FlagSet, make_flag
+from epp.server.flags import FlagError, FlagSet, HelpRequested, make_flag, print_usage_error
+from epp.server.logs import configure_logging
+from epp.server.pool_flags import ENDPOINTS_FILE_HELP, static_endpoints
 from epp.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 
-__all__ = ["SERVE_FLAGS", "main", "settings_from_args"]
+__all__ = ["SERVE_FLAGS", "main", "settings_from_args", "version"]
 
 log = logging.getLogger("epp")
 
@@ -121,7 +128,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
     """Settings from ``epp serve`` arguments, and the names of given flags that have no effect yet."""
     values, positional, given = SERVE_FLAGS.parse(argv)
     if positional:
-        raise FlagError(f"unexpected argument(s): {' '.join(positional)}")
+        raise SERVE_FLAGS.positional_error(argv, positional)
     if values["config-file"] and values["config-text"]:
         raise FlagError("give --config-file or --config-text, not both")
     config_text: str | None = values["config-text"] or None
@@ -130,15 +137,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
             config_text = Path(values["config-file"]).read_text()
         except OSError as exc:
             raise FlagError(f"--config-file: {exc}") from None
-    try:
-        endpoints = parse_endpoints(values["endpoints"])
-    except ValueError as exc:
-        raise FlagError(f"--endpoints: {exc}") from None
-    if values["endpoints-file"]:
-        try:
-            endpoints = check_unique(endpoints + read_endpoints_file(values["endpoints-file"]))
-        except (OSError, ValueError) as exc:
-            raise FlagError(f"--endpoints-file: {exc}") from None
+    endpoints = static_endpoints(values["endpoints"], values["endpoints-file"])
     selector, target_ports = _discovery_flags(values, static=bool(endpoints))
     if values["zap-encoder"] not in ("console", "json"):
         raise FlagError(f"--zap-encoder must be console or json, got {values['zap-encoder']!r}")
@@ -211,30 +210,6 @@ def _discovery_flags(values: dict[str, Any], *, static: bool) -> tuple[tuple[tup
         raise FlagError(str(exc)) from None
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": record.created,
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["error"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(verbosity: int, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbosity >= 3 else logging.INFO)
-
-
 def _run(coroutine: Any) -> None:
     try:
         import uvloop
@@ -244,18 +219,40 @@ def _run(coroutine: Any) -> None:
         uvloop.run(coroutine)
 
 
-def _serve(argv: Sequence[str]) -> int:
+def _parse_serve_flags(program: str, argv: Sequence[str]) -> tuple[Settings, list[str]] | int:
+    """Settings from ``argv``, or the exit status once the usage (0) or a usage error (2) is printed."""
     try:
-        settings, not_yet = settings_from_args(argv)
+        return settings_from_args(argv)
+    except HelpRequested:
+        print(SERVE_FLAGS.usage().replace(f"Usage of {SERVE_FLAGS.program}:", f"Usage of {program}:", 1))
+        if program == "epp serve":
+            print(ENDPOINTS_FILE_HELP)
+        return 0
     except FlagError as exc:
-        if str(exc) == "help requested":
-            print(SERVE_FLAGS.usage(), file=sys.stderr)
-            return 0
-        print(f"epp serve: {exc}\n\n{SERVE_FLAGS.usage()}", file=sys.stderr)
-        return 2
+        return print_usage_error(program, exc)
+
+
+def _serve(argv: Sequence[str]) -> int:
+    parsed = _parse_serve_flags("epp serve", argv)
+    if isinstance(parsed, int):
+        return parsed
+    settings, not_yet = parsed
     configure_logging(settings.verbosity, settings.log_format)
     for name in not_yet:
         log.warning("flag --%s is accepted for compatibility with the upstream picker but has no effect yet", name)
+    # A TLS/plaintext mismatch with Envoy shows only as grpc's own handshake errors (or nothing, the
+    # other way round): say once which Envoy configuration pairs with this one.
+    if settings.secure_serving:
+        log.info(
+            "ext_proc is served over TLS (--secure-serving=true): Envoy must use TLS to the picker "
+            "(deploy/envoy/envoy-tls.yaml, epp envoy-config --picker-tls=true); "
+            "for deploy/envoy/envoy.yaml start with --secure-serving=false"
+        )
+    else:
+        log.info(
+            "ext_proc is served in plaintext (--secure-serving=false): pairs with deploy/envoy/envoy.yaml "
+            "(epp envoy-config --picker-tls=false)"
+        )
     if settings.pool_name and settings.endpoints:
         log.info(
             "static pool given (--endpoints): no Kubernetes discovery; --pool-name %s only names the pool",
@@ -270,7 +267,7 @@ def _serve(argv: Sequence[str]) -> int:
     from epp.kube.client import KubeConfigError
     from epp.scheduling.config import ConfigError
     from epp.scheduling.registry import PluginLoadError
-    from epp.server.server import serve
+    from epp.server.server import StartupError, serve
 
     try:
         _run(serve(settings))
@@ -280,7 +277,59 @@ def _serve(argv: Sequence[str]) -> int:
     except PluginLoadError as exc:
         log.error("plugins: %s", exc)
         return 2
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
     return 0
+
+
+def _validate_config(argv: Sequence[str]) -> int:
+    """``epp validate-config``: build the configuration as ``epp serve`` would, then exit; no port is bound."""
+    parsed = _parse_serve_flags("epp validate-config", argv)
+    if isinstance(parsed, int):
+        return parsed
+    settings, _ = parsed
+    configure_logging(settings.verbosity, settings.log_format)
+
+    from epp.kube.client import KubeConfigError
+    from epp.scheduling.config import ConfigError
+    from epp.scheduling.registry import PluginLoadError
+    from epp.server.server import EndpointPicker
+
+    try:
+        # The picker's constructor is startup up to the first port: registry, config, plugins,
+        # admission, scraper and discovery objects. start() (ports, child processes) is not called.
+        picker = EndpointPicker(settings)
+    except (ConfigError, KubeConfigError) as exc:
+        log.error("invalid configuration: %s", exc)
+        return 2
+    except PluginLoadError as exc:
+        log.error("plugins: %s", exc)
+        return 2
+    source = "the built-in default configuration" if settings.config_text is None else "the configuration"
+    print(
+        f"{source} is valid: {len(picker.config.plugins)} plugin(s), "
+        f"scheduling profile(s) {', '.join(picker.scheduler.profiles)}"
+    )
+    return 0
+
+
+def _version(argv: Sequence[str]) -> int:
+    if argv:
+        return print_usage_error("epp version", FlagError(f"unexpected argument(s): {' '.join(argv)}"))
+    print(f"epp {version()}")
+    return 0
+
+
+def version() -> str:
+    """The installed distribution's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as distribution_version
+
+    try:
+        return distribution_version("epp")
+    except PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
 
 
 def _demo(argv: Sequence[str]) -> int:
@@ -289,18 +338,49 @@ def _demo(argv: Sequence[str]) -> int:
     return demo_main(argv)
 
 
-_COMMANDS = {"serve": _serve, "demo": _demo}
+def _envoy_config(argv: Sequence[str]) -> int:
+    from epp.server.envoy_config import main as envoy_config_main
+
+    return envoy_config_main(argv)
+
+
+_COMMANDS = {
+    "serve": _serve,
+    "validate-config": _validate_config,
+    "envoy-config": _envoy_config,
+    "demo": _demo,
+    "version": _version,
+}
+
+_USAGE = """\
+usage: epp <command> [flags]
+
+commands:
+  serve            run the endpoint picker (the default when the first argument is a flag)
+  validate-config  check --config-file/--config-text (and every other serve flag) as serve would, then exit
+  envoy-config     print an Envoy bootstrap that puts Envoy in front of the picker
+  demo             start the local demo: Envoy + simulated vLLM pods + the picker
+  version          print the version (also: epp --version)
+
+Run 'epp <command> -h' for a command's flags."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in _COMMANDS:
-        return _COMMANDS[args[0]](args[1:])
-    if args and args[0].startswith("-") and args[0] not in ("-h", "--help", "-help"):
+    if not args:
+        print(_USAGE, file=sys.stderr)
+        return 2
+    command = args[0]
+    if command in _COMMANDS:
+        return _COMMANDS[command](args[1:])
+    if command in ("-h", "--help", "-help", "help"):
+        print(_USAGE)
+        return 0
+    if command in ("--version", "-version"):
+        return _version(args[1:])
+    if command.startswith("-"):
         return _serve(args)  # `epp --grpc-port ...`: the upstream binary takes flags directly
-    print(
-        "usage: epp serve [flags]   run the endpoint picker (epp serve -h lists the flags)\n"
-        "       epp demo            start the local demo: Envoy + simulated vLLM pods + the picker",
-        file=sys.stderr,
-    )
-    return 0 if args and args[0] in ("-h", "--help", "-help") else 2
+    close = difflib.get_close_matches(command, _COMMANDS, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    print(f"epp: unknown command '{command}'{hint}\nRun 'epp -h' for the list of commands.", file=sys.stderr)
+    return 2

@@ -13,7 +13,13 @@ how much of its prompt that pod found in its KV-cache (the simulator's ``x-sim-p
 The first request of a family computes its whole prompt; the picker remembers where it sent the
 prompt's blocks and sends the rest of the family to the same pod, whose cache already holds them,
 so their first token comes several times sooner. Everything keeps running for you to try (``curl``)
-until Ctrl-C, unless ``--once``.
+until Ctrl-C or SIGTERM, unless ``--once``.
+
+It says what it shows: the simulated pods' speed-up over a real GPU (``--time-scale``) and a legend
+of the terms in its tables (TTFT, SSE, KV-cache). Stopping, by Ctrl-C, SIGTERM or ``--once``, stops
+Envoy, the picker (and its scrape worker) and the simulator and removes the temporary files. A
+listener port already in use (another demo running) stops it before anything starts: with
+SO_REUSEPORT off in the bootstrap, a second Envoy could not share the port anyway.
 """
 
 from __future__ import annotations
@@ -22,21 +28,29 @@ import argparse
 import asyncio
 import json
 import math
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import aiohttp
 
 from epp.envoy.bootstrap import BootstrapOptions, render
-from epp.testing.envoy import EnvoyProcess
+from epp.testing.envoy import EnvoyError, EnvoyProcess
 from epp.testing.harness import PickerProcess, wait_for_picker
 
 __all__ = ["main"]
 
 _MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+_LEGEND = """\
+  TTFT      time to first token: how long a client waits before the first word of the answer
+  SSE       server-sent events: a streamed answer, one "data:" event per chunk of tokens
+  KV-cache  the attention state a pod keeps for prompts it has processed; a new prompt that starts
+            the same way reuses it and skips that part of the prefill (computing the prompt)"""
 _SYSTEM = "You are a concise assistant for a bicycle repair shop. " * 12
 
 
@@ -181,11 +195,27 @@ async def _prefix_effect(url: str) -> None:
 
 async def _drive(url: str) -> None:
     print(f"\nSending requests to Envoy at {url}:\n")
+    print(_LEGEND + "\n")
     print(f"  {'request':<26} {'status':>6}  {'served by':<10} {'latency':>8}  note")
     async with aiohttp.ClientSession() as session:
         for label, method, path, body in _requests():
             status, pod, elapsed, detail = await _send(session, url, method, path, body)
             print(f"  {label:<26} {status:>6}  {pod:<10} {elapsed * 1000:6.0f}ms  {detail}")
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether 127.0.0.1:``port`` is taken (bound without SO_REUSEPORT, as the bootstrap's listener is)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    # SystemExit unwinds main()'s `finally`, which stops every child; the default action would not.
+    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,6 +230,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--once", action="store_true", help="send the requests, then stop everything")
     args = parser.parse_args(argv)
+    if args.port and _port_in_use(args.port):
+        print(
+            f"epp demo: 127.0.0.1:{args.port} is in use (another epp demo?): stop it, "
+            "or give --port PORT (0: any free port)",
+            file=sys.stderr,
+        )
+        return 1
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
 
     sim = subprocess.Popen(
         [
@@ -222,6 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert sim.stdout is not None
         pods = [sim.stdout.readline().split()[1].removeprefix("http://") for _ in range(args.pods)]
         print(f"simulated vLLM pods: {', '.join(pods)}")
+        print(
+            f"  (simulated {1 / args.time_scale:g}x faster than real time on a GPU: --time-scale {args.time_scale:g}"
+            " wall seconds per simulated second)"
+        )
         picker = PickerProcess(pods)
         picker.start()
         print(
@@ -235,7 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
         )
-        envoy.start()
+        try:
+            envoy.start()
+        except EnvoyError as exc:
+            print(f"epp demo: Envoy did not start on 127.0.0.1:{args.port}: {exc}", file=sys.stderr)
+            return 1
         wait_for_picker(envoy)
         url = f"http://127.0.0.1:{envoy.listen_port}"
         print(f"Envoy: {url} (admin http://127.0.0.1:{envoy.admin_port})")
@@ -260,5 +306,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             envoy.stop()
         if picker is not None:
             picker.stop()
+            Path(picker.log_path).unlink(missing_ok=True)
         sim.terminate()
         sim.wait(10)

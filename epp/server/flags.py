@@ -9,24 +9,39 @@ replacement must accept exactly those forms:
   and ``-name false`` leaves ``false`` as a positional argument, as in Go;
 * parsing stops at ``--`` or at the first argument that is not a flag;
 * an unknown flag or a bad value is an error that names it (exit status 2 from the CLI).
+
+What Go does not do, and an operator needs: an unknown flag's error carries a did-you-mean for a
+close flag name (:mod:`difflib`), and :meth:`FlagSet.positional_error` explains a positional left
+behind by a boolean written ``-name false``. The hint rides beside the message (``FlagError.hint``)
+so the message itself stays Go's.
 """
 
 from __future__ import annotations
 
+import difflib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from epp.framework.parameters import Duration, format_duration, parse_duration
 
-__all__ = ["Duration", "Flag", "FlagError", "FlagSet", "parse_duration"]
+__all__ = ["Duration", "Flag", "FlagError", "FlagSet", "HelpRequested", "parse_duration", "print_usage_error"]
 
 _TRUE = {"1", "t", "T", "TRUE", "true", "True"}
 _FALSE = {"0", "f", "F", "FALSE", "false", "False"}
 
 
 class FlagError(ValueError):
-    pass
+    """A usage error; ``hint`` (may be empty) says how to put it right."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class HelpRequested(FlagError):
+    """``-h``/``-help`` was given: print the usage (on stdout) and exit 0."""
 
 
 @dataclass(frozen=True)
@@ -111,10 +126,10 @@ class FlagSet:
                 raise FlagError(f"bad flag syntax: {arg}")
             name, has_value, value = name.partition("=")
             if name in ("h", "help"):
-                raise FlagError("help requested")
+                raise HelpRequested("help requested")
             flag = self.flags.get(name)
             if flag is None:
-                raise FlagError(f"flag provided but not defined: -{name}")
+                raise FlagError(f"flag provided but not defined: -{name}", self._did_you_mean(name))
             if not has_value:
                 if flag.kind is bool:
                     value = "true"
@@ -131,6 +146,25 @@ class FlagSet:
             i += 1
         return values, args[i:], given
 
+    def _did_you_mean(self, name: str) -> str:
+        # 0.75: close enough for a typo or a missing/extra word part (grpc-prot, metric-port), not
+        # for a different flag that shares a prefix.
+        close = difflib.get_close_matches(name, self.flags, n=1, cutoff=0.75)
+        return f"did you mean --{close[0]}?" if close else ""
+
+    def positional_error(self, argv: Sequence[str], positional: Sequence[str]) -> FlagError:
+        """The error for arguments left after the flags: with a hint when a boolean flag was given a separate value."""
+        message = f"unexpected argument(s): {' '.join(positional)}"
+        before = list(argv)[: len(argv) - len(positional)]
+        if before and positional[0] in _TRUE | _FALSE:
+            name = before[-1].lstrip("-").partition("=")[0]
+            flag = self.flags.get(name)
+            if flag is not None and flag.kind is bool and "=" not in before[-1]:
+                return FlagError(
+                    message, f"a boolean flag takes its value only with '=': write --{name}={positional[0]}"
+                )
+        return FlagError(message)
+
     def usage(self) -> str:
         lines = [f"Usage of {self.program}:"]
         for name in sorted(self.flags):
@@ -144,3 +178,13 @@ class FlagSet:
 def make_flag(name: str, default: Any, help: str, *, implemented: bool = True, kind: type | None = None) -> Flag:
     """A Flag whose kind follows its default's type."""
     return Flag(name=name, default=default, help=help, kind=kind or type(default), implemented=implemented)
+
+
+def print_usage_error(program: str, exc: FlagError) -> int:
+    """Print a usage error the one way every command does (the error, its hint, where help is); returns 2."""
+    lines = [f"{program}: {exc}"]
+    if exc.hint:
+        lines.append(f"  {exc.hint}")
+    lines.append(f"Run '{program} -h' for the list of flags.")
+    print("\n".join(lines), file=sys.stderr)
+    return 2

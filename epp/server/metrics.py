@@ -1,14 +1,26 @@
 """Prometheus metrics of the picker, under the upstream Endpoint Picker's names where they exist.
 
 All metrics live on one registry per service (no process-global state), served on
-``--metrics-port`` by :func:`start_metrics_server`. The series are defined by the packages that
+``--metrics-port`` by :func:`start_metrics_server`, which answers ``/metrics`` and 404 on every
+other path (a port that answers every path hides a scrape config's typo). The series are defined by the packages that
 write them (:mod:`epp.requestcontrol.metrics`, :mod:`epp.scheduling.metrics`, flow control's, the
 plugins' own through :class:`epp.framework.PluginMetrics`); :class:`Metrics` puts them together.
+
+Counters carry no ``*_created`` series: upstream's Go client exports none, and they double the
+series count for nothing a dashboard reads. prometheus_client's switch for that is process-wide
+(``disable_created_metrics``); the service turns it on when it builds its registry.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from epp.requestcontrol.metrics import RequestMetrics
 from epp.scheduling.metrics import PluginCallMetrics
@@ -20,6 +32,7 @@ class Metrics:
     """Every series of the service, on one registry: each part is owned by the package that writes it."""
 
     def __init__(self) -> None:
+        disable_created_metrics()
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = RequestMetrics(r)
         self.plugins = PluginCallMetrics(r)
@@ -28,6 +41,31 @@ class Metrics:
         )
 
 
-def start_metrics_server(metrics: Metrics, port: int, address: str = "0.0.0.0") -> None:
-    """Serve ``/metrics`` on a background thread (scrapes never touch the event loop)."""
-    start_http_server(port, addr=address, registry=metrics.registry)
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes come every few seconds: no access log."""
+
+
+def _only_metrics(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: the picker serves only /metrics on this port\n"]
+        return app(environ, start_response)
+
+    return serve
+
+
+def start_metrics_server(metrics: Metrics, port: int, address: str = "0.0.0.0") -> int:
+    """Serve ``/metrics`` on a background thread (scrapes never touch the event loop); the port bound.
+
+    OSError when the port cannot be bound.
+    """
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+    class _Server(ThreadingWSGIServer):
+        address_family = family  # IPv6 bind addresses need AF_INET6
+
+    httpd = make_server(str(sockaddr[0]), port, _only_metrics(make_wsgi_app(metrics.registry)), _Server, _QuietHandler)
+    threading.Thread(target=httpd.serve_forever, name="metrics-server", daemon=True).start()
+    return int(httpd.server_port)

@@ -54,7 +54,7 @@ from epp.server.metrics import Metrics, start_metrics_server
 from epp.server.settings import Settings
 from epp.server.tls import server_credentials
 
-__all__ = ["EXT_PROC_SERVICE", "EndpointPicker", "serve"]
+__all__ = ["EXT_PROC_SERVICE", "EndpointPicker", "StartupError", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,26 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Envoy may send a whole request body in one message: leave room above the body limit for the
 # message's other fields.
 _MESSAGE_HEADROOM = 1024 * 1024
+
+
+# gRPC sets SO_REUSEPORT on its listening sockets by default: a second picker on the same port
+# would start without an error and take half of Envoy's streams. Off, a clash fails the bind.
+_NO_REUSEPORT = ("grpc.so_reuseport", 0)
+
+
+class StartupError(Exception):
+    """The service cannot start for a reason outside the config (a port in use, an unreadable certificate)."""
+
+
+def _bind(flag: str, address: str, port: int, bind: Callable[[str], int]) -> int:
+    """``bind(address:port)``; a StartupError naming ``flag`` and the port when it cannot listen there."""
+    try:
+        bound = bind(f"{address}:{port}")
+    except RuntimeError:  # grpc: "Failed to bind to address ..."
+        bound = 0
+    if bound == 0:
+        raise StartupError(f"{flag} {port}: cannot listen on {address}:{port} (in use by another process?)")
+    return bound
 
 
 # Upstream's vLLM metric-name flags -> the core-metrics-extractor engineConfigs key they set.
@@ -187,21 +207,35 @@ class EndpointPicker:
         if self.discovery is not None:
             await self.discovery.connect()  # a bad kubeconfig stops startup here, before anything runs
         limit = settings.max_request_body_bytes + _MESSAGE_HEADROOM
-        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit), _NO_REUSEPORT]
         self._server = grpc.aio.server(options=options)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        address = f"{settings.bind_address}:{settings.grpc_port}"
+        server, address = self._server, settings.bind_address
         if settings.secure_serving:
-            self.grpc_port = self._server.add_secure_port(address, server_credentials(settings.cert_path))
+            try:
+                credentials = server_credentials(settings.cert_path)
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
+            bind: Callable[[str], int] = lambda target: server.add_secure_port(target, credentials)  # noqa: E731
         else:
-            self.grpc_port = self._server.add_insecure_port(address)
+            bind = server.add_insecure_port
+        self.grpc_port = _bind("--grpc-port", address, settings.grpc_port, bind)
 
-        self._health_server = grpc.aio.server()
+        self._health_server = grpc.aio.server(options=[_NO_REUSEPORT])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
-        self.grpc_health_port = self._health_server.add_insecure_port(
-            f"{settings.bind_address}:{settings.grpc_health_port}"
-        )
+        health_bind = self._health_server.add_insecure_port
+        self.grpc_health_port = _bind("--grpc-health-port", address, settings.grpc_health_port, health_bind)
+        # Every port is bound before anything else starts (the scrape worker, discovery's watches),
+        # so a clash stops startup with nothing to clean up.
+        if settings.metrics_port >= 0:
+            try:
+                start_metrics_server(self.metrics, settings.metrics_port, settings.bind_address)
+            except OSError as exc:
+                raise StartupError(
+                    f"--metrics-port {settings.metrics_port}: cannot listen on "
+                    f"{settings.bind_address}:{settings.metrics_port} ({exc.strerror or exc})"
+                ) from None
 
         if self.scraper is not None:
             await self.scraper.start()
@@ -210,8 +244,6 @@ class EndpointPicker:
         await self._update_readiness()
         if self.discovery is not None:
             await self.discovery.start()  # lists and watches in the background; readiness waits for its first sync
-        if settings.metrics_port >= 0:
-            start_metrics_server(self.metrics, settings.metrics_port, settings.bind_address)
         await self._server.start()
         await self._health_server.start()
         log.info(

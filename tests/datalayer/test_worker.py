@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+
+import pytest
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.engines import builtin_engines
@@ -81,3 +85,22 @@ def test_results_of_endpoints_removed_meanwhile_are_dropped() -> None:
     client.remove("gone")  # the worker may have sent its result before it heard of this
     client._results(_encode_results([ScrapeResult("gone"), ScrapeResult("kept", waiting_queue_size=3)]))
     assert applied == [ScrapeResult("kept", waiting_queue_size=3)]
+
+
+async def test_the_worker_outlives_a_sigterm_to_the_process_group_until_its_parent_stops(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics, caplog: pytest.LogCaptureFixture
+) -> None:
+    # `kill -TERM -PGID` reaches the worker too; its parent's clean stop must not read as a crash.
+    datastore = Datastore([fake.endpoint])
+    scraper = await running(datastore, scrape_metrics, in_process=False)
+    worker = scraper.loops
+    try:
+        await until(lambda: not datastore.endpoints()[0].metrics.stale, timeout=10)
+        os.kill(worker.pid, signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        assert worker._process.poll() is None  # still running: the parent decides
+        assert not datastore.endpoints()[0].metrics.stale
+    finally:
+        await scraper.stop()
+    assert worker._process.poll() is not None
+    assert "restarting it" not in caplog.text

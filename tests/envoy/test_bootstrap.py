@@ -37,6 +37,7 @@ from epp.envoy.bootstrap import (
     render_yaml,
 )
 from epp.testing.envoy import EnvoyError, EnvoyProcess, envoy_binary, free_port
+from epp.testing.harness import PickerProcess
 
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy" / "envoy"
 
@@ -373,6 +374,19 @@ async def test_fail_closed_without_picker_answers_5xx(
 
 @needs_envoy
 @pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_fail_closed_with_the_picker_down_is_a_500_as_deploy_envoy_readme_says(
+    backend: BackendFactory, envoy: EnvoyFactory, method: str
+) -> None:
+    # deploy/envoy/README.md: picker down -> 500 (ext_proc's own failure); picker up but no pick -> 503.
+    target = await backend()
+    process = await envoy(_local_options())
+    status, _ = await _send(process, target.address, method)
+    assert status == 500
+    assert target.seen == []
+
+
+@needs_envoy
+@pytest.mark.parametrize("method", ["GET", "POST"])
 async def test_picked_endpoint_wins_and_only_the_first_of_a_list_is_used(
     backend: BackendFactory, picker: PickerFactory, envoy: EnvoyFactory, method: str
 ) -> None:
@@ -411,3 +425,22 @@ async def test_a_not_serving_picker_gets_no_traffic(
     assert await _send(process, picked.address) == (200, pool_member.address)
     assert fake.streams == 0
     assert picked.seen == []
+
+
+@needs_envoy
+@pytest.mark.parametrize(("picker_tls", "envoy_tls"), [(True, False), (False, True)], ids=["tls-picker", "tls-envoy"])
+async def test_a_tls_mismatch_between_envoy_and_the_picker_is_a_500_as_deploy_envoy_readme_says(
+    backend: BackendFactory, envoy: EnvoyFactory, picker_tls: bool, envoy_tls: bool
+) -> None:
+    # The real picker (its own TLS), a pool that would answer: only the transport disagrees.
+    pool_member, forged_target = await backend(), await backend()
+    picker = PickerProcess([pool_member.address], tls=picker_tls)
+    await asyncio.to_thread(picker.start)
+    try:
+        process = await envoy(_local_options(picker_port=picker.grpc_port, picker_tls=envoy_tls))
+        await asyncio.sleep(1.5)  # a health-check round or two
+        status, _ = await _send(process, forged_target.address)
+        assert status == 500
+        assert forged_target.seen == [] and all(seen is None for seen in pool_member.seen)  # scrapes only
+    finally:
+        await asyncio.to_thread(picker.stop)

@@ -114,3 +114,21 @@ def test_a_disabled_default_leaves_the_role_to_another_type() -> None:
     assert registry.default("picker") is None
     registry.register("my-picker", _Claims.from_config, source="tests")
     assert registry.default("picker") == "my-picker"
+
+
+def test_loaded_types_are_one_info_line_and_each_type_a_debug_line(caplog: pytest.LogCaptureFixture) -> None:
+    entry_points = [
+        _epp_entry_point(),
+        FakeEntryPoint("queue-scorer", lambda n, p, h: None, "epp"),
+        FakeEntryPoint("acme-scorer", lambda n, p, h: None, "acme"),
+    ]
+    with caplog.at_level("DEBUG", logger="epp.scheduling.registry"):
+        load_registry(entry_points=entry_points, log_sources=True)
+    info = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    debug = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"]
+    assert info == ["plugin types: 1 from acme 1.0, 2 from epp 1.0"]
+    assert debug == [
+        "plugin type acme-scorer from acme 1.0",
+        "plugin type max-score-picker from epp 1.0",
+        "plugin type queue-scorer from epp 1.0",
+    ]

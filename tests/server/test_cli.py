@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from epp.server.cli import settings_from_args
+from epp.server.cli import main, settings_from_args
 from epp.server.flags import FlagError
 
 
@@ -110,3 +113,125 @@ def test_older_charts_log_level_flag_is_accepted_and_named_as_without_effect() -
 
     _, not_yet = settings_from_args(["--endpoints", "10.0.0.1:8000", "--log-level", "error"])
     assert "log-level" in not_yet
+
+
+# -- the commands and their usage errors (issue 16, item 3) ------------------------------------------------------
+
+_GOOD_CONFIG = (
+    "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+    "plugins:\n- type: queue-scorer\n- type: max-score-picker\n"
+    "schedulingProfiles:\n- name: default\n  plugins: [{pluginRef: queue-scorer}, {pluginRef: max-score-picker}]\n"
+)
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["version"]])
+def test_version(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    assert main(argv) == 0
+    assert capsys.readouterr().out == f"epp {version('epp')}\n"
+
+
+def test_an_unknown_command_is_named_with_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serv"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == "epp: unknown command 'serv'; did you mean 'serve'?\nRun 'epp -h' for the list of commands.\n"
+    assert main(["frobnicate"]) == 2
+    assert capsys.readouterr().err.startswith("epp: unknown command 'frobnicate'\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "lines"),
+    [
+        (["--grpc-prot", "9002"], ["flag provided but not defined: -grpc-prot", "did you mean --grpc-port?"]),
+        (["--metric-port=1"], ["flag provided but not defined: -metric-port", "did you mean --metrics-port?"]),
+        (
+            ["--secure-serving", "false"],
+            ["unexpected argument(s): false", "write --secure-serving=false"],
+        ),
+        (
+            ["--endpoints", "http://127.0.0.1:8000"],
+            ["--endpoints: 'http://127.0.0.1:8000' is a URL, not an endpoint", "e.g. 127.0.0.1:8000"],
+        ),
+        (["serve-me"], ["unexpected argument(s): serve-me"]),
+    ],
+)
+def test_flag_errors_say_what_and_how_in_three_lines_at_most(
+    argv: list[str], lines: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    got = err.splitlines()
+    assert len(got) == len(lines) + 1 <= 3
+    for line, expected in zip(got, lines, strict=False):
+        assert expected in line
+    assert got[-1] == "Run 'epp serve -h' for the list of flags."
+
+
+def test_a_boolean_given_true_with_equals_is_no_error() -> None:
+    settings, _ = settings_from_args(["--secure-serving=false", "--endpoints", "10.0.0.1:8000"])
+    assert not settings.secure_serving
+
+
+def test_endpoints_file_labels_are_space_separated(tmp_path: Path) -> None:
+    path = tmp_path / "pool.txt"
+    path.write_text("10.0.0.1:8000 zone=a tier=y  # two labels\n")
+    settings, _ = settings_from_args(["--endpoints-file", str(path)])
+    assert dict(settings.endpoints[0].labels) == {"zone": "a", "tier": "y"}
+
+
+def test_endpoints_file_labels_joined_by_a_comma_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "pool.txt"
+    path.write_text("10.0.0.1:8000 zone=a,tier=y\n")
+    with pytest.raises(FlagError) as info:
+        settings_from_args(["--endpoints-file", str(path)])
+    assert "label zone='a,tier=y' is not one key=value label" in str(info.value)
+    assert "separate labels with spaces: zone=a tier=y" in info.value.hint
+
+
+def test_a_url_in_the_endpoints_file_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "pool.txt"
+    path.write_text("# pool\nhttp://10.0.0.1:8000/v1\n")
+    with pytest.raises(FlagError) as info:
+        settings_from_args(["--endpoints-file", str(path)])
+    assert "is a URL, not an endpoint" in str(info.value) and "10.0.0.1:8000" in info.value.hint
+
+
+def _epp(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "epp", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_validate_config_accepts_a_good_file_without_binding_a_port(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(_GOOD_CONFIG)
+    with socket.socket() as taken:  # the port serve would bind: validate-config must not need it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _epp("validate-config", "--config-file", str(good), "--grpc-port", str(port))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "the configuration is valid: 2 plugin(s), scheduling profile(s) default\n"
+    assert "serving ext_proc" not in result.stderr
+
+
+def test_validate_config_refuses_a_bad_file_as_startup_does(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(_GOOD_CONFIG.replace("- type: queue-scorer", "- type: queue-scorr"))
+    checked = _epp("validate-config", "--config-file", str(bad))
+    assert checked.returncode == 2 and checked.stdout == ""
+    message = "invalid configuration: plugins[0] (queue-scorr): unknown plugin type 'queue-scorr'"
+    assert message in checked.stderr
+    # `epp serve` stops on the same file with the same message and exit status.
+    served = _epp("serve", "--config-file", str(bad), "--metrics-port", "-1", "--grpc-port", "0", "--grpc-health-port", "0")
+    assert served.returncode == 2 and message in served.stderr
+    # TLS is the default: start-up says which Envoy configuration pairs with it (issue 16, item 4).
+    assert "Envoy must use TLS to the picker (deploy/envoy/envoy-tls.yaml" in served.stderr
+    assert "Traceback" not in checked.stderr + served.stderr
+
+
+def test_validate_config_flag_errors_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate-config", "--config-fil", "x.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("epp validate-config: flag provided but not defined: -config-fil\n  did you mean --config-file?")

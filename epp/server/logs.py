@@ -1,0 +1,35 @@
+"""Logging of the picker process: console lines or JSON objects (``--zap-encoder``) on stderr; debug from ``-v 3``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+__all__ = ["configure_logging"]
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["error"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(verbosity: int, fmt: str) -> None:
+    """Send every log line to stderr in ``fmt`` (console or json), at debug from verbosity 3."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbosity >= 3 else logging.INFO)

@@ -1,0 +1,42 @@
+"""Start-up of the service (epp.server.server): port clashes fail at once, naming the flag (issue 15, item 6)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from epp.testing.envoy import free_port
+from epp.testing.harness import PickerProcess
+
+
+@pytest.fixture(scope="module")
+def first() -> Iterator[PickerProcess]:
+    picker = PickerProcess(["127.0.0.1:1"])
+    picker.start()
+    yield picker
+    picker.stop()
+
+
+@pytest.mark.parametrize(
+    ("flag", "attribute"),
+    [("--grpc-port", "grpc_port"), ("--grpc-health-port", "health_port"), ("--metrics-port", "metrics_port")],
+)
+def test_a_second_picker_on_a_taken_port_stops_naming_the_flag(first: PickerProcess, flag: str, attribute: str) -> None:
+    # gRPC sets SO_REUSEPORT by default: without turning it off, a second picker on the same
+    # --grpc-port started without an error and took half of Envoy's streams.
+    ports = {"--grpc-port": free_port(), "--grpc-health-port": free_port(), "--metrics-port": free_port()}
+    taken = getattr(first, attribute)
+    ports[flag] = taken
+    args = [f"{name}={port}" for name, port in ports.items()]
+    second = subprocess.run(
+        [sys.executable, "-m", "epp", "serve", "--bind-address", "127.0.0.1", "--secure-serving=false",
+         "--endpoints", "127.0.0.1:1", *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert second.returncode == 1
+    assert f"cannot start: {flag} {taken}: cannot listen on 127.0.0.1:{taken}" in second.stderr
+    assert "Traceback" not in second.stderr
+    assert first.process is not None and first.process.poll() is None  # the first one is untouched
