@@ -13,15 +13,24 @@ series count for nothing a dashboard reads. prometheus_client's switch for that 
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics, make_wsgi_app
+from prometheus_client import (
+    PLATFORM_COLLECTOR,
+    CollectorRegistry,
+    Gauge,
+    ProcessCollector,
+    disable_created_metrics,
+    make_wsgi_app,
+)
 from prometheus_client.exposition import ThreadingWSGIServer
 
+import epp
 from epp.requestcontrol.metrics import RequestMetrics
 from epp.scheduling.metrics import PluginCallMetrics
 
@@ -39,6 +48,18 @@ class Metrics:
         self.ready_pods = Gauge(
             "inference_pool_ready_pods", "Endpoints in the pool that can take requests.", ["name"], registry=r
         )
+        # Build information (upstream's labels) and the process' own CPU, memory and file descriptors.
+        info = Gauge(
+            "inference_extension_info",
+            "The general information of the current build.",
+            ["commit", "build_ref"],
+            registry=r,
+        )
+        info.labels(os.environ.get("EPP_BUILD_COMMIT", ""), os.environ.get("EPP_BUILD_REF", f"v{epp.__version__}")).set(
+            1
+        )
+        ProcessCollector(registry=r)
+        r.register(PLATFORM_COLLECTOR)
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -40,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.engines import ENGINE_TYPE_LABEL, EngineMapping, builtin_engines, engine_from_config
 from epp.datalayer.metrics import ScrapeMetrics
+from epp.datalayer.poolmetrics import PoolCollector
 from epp.datalayer.scraper import Scraper, ScrapeSettings
 from epp.extproc.processor import ExternalProcessor
 from epp.flowcontrol import FlowControlMetrics, build_admission
@@ -168,6 +169,7 @@ class EndpointPicker:
         assert config.detector is not None  # load_config always chooses one
         self.detector = config.detector
         self.flow_control_metrics = FlowControlMetrics(self.metrics.registry, settings.pool_name)
+        self.metrics.registry.register(PoolCollector(self.datastore.endpoints, settings.pool_name))
         self.admission = build_admission(
             config.admission, self.detector, self.datastore.endpoints, metrics=self.flow_control_metrics
         )
