@@ -56,6 +56,7 @@ from epp.framework import (
     SchedulingResult,
     ScoredCandidates,
 )
+from epp.scheduling.decisions import DecisionRecord, decisions, log_decision
 
 __all__ = ["Instrument", "Scheduler", "no_instrument"]
 
@@ -193,12 +194,24 @@ class Scheduler:
                 site.failed(request, "exception", "raised", exc_info=True)
             site.observe(clock() - started)
         single = self._single
+        records: list[tuple[DecisionRecord, Sequence[Endpoint]]] | None = (
+            [] if decisions.isEnabledFor(logging.INFO) else None
+        )
         if single is not None:
             name = single.profile.name
-            return SchedulingResult({name: self._run_profile(single, request, candidates)}, name)
-        return self._run_handler(request, candidates)
+            result = SchedulingResult({name: self._run_profile(single, request, candidates, records)}, name)
+        else:
+            result = self._run_handler(request, candidates, records)
+        if records is not None:
+            log_decision(request, records, result.primary_profile)
+        return result
 
-    def _run_handler(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> SchedulingResult:
+    def _run_handler(
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[Endpoint],
+        records: list[tuple[DecisionRecord, Sequence[Endpoint]]] | None,
+    ) -> SchedulingResult:
         site = self._handler
         assert site is not None  # several profiles always have one (see __init__)
         handler = site.plugin
@@ -214,12 +227,12 @@ class Scheduler:
             except Exception:
                 site.observe(clock() - started)
                 site.failed(request, "exception", "failed to choose profiles", exc_info=True)
-                return self._fallback_profile(request, candidates, results)
+                return self._fallback_profile(request, candidates, results, records)
             site.observe(clock() - started)
             if not chosen:
                 break
             for profile in chosen:
-                results[profile.name] = self._run_profile(self._compiled[profile.name], request, candidates)
+                results[profile.name] = self._run_profile(self._compiled[profile.name], request, candidates, records)
         if not results:
             return SchedulingResult({}, "")
         started = clock()
@@ -234,17 +247,39 @@ class Scheduler:
         return SchedulingResult(results, primary)
 
     def _fallback_profile(
-        self, request: InferenceRequest, candidates: Sequence[Endpoint], results: dict[str, list[Endpoint]]
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[Endpoint],
+        results: dict[str, list[Endpoint]],
+        records: list[tuple[DecisionRecord, Sequence[Endpoint]]] | None,
     ) -> SchedulingResult:
         """The handler failed: route by the first configured profile (run now if it has not run)."""
         first = next(iter(self._compiled.values()))
         name = first.profile.name
         if name not in results:
-            results[name] = self._run_profile(first, request, candidates)
+            results[name] = self._run_profile(first, request, candidates, records)
         return SchedulingResult(results, name)
 
     def _run_profile(
-        self, compiled: _CompiledProfile, request: InferenceRequest, candidates: Sequence[Endpoint]
+        self,
+        compiled: _CompiledProfile,
+        request: InferenceRequest,
+        candidates: Sequence[Endpoint],
+        records: list[tuple[DecisionRecord, Sequence[Endpoint]]] | None = None,
+    ) -> list[Endpoint]:
+        record = DecisionRecord(compiled.profile.name, candidates) if records is not None else None
+        picked = self._profile_pick(compiled, request, candidates, record)
+        if record is not None and records is not None:
+            record.picked = [e.name for e in picked]
+            records.append((record, record.scored_candidates))
+        return picked
+
+    def _profile_pick(
+        self,
+        compiled: _CompiledProfile,
+        request: InferenceRequest,
+        candidates: Sequence[Endpoint],
+        record: DecisionRecord | None,
     ) -> list[Endpoint]:
         clock = time.perf_counter
         for site in compiled.filters:
@@ -259,6 +294,10 @@ class Scheduler:
             except Exception:
                 site.failed(request, "exception", "failed; its input passes through", exc_info=True)
             site.observe(clock() - started)
+            if record is not None:
+                record.filtered(site.plugin.name, candidates)
+        if record is not None:
+            record.scored_candidates = candidates
         if not candidates:
             return []
         count = len(candidates)
@@ -277,11 +316,15 @@ class Scheduler:
                     site.failed(request, "malformed", f"returned {len(scores)} scores for {count} candidates; scored 0")
                     continue
                 totals, clean = _accumulate(totals, scores, site.weight)
+                if record is not None:
+                    record.scored(site.plugin.name, site.weight, scores)
             except Exception:  # no length, or scores that are not numbers
                 site.failed(request, "malformed", "returned something that is not one number per candidate; scored 0")
                 continue
             if not clean:
                 site.failed(request, "malformed", "returned scores outside [0, 1] or NaN (clamped; NaN counts 0)")
+        if record is not None:
+            record.totals = totals
         site = compiled.picker
         started = clock()
         try:

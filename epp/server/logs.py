@@ -1,4 +1,5 @@
-"""Logging of the picker process: console lines or JSON objects (``--zap-encoder``) on stderr; debug from ``-v 3``."""
+"""Logging of the picker process: console lines or JSON objects (``--zap-encoder``) on stderr; debug from
+``-v 3``, a decision record per request from ``-v 4``."""
 
 from __future__ import annotations
 
@@ -33,3 +34,5 @@ def configure_logging(verbosity: int, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbosity >= 3 else logging.INFO)
+    # One decision record per request from -v 4 (upstream's debug level; epp.scheduling.decisions).
+    logging.getLogger("epp.decisions").setLevel(logging.INFO if verbosity >= 4 else logging.WARNING)

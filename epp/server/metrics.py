@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -67,9 +67,17 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes come every few seconds: no access log."""
 
 
-def _only_metrics(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+def _only_metrics(
+    app: Callable[..., Iterable[bytes]], routes: Mapping[str, Callable[[], bytes]]
+) -> Callable[..., Iterable[bytes]]:
     def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") != "/metrics":
+        path = environ.get("PATH_INFO")
+        view = routes.get(path or "")
+        if view is not None:
+            body = view()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        if path != "/metrics":
             start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
             return [b"not found: the picker serves only /metrics on this port\n"]
         return app(environ, start_response)
@@ -77,7 +85,9 @@ def _only_metrics(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable
     return serve
 
 
-def start_metrics_server(metrics: Metrics, port: int, address: str = "0.0.0.0") -> int:
+def start_metrics_server(
+    metrics: Metrics, port: int, address: str = "0.0.0.0", *, routes: Mapping[str, Callable[[], bytes]] | None = None
+) -> int:
     """Serve ``/metrics`` on a background thread (scrapes never touch the event loop); the port bound.
 
     OSError when the port cannot be bound.
@@ -87,6 +97,8 @@ def start_metrics_server(metrics: Metrics, port: int, address: str = "0.0.0.0") 
     class _Server(ThreadingWSGIServer):
         address_family = family  # IPv6 bind addresses need AF_INET6
 
-    httpd = make_server(str(sockaddr[0]), port, _only_metrics(make_wsgi_app(metrics.registry)), _Server, _QuietHandler)
+    httpd = make_server(
+        str(sockaddr[0]), port, _only_metrics(make_wsgi_app(metrics.registry), routes or {}), _Server, _QuietHandler
+    )
     threading.Thread(target=httpd.serve_forever, name="metrics-server", daemon=True).start()
     return int(httpd.server_port)

@@ -51,6 +51,7 @@ from epp.kube.pods import PoolSpec
 from epp.requestcontrol.director import Director
 from epp.scheduling.config import PickerConfig, load_config
 from epp.scheduling.registry import load_registry
+from epp.server.debug import DebugViews
 from epp.server.metrics import Metrics, start_metrics_server
 from epp.server.settings import Settings
 from epp.server.tls import server_credentials
@@ -203,6 +204,7 @@ class EndpointPicker:
         self._health_server: grpc.aio.Server | None = None
         self.grpc_port = 0
         self.grpc_health_port = 0
+        self.metrics_port = 0  # the port /metrics really listens on (0: none)
 
     async def start(self) -> None:
         settings = self.settings
@@ -232,7 +234,13 @@ class EndpointPicker:
         # so a clash stops startup with nothing to clean up.
         if settings.metrics_port >= 0:
             try:
-                start_metrics_server(self.metrics, settings.metrics_port, settings.bind_address)
+                routes = DebugViews(self.datastore.endpoints, self.config, settings.config_text).routes()
+                self.metrics_port = start_metrics_server(
+                    self.metrics,
+                    settings.metrics_port,
+                    settings.bind_address,
+                    routes=routes if settings.enable_debug_endpoints else None,
+                )
             except OSError as exc:
                 raise StartupError(
                     f"--metrics-port {settings.metrics_port}: cannot listen on "

@@ -21,6 +21,7 @@ class Settings:
     grpc_port: int = 9002
     grpc_health_port: int = 9003
     metrics_port: int = 9090
+    enable_debug_endpoints: bool = False  # /debug/pool and /debug/config on the metrics port
     bind_address: str = "0.0.0.0"
     secure_serving: bool = True
     cert_path: str = ""  # a directory holding tls.crt and tls.key; empty: self-signed at start
