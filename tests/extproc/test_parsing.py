@@ -305,3 +305,72 @@ def test_bad_request_keeps_the_decoder_error_as_cause() -> None:
     with pytest.raises(EppError) as info:
         _parse("/v1/completions", b"{")
     assert info.value.__cause__ is not None
+
+
+# -- deep nesting and lone surrogates (issue 15, items 1 and 9) ------------------------------------
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("depth", [1_000, 5_000, 200_000])
+@pytest.mark.parametrize(
+    ("path", "template"),
+    [
+        # in a field no struct declares: skipped by msgspec, which still recurses per level
+        ("/v1/completions", b'{"model":"m","extra":%s}'),
+        ("/v1/chat/completions", b'{"model":"m","messages":[{"role":"user","content":[{"type":"image","image_url":%s}]}]}'),
+        ("/v1/other", b'{"model":"m","tools":[{"function":{"parameters":%s}}]}'),
+    ],
+)
+def test_deep_nesting_is_a_400_saying_so(path: str, template: bytes, depth: int) -> None:
+    assert _bad(path, template % _nested(depth)) == "request body nests too deeply (JSON nested about 1,000 levels or more)"
+    objects = b'{"a":' * depth + b"1" + b"}" * depth
+    assert _bad(path, template % objects) == "request body nests too deeply (JSON nested about 1,000 levels or more)"
+
+
+def test_moderate_nesting_in_a_skipped_field_still_parses() -> None:
+    assert _parse("/v1/completions", b'{"model":"m","extra":%s}' % _nested(300)).model == "m"
+
+
+@pytest.mark.parametrize(
+    ("body", "model", "prompt"),
+    [
+        # vLLM parses bodies with json.loads, which accepts lone surrogates: so must the picker
+        (b'{"model":"m","prompt":"x","user":"\\ud800"}', "m", "x"),
+        (b'{"model":"m","prompt":"x","user":"\\udc00 and more"}', "m", "x"),
+        (b'{"model":"m\\ud800","prompt":"a\\udfffb"}', "m\ufffd", "a\ufffdb"),
+        (b'{"model":"m","prompt":["\\ud800",  "ok"]}', "m", "\ufffd\nok"),
+        (b'{"model":"m","cache_salt":"\\ud800","prompt":"p"}', "m", "p"),
+        # a proper pair is one character, on the fast path as before
+        (b'{"model":"m","prompt":"\\ud83d\\ude00"}', "m", "\U0001f600"),
+    ],
+)
+def test_lone_surrogates_are_accepted_like_vllm_does(body: bytes, model: str, prompt: str) -> None:
+    request = _parse("/v1/completions", body)
+    assert (request.model, request.prompt) == (model, prompt)
+    # every string the picker keeps can be encoded (headers, labels, logs)
+    for text in (request.model, request.prompt, request.cache_salt or ""):
+        text.encode("utf-8")
+
+
+def test_lone_surrogates_in_chat_and_responses_bodies() -> None:
+    chat = b'{"model":"m","messages":[{"role":"user\\ud800","content":[{"type":"text","text":"\\udc01"}]}]}'
+    assert _parse("/v1/chat/completions", chat).prompt == "<|user\ufffd|>\n\ufffd\n"
+    responses = b'{"model":"m","instructions":"\\ud800","input":[{"role":"user","content":"hi\\ud800"}]}'
+    assert _parse("/v1/responses", responses).prompt == "<|system|>\n\ufffd\n<|user|>\nhi\ufffd\n"
+    assert _parse("/v1/embeddings", b'{"model":"m","input":"\\ud800"}').prompt == "\ufffd"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        # still wrong for another reason: the message says that reason, never "truncated"
+        (b'{"model":5,"user":"\\ud800"}', "invalid request body for /v1/completions: Expected `str`, got `int` - at `$.model`"),
+        (b'{"model":"m","user":"\\ud800"} trailing', "request body is not valid JSON: Extra data: line 1 column 31 (char 30)"),
+        (b'{"model":"m","user":"\\ud800","x":%s}' % _nested(5_000), "request body nests too deeply (JSON nested about 1,000 levels or more)"),
+    ],
+)
+def test_a_body_with_lone_surrogates_that_is_still_bad(body: bytes, message: str) -> None:
+    assert _bad("/v1/completions", body) == message
