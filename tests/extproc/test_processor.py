@@ -35,6 +35,8 @@ async def picker() -> AsyncIterator[EndpointPicker]:
             bind_address="127.0.0.1",
             secure_serving=False,
             max_request_body_bytes=1_000_000,
+            # Nothing listens at POOL's addresses: with scraping on the pool would never be ready.
+            scrape_metrics=False,
         )
     )
     await running.start()
