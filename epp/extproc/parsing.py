@@ -15,12 +15,15 @@ Two inputs msgspec handles differently from the model server, handled at this bo
   struct declares, and stops with ``RecursionError`` near Python's recursion limit (about 1,000
   levels). That is a 400 saying the body nests too deeply, never a 500: vLLM's own parser
   (``json.loads`` under FastAPI) has the same limit, so no body vLLM accepts is refused.
-- **Lone surrogate escapes** (``"\\ud800"`` with no low half). msgspec rejects them anywhere in the
-  body (as "Input data was truncated" or "invalid utf-16 surrogate pair"); vLLM's ``json.loads``
-  accepts them. So a body msgspec refuses that contains a surrogate escape is decoded again by
-  ``json.loads`` and converted into the same struct (a slow path only such bodies take), and the
-  strings the picker keeps have each lone surrogate replaced by U+FFFD so that they can always be
-  encoded (in headers, metric labels, logs). The body sent on to the pod is never changed.
+- **What json.loads accepts and msgspec does not**: lone surrogate escapes (``"\\ud800"`` with no
+  low half, which msgspec reports as "Input data was truncated"), ``NaN`` and ``Infinity``. vLLM
+  parses bodies with ``json.loads`` (FastAPI), so it accepts them, and the picker must too. So a
+  body msgspec refuses as JSON (not as UTF-8) is decoded again by ``json.loads`` and converted into
+  the same struct by ``msgspec.convert`` (a slow path only such bodies take). If ``json.loads``
+  refuses it too, the 400 gives msgspec's message (it names the byte), or ``json.loads``' when the
+  body holds a surrogate escape (msgspec's would say "truncated"). The strings the picker keeps
+  from such a body have each lone surrogate replaced by U+FFFD, so that they can always be encoded
+  (headers, metric labels, logs). The body sent on to the pod is never changed.
 
 Which struct to decode into is chosen by the request path (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``); any other path with a body only
@@ -169,12 +172,12 @@ def parse_request(
 
 _TOO_DEEP = "request body nests too deeply (JSON nested about 1,000 levels or more)"
 
-# A \uD800-\uDFFF escape: the only thing json.loads accepts that msgspec refuses.
+# A \uD800-\uDFFF escape: where msgspec's message misleads ("Input data was truncated").
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def _decode(api: Api, path: str, body: bytes) -> tuple[_Common, bool]:
-    """The typed view of ``body``, and whether it was decoded by the lone-surrogate slow path."""
+    """The typed view of ``body``, and whether it was decoded by the json.loads slow path."""
     decoder = _DECODERS[api]
     try:
         return decoder.decode(body), False
@@ -186,22 +189,23 @@ def _decode(api: Api, path: str, body: bytes) -> tuple[_Common, bool]:
         text = str(exc)
         if "UTF-8" in text:
             raise EppError(Reason.BAD_REQUEST, "request body is not valid UTF-8") from exc
-        if _SURROGATE_ESCAPE.search(body) is None:
-            raise EppError(Reason.BAD_REQUEST, f"request body is not valid JSON: {text}") from exc
-    return _decode_leniently(decoder.type, path, body), True
+        return _decode_leniently(decoder.type, path, body, text), True
 
 
-def _decode_leniently(target: Any, path: str, body: bytes) -> _Common:
-    # json.loads, not msgspec: it is what vLLM (FastAPI) parses with, so it accepts exactly the
-    # lone surrogates vLLM accepts; msgspec.convert then applies the same typed view.
+def _decode_leniently(target: Any, path: str, body: bytes, refusal: str) -> _Common:
+    # json.loads, not msgspec: it is what vLLM (FastAPI) parses with, so it accepts exactly what
+    # vLLM accepts; msgspec.convert then applies the same typed view.
     try:
-        value = json.loads(body)
+        # Keys cleaned: msgspec.convert cannot match a key holding a lone surrogate to a field (it
+        # raises UnicodeEncodeError); no field name has one, so cleaning them changes no match.
+        value = json.loads(body, object_pairs_hook=_clean_keys)
     except RecursionError as exc:
         raise EppError(Reason.BAD_REQUEST, _TOO_DEEP) from exc
     except UnicodeDecodeError as exc:
         raise EppError(Reason.BAD_REQUEST, "request body is not valid UTF-8") from exc
     except ValueError as exc:
-        raise EppError(Reason.BAD_REQUEST, f"request body is not valid JSON: {exc}") from exc
+        message = str(exc) if _SURROGATE_ESCAPE.search(body) else refusal
+        raise EppError(Reason.BAD_REQUEST, f"request body is not valid JSON: {message}") from exc
     try:
         return cast(_Common, msgspec.convert(value, target))
     except msgspec.ValidationError as exc:
@@ -213,6 +217,10 @@ def _decode_leniently(target: Any, path: str, body: bytes) -> _Common:
 def _clean(text: str) -> str:
     # Lone surrogates cannot be encoded as UTF-8; U+FFFD stands in for each in the picker's view.
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _clean_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {_clean(key): value for key, value in pairs}
 
 
 def _clean_content(content: _Content) -> _Content:
