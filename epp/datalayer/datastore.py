@@ -16,7 +16,8 @@ the pool (carried across metrics updates and re-labels), and attaches it to ever
 endpoint as its read-only ``inflight`` view. The request path gets the record itself from
 :meth:`Datastore.in_flight` to add and release its requests.
 
-Readiness (gRPC health) follows "the pool has an endpoint". Listeners hear about membership changes
+Readiness (gRPC health) follows "the pool has an endpoint that has answered a scrape" (the service
+reads it from the endpoints' ``metrics.updated_at``). Listeners hear about membership changes
 (an endpoint added, removed or re-labelled), not about metrics updates: the scraper starts and
 stops its per-endpoint loops from them. Metrics listeners (:meth:`Datastore.on_metrics`) hear about
 every metrics update instead: flow control re-checks saturation on each, so a queued request leaves

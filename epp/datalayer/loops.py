@@ -19,11 +19,16 @@ which prometheus_client - the exposition library of vLLM and SGLang - honours: t
 405, 414 or 422) or answers it with nothing usable is asked for the whole page from then on, at
 once; a 5xx is the pod's trouble and counts as a failed scrape.
 
-Failures never end a loop: an HTTP error, a timeout, a refused connection or a page that lacks a
-metric is recorded in the snapshot (``Metrics.error``); the last good numbers stay, and once no
-scrape has succeeded for ``--metrics-staleness-threshold`` (2 s) the endpoint is marked stale,
-which scorers and saturation detection read as "fully loaded". A loop that falls behind (a slow
-pod) skips the beats it missed and keeps its phase.
+Failures never end a loop: an HTTP error, a timeout, a refused connection, a 200 page with none of
+the engine's metrics on it (an HTML page, garbage: ``no_metrics``, a failed scrape) or a page that
+lacks some metric (``missing_metrics``: the rest is used) is recorded in the snapshot
+(``Metrics.error``); the last good numbers stay, and once no scrape has succeeded for
+``--metrics-staleness-threshold`` (2 s) the endpoint is marked stale, which scorers and saturation
+detection read as "fully loaded". An endpoint that has never been scraped successfully is stale from
+the start, so numbers never read are never taken for an idle pod. A refused connection marks the
+endpoint stale at once: nothing listens on the port (the pod died or restarts), which no waiting
+will change before the next successful scrape clears it. A loop that falls behind (a slow pod)
+skips the beats it missed and keeps its phase.
 
 What a scrape costs. At 100 pods that is 2,000 scrapes a second, so the loop is callbacks, not a
 task: a timer (``loop.call_at``) per endpoint writes the pre-built request, the connection's
@@ -68,7 +73,7 @@ __all__ = ["REASONS", "Reason", "ScrapeLoops", "ScrapeResult", "ScrapeSettings",
 
 log = logging.getLogger(__name__)
 
-Reason = Literal["connection", "timeout", "http_status", "missing_metrics"]
+Reason = Literal["connection", "timeout", "http_status", "no_metrics", "missing_metrics"]
 """Why a scrape failed or was incomplete; the label values of ``epp_endpoint_scrape_errors_total``."""
 REASONS: tuple[Reason, ...] = get_args(Reason)
 
@@ -326,7 +331,8 @@ class _EndpointLoop:
         except Exception as exc:  # refused, unreachable, TLS handshake...: recorded, never fatal
             self._connecting = None
             self.sent_at = None
-            self._failed("connection", f"{type(exc).__name__}: {exc}")
+            # Refused: nothing listens there now, a fact, not a slow pod (see the module docstring).
+            self._failed("connection", f"{type(exc).__name__}: {exc}", stale=isinstance(exc, ConnectionRefusedError))
             return
         self._connecting = None
         if self._closed:  # close() cancels this task first, but a leaked socket would be worse
@@ -357,6 +363,11 @@ class _EndpointLoop:
             self._last_page, self._last_parsed = page, parsed
         if self._filtered and _nothing_read(parsed):
             self._whole_pages()
+            return
+        if _no_metrics(parsed):
+            names = ", ".join(parsed.missing)
+            detail = f"not a metrics page: none of the engine's metrics (missing from the page: {names})"
+            self._failed("no_metrics", detail)
             return
         # time.monotonic(), not loop.time(): snapshots may cross to another process.
         now = time.monotonic()
@@ -396,12 +407,12 @@ class _EndpointLoop:
         self._request = request_bytes(self._host, self._port, self._settings.path)
         self._send(self._loop.time())  # now, off the beat; the phase stays
 
-    def _failed(self, reason: Reason, detail: str) -> None:
+    def _failed(self, reason: Reason, detail: str, *, stale: bool = False) -> None:
         if self._closed:
             return
         now = time.monotonic()
         last_ok = self._last_ok
-        stale = not last_ok or now - last_ok > self._settings.staleness
+        stale = stale or not last_ok or now - last_ok > self._settings.staleness
         # The last good numbers are kept, and their time: scorers age them from updated_at.
         self._current = current = msgspec.structs.replace(self._current, stale=stale, error=detail, reason=reason)
         try:
@@ -423,3 +434,15 @@ def _filtered_path(path: str, engine: EngineMapping) -> str:
 
 def _nothing_read(parsed: EngineMetrics) -> bool:
     return parsed.waiting_queue_size is None and parsed.running_requests is None and parsed.kv_cache_usage is None
+
+
+def _no_metrics(parsed: EngineMetrics) -> bool:
+    # Not one value the mapping asks for was found (an HTML page, garbage): a failed scrape, whose
+    # zeros must not read as an idle pod. ``missing`` is empty when the mapping asks for nothing.
+    return (
+        bool(parsed.missing)
+        and _nothing_read(parsed)
+        and parsed.max_adapters is None
+        and parsed.block_size is None
+        and parsed.num_gpu_blocks is None
+    )

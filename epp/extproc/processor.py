@@ -106,6 +106,8 @@ class _Stream:
     # -- the request phase ---------------------------------------------------------------------
 
     async def request_headers(self, message: pb.ProcessingRequest) -> _Answers:
+        if self.done:  # routing again would lose the first pick, never finished: fail the stream
+            raise RuntimeError("Envoy sent request headers after the request was routed")
         if message.HasField("protocol_config"):
             self.request_mode = message.protocol_config.request_body_mode
             self.response_mode = message.protocol_config.response_body_mode

@@ -154,7 +154,8 @@ class Director:
             )
         metrics.scheduled.inc()
         metrics.scheduler_e2e.observe(time.perf_counter() - started)
-        per_model = metrics.for_model(request.model)
+        model = request.model
+        per_model = metrics.for_model(model, served=lambda: model in self.base_models or _adapter_of(model, candidates))
         per_model.requests.inc()
         metrics.routed.inc()
         if request.body_size:
@@ -166,3 +167,8 @@ class Director:
 
 def _nothing() -> None:
     pass
+
+
+def _adapter_of(model: str, endpoints: Sequence[Endpoint]) -> bool:
+    """Whether a pod reports ``model`` as a LoRA adapter it runs or queues (it serves it)."""
+    return any(model in e.metrics.running_adapters or model in e.metrics.waiting_adapters for e in endpoints)

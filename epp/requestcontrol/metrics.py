@@ -3,10 +3,24 @@
 One :class:`RequestMetrics` per service, on the service's registry; the director and each routed
 request's lifecycle record through its methods, and the edge reports refusals to it
 (:meth:`RequestMetrics.refused`), so every per-request series is written from this module's methods.
+
+Bounded labels. The ``model_name`` / ``target_model_name`` labels come from the request body, which
+a client writes: each new value would create a dozen series that live forever (memory in the picker,
+a cardinality bomb in the operator's Prometheus). So a model name becomes a label value only if it is
+
+- a model the pool serves (a base model the director was given, or an adapter a pod reports running
+  or waiting in its metrics), up to :data:`MAX_SERVED_MODEL_LABELS`; or
+- one of the first :data:`MAX_FIRST_SEEN_MODEL_LABELS` other names seen - so that labels work before
+  (or without) anything telling the picker which models are served;
+
+and in both cases at most :data:`MAX_MODEL_LABEL_CHARS` characters long. Every other name is
+recorded under the one value :data:`OTHER_MODEL` (``other``). A client can thus add at most 32
+series sets, of bounded size, whatever it sends.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -14,10 +28,24 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from epp.errors import EppError
 from epp.scheduling.metrics import SCHEDULER_BUCKETS
 
-__all__ = ["ModelMetrics", "RequestMetrics"]
+__all__ = [
+    "MAX_FIRST_SEEN_MODEL_LABELS",
+    "MAX_MODEL_LABEL_CHARS",
+    "MAX_SERVED_MODEL_LABELS",
+    "OTHER_MODEL",
+    "ModelMetrics",
+    "RequestMetrics",
+]
 
-# Model names come from clients; past this many, series are still recorded but not cached.
-_MAX_CACHED_MODELS = 1024
+OTHER_MODEL = "other"
+"""The label value of every model name that gets no label of its own (see the module docstring)."""
+MAX_FIRST_SEEN_MODEL_LABELS = 32
+"""Names not known to be served that get their own label, first come first served: a deployment
+names a handful of models; past 32 the names are a client's invention, not an operator's."""
+MAX_SERVED_MODEL_LABELS = 1024
+"""Served models (base models, LoRA adapters) with their own label: far above vLLM's adapter slots."""
+MAX_MODEL_LABEL_CHARS = 256
+"""Longer names are no label: a Hugging Face id (owner/name) is at most about 140 characters."""
 
 # Request bodies from a few bytes to the 16 MiB default limit (upstream's size buckets, roughly x4 apart).
 _SIZE_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
@@ -81,19 +109,40 @@ class RequestMetrics:
         self.routed = self.request_outcome_total.labels("routed")
         self.scheduled = self.scheduler_attempts.labels("success")
         self.unscheduled = self.scheduler_attempts.labels("failure")
-        self._per_model: dict[str, ModelMetrics] = {}
+        self._per_model: dict[str, ModelMetrics] = {}  # by label value
+        self._served = 0
+        self._first_seen = 0
 
-    def for_model(self, model: str) -> ModelMetrics:
-        """The per-model series of ``model``."""
+    def for_model(self, model: str, *, served: Callable[[], bool] | None = None) -> ModelMetrics:
+        """The per-model series of ``model``: under its own label, or :data:`OTHER_MODEL`.
+
+        ``served()`` says whether the pool serves ``model``; it is asked only for a name that has no
+        label yet (see the module docstring).
+        """
         found = self._per_model.get(model)
         if found is None:
-            found = ModelMetrics(
-                requests=self.request_total.labels(model, model),
-                sizes=self.request_sizes.labels(model, model),
-                running=self.running_requests.labels(model),
+            found = self._series(self._label(model, served))
+        return found
+
+    def _label(self, model: str, served: Callable[[], bool] | None) -> str:
+        if len(model) > MAX_MODEL_LABEL_CHARS:
+            return OTHER_MODEL
+        if served is not None and self._served < MAX_SERVED_MODEL_LABELS and served():
+            self._served += 1
+            return model
+        if self._first_seen < MAX_FIRST_SEEN_MODEL_LABELS:
+            self._first_seen += 1
+            return model
+        return OTHER_MODEL
+
+    def _series(self, label: str) -> ModelMetrics:
+        found = self._per_model.get(label)
+        if found is None:
+            found = self._per_model[label] = ModelMetrics(
+                requests=self.request_total.labels(label, label),
+                sizes=self.request_sizes.labels(label, label),
+                running=self.running_requests.labels(label),
             )
-            if len(self._per_model) < _MAX_CACHED_MODELS:
-                self._per_model[model] = found
         return found
 
     def refused(self, error: EppError) -> None:

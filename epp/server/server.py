@@ -12,7 +12,9 @@ Health (the standard ``grpc.health.v1`` service) is served on the health port, p
 kubelet's gRPC probes, and on the main port too, over the same TLS as ext_proc, for Envoy's
 active health check. Services: ``liveness`` (SERVING while the process runs), ``readiness``,
 ``envoy.service.ext_proc.v3.ExternalProcessor`` and ``""`` (SERVING only while the pool has an
-endpoint and the picker is not shutting down). With flow control on, an empty pool is ready too:
+endpoint that has answered a metrics scrape, or any endpoint when scraping is off, and the picker is
+not shutting down: a pod that never answered is not known to serve, and requests sent there fail).
+``inference_pool_ready_pods`` counts the same endpoints. With flow control on, an empty pool is ready too:
 requests then wait in the queue for a pod (``noEndpointRequestTTL``), which is how a pool scaled
 to zero is woken, instead of Envoy failing them before they reach the picker.
 
@@ -197,6 +199,9 @@ class EndpointPicker:
         # Capacity may have changed: a queued request may go (cheap when nothing is queued).
         self.datastore.on_metrics(lambda name: self.admission.wake())
         self.datastore.subscribe(lambda added, removed: self.admission.wake())
+        self._answered: set[str] = set()  # endpoints that have answered a scrape: see _update_readiness
+        if self.scraper is not None:
+            self.datastore.on_metrics(self._first_answer)
         self.health = health.aio.HealthServicer()
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -286,11 +291,24 @@ class EndpointPicker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _first_answer(self, name: str) -> None:
+        # On the scraper's path, for every update: a set lookup unless an endpoint answers for the first time.
+        if name in self._answered:
+            return
+        endpoint = self.datastore.get(name)
+        if endpoint is not None and endpoint.metrics.updated_at:
+            self._answered.add(name)
+            self._pool_changed((), ())
+
     async def _update_readiness(self) -> None:
         synced = self.discovery is None or self.discovery.synced
-        has_pool = self.datastore.ready or self.config.admission.flow_control_enabled  # see the module docstring
+        endpoints = self.datastore.endpoints()
+        if self.scraper is not None:  # only endpoints that have answered a scrape (updated_at: its time)
+            endpoints = tuple(e for e in endpoints if e.metrics.updated_at)
+            self._answered = {e.name for e in endpoints}
+        has_pool = bool(endpoints) or self.config.admission.flow_control_enabled  # see the module docstring
         ready = has_pool and synced and not self._stopping
-        self.metrics.ready_pods.labels(self.settings.pool_name).set(len(self.datastore.endpoints()))
+        self.metrics.ready_pods.labels(self.settings.pool_name).set(len(endpoints))
         for service in _READINESS_SERVICES:
             await self.health.set(service, _SERVING if ready else _NOT_SERVING)
 

@@ -50,7 +50,7 @@ async def test_a_failed_scrape_keeps_the_last_good_numbers_and_their_time(fake: 
 
 
 def test_reasons_are_the_error_counters_label_values() -> None:
-    assert REASONS == ("connection", "timeout", "http_status", "missing_metrics")
+    assert REASONS == ("connection", "timeout", "http_status", "no_metrics", "missing_metrics")
 
 
 def test_a_result_before_any_scrape_is_stale_and_empty() -> None:

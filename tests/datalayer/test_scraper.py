@@ -88,8 +88,10 @@ async def test_chunked_pages_are_read(fake: FakeServer, scrape_metrics: ScrapeMe
     ("respond", "reason", "message"),
     [
         (lambda: web.Response(status=500, text="boom"), "http_status", "HTTP 500"),
-        (lambda: web.Response(body=b"<html>not metrics</html>"), "missing_metrics", "missing from the page"),
-        (lambda: web.Response(body=bytes(range(256)) * 20), "missing_metrics", "vllm:num_requests_waiting"),
+        # 200 with none of the engine's metrics: a failed scrape (issue 15), no longer a partial page
+        (lambda: web.Response(body=b"<html>not metrics</html>"), "no_metrics", "missing from the page"),
+        (lambda: web.Response(body=bytes(range(256)) * 20), "no_metrics", "vllm:num_requests_waiting"),
+        (lambda: web.Response(body=VLLM_PAGE.replace(b"kv_cache_usage", b"other")), "missing_metrics", "vllm:kv_cache_usage_perc"),
     ],
 )
 async def test_bad_answers_are_survived_recorded_and_counted(
@@ -147,6 +149,77 @@ async def test_a_pod_that_refuses_connections_is_stale_from_the_start(scrape_met
         assert metrics.stale and "Error" in (metrics.error or "")
     finally:
         await scraper.stop()
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(b"<!doctype html><html><body><h1>Welcome</h1></body></html>", id="html"),
+        pytest.param(b"# HELP something_else A metric of another program.\nsomething_else 1\n", id="other-metrics"),
+        pytest.param(b"", id="empty"),
+    ],
+)
+async def test_a_page_with_none_of_the_engines_metrics_is_a_failed_scrape_and_goes_stale(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics, page: bytes
+) -> None:
+    fake.respond = lambda: web.Response(body=page, content_type="text/html")
+    datastore = Datastore([fake.endpoint])
+    scraper = await running(datastore, scrape_metrics)
+    name = fake.endpoint.name
+    try:
+        await until(lambda: _errors(scrape_metrics, name, "no_metrics") >= 5)
+        metrics = datastore.endpoints()[0].metrics
+        # never scraped: stale from the start (read as fully loaded), never an idle pod with queue 0
+        assert metrics.stale and metrics.updated_at == 0.0
+        assert (metrics.error or "").startswith("not a metrics page: none of the engine's metrics")
+        assert scrape_metrics.registry.get_sample_value("epp_endpoint_metrics_stale", {"endpoint": name}) == 1.0
+        assert not scrape_metrics.registry.get_sample_value("epp_endpoint_scrapes_total")
+        fake.respond = lambda: web.Response(body=VLLM_PAGE)
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
+        assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
+        # a pod that was fine and then serves HTML keeps its numbers and goes stale after the threshold
+        fake.respond = lambda: web.Response(body=page, content_type="text/html")
+        await until(lambda: datastore.endpoints()[0].metrics.error is not None)
+        assert datastore.endpoints()[0].metrics.waiting_queue_size == 7
+        await until(lambda: datastore.endpoints()[0].metrics.stale)
+    finally:
+        await scraper.stop()
+
+
+async def test_a_refused_connection_marks_the_endpoint_stale_at_once(scrape_metrics: ScrapeMetrics) -> None:
+    # The staleness threshold is long (30 s): only the refusal itself can make the endpoint stale here.
+    settings = replace(FAST, staleness=30.0)
+    server = FakeServer()
+    app = web.Application()
+    app.router.add_get("/metrics", server.handler)
+
+    async def serve(port: int) -> web.AppRunner:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = await serve(0)
+    port = runner.addresses[0][1]
+    server.port = port
+    datastore = Datastore([server.endpoint])
+    scraper = await running(datastore, scrape_metrics, settings)
+    name = server.endpoint.name
+    try:
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await runner.cleanup()  # the pod dies: its port now refuses connections
+        stopped = asyncio.get_running_loop().time()
+        await until(lambda: datastore.endpoints()[0].metrics.stale, timeout=2.0)
+        assert asyncio.get_running_loop().time() - stopped < 2.0  # far below the 30 s threshold
+        metrics = datastore.endpoints()[0].metrics
+        assert "ConnectionRefusedError" in (metrics.error or "") and metrics.waiting_queue_size == 7
+        assert _errors(scrape_metrics, name, "connection") >= 1
+        runner = await serve(port)  # back on the same port: the next good scrape clears it
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
+        assert datastore.endpoints()[0].metrics.error is None
+    finally:
+        await scraper.stop()
+        await runner.cleanup()
 
 
 async def test_endpoints_added_and_removed_start_and_stop_their_loops(

@@ -219,3 +219,48 @@ async def test_picker_down_fail_open_reaches_a_pool_member_never_a_forged_one(ma
         assert status == 200, answer
         assert answer["port"] in pool_ports
     assert not outsider.received
+
+
+async def _raw_exchange(stack: Stack, request: bytes) -> bytes:
+    """Send ``request`` as raw bytes; what Envoy answers before it closes (b"" if nothing)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.envoy.listen_port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(65536), timeout=10)
+    except (ConnectionResetError, BrokenPipeError):
+        return b""
+    finally:
+        writer.close()
+
+
+_LOCAL_REPLIES = [
+    pytest.param(b"GET /v1/models HTTP/1.0\r\nHost: x\r\n\r\n", b"426", id="http-1.0"),
+    pytest.param(
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(200)) + b"\r\n",
+        b"431",
+        id="200-headers",
+    ),
+    pytest.param(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nx-big: " + b"v" * 61_440 + b"\r\n\r\n", b"431", id="60kb-header"),
+]
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+@pytest.mark.parametrize("picker_up", [True, False])
+@pytest.mark.parametrize(("request_bytes", "status"), _LOCAL_REPLIES)
+async def test_envoys_own_local_replies_reach_the_client(
+    make_stack: StackFactory, request_bytes: bytes, status: bytes, fail_open: bool, picker_up: bool
+) -> None:
+    # Envoy answers these itself (426 Upgrade Required, 431 Request Header Fields Too Large), as a
+    # plain Envoy does: the picker's configs must not swallow them (issue 15, item 2).
+    if picker_up:
+        stack = await make_stack(fail_open=fail_open)
+    else:
+        stack = await make_stack(picker=False, picker_port=free_port(), fail_open=fail_open)
+    answer = await _raw_exchange(stack, request_bytes)
+    assert answer.split(b"\r\n", 1)[0].startswith(b"HTTP/1.1 " + status), answer[:200]
+    got, _ = await _post(stack, _completion("fine"))  # and the gateway works as before for the next request
+    if picker_up or fail_open:
+        assert got == 200
+    else:
+        assert 500 <= got < 600

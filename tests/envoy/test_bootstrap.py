@@ -434,7 +434,8 @@ async def test_a_tls_mismatch_between_envoy_and_the_picker_is_a_500_as_deploy_en
 ) -> None:
     # The real picker (its own TLS), a pool that would answer: only the transport disagrees.
     pool_member, forged_target = await backend(), await backend()
-    picker = PickerProcess([pool_member.address], tls=picker_tls)
+    # The pool member is no model server: without scraping, it counts as ready from the start.
+    picker = PickerProcess([pool_member.address], tls=picker_tls, extra_args=["--scrape-metrics=false"])
     await asyncio.to_thread(picker.start)
     try:
         process = await envoy(_local_options(picker_port=picker.grpc_port, picker_tls=envoy_tls))

@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from epp.errors import EppError, Reason
 from epp.extproc.parsing import api_for_path, parse_request
@@ -305,3 +307,165 @@ def test_bad_request_keeps_the_decoder_error_as_cause() -> None:
     with pytest.raises(EppError) as info:
         _parse("/v1/completions", b"{")
     assert info.value.__cause__ is not None
+
+
+# -- deep nesting and lone surrogates (issue 15, items 1 and 9) ------------------------------------
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("depth", [1_000, 5_000, 200_000])
+@pytest.mark.parametrize(
+    ("path", "template"),
+    [
+        # in a field no struct declares: skipped by msgspec, which still recurses per level
+        ("/v1/completions", b'{"model":"m","extra":%s}'),
+        ("/v1/chat/completions", b'{"model":"m","messages":[{"role":"user","content":[{"type":"image","image_url":%s}]}]}'),
+        ("/v1/other", b'{"model":"m","tools":[{"function":{"parameters":%s}}]}'),
+    ],
+)
+def test_deep_nesting_is_a_400_saying_so(path: str, template: bytes, depth: int) -> None:
+    assert _bad(path, template % _nested(depth)) == "request body nests too deeply (JSON nested about 1,000 levels or more)"
+    objects = b'{"a":' * depth + b"1" + b"}" * depth
+    assert _bad(path, template % objects) == "request body nests too deeply (JSON nested about 1,000 levels or more)"
+
+
+def test_moderate_nesting_in_a_skipped_field_still_parses() -> None:
+    assert _parse("/v1/completions", b'{"model":"m","extra":%s}' % _nested(300)).model == "m"
+
+
+@pytest.mark.parametrize(
+    ("body", "model", "prompt"),
+    [
+        # vLLM parses bodies with json.loads, which accepts lone surrogates: so must the picker
+        (b'{"model":"m","prompt":"x","user":"\\ud800"}', "m", "x"),
+        (b'{"model":"m","prompt":"x","user":"\\udc00 and more"}', "m", "x"),
+        (b'{"model":"m\\ud800","prompt":"a\\udfffb"}', "m\ufffd", "a\ufffdb"),
+        (b'{"model":"m","prompt":["\\ud800",  "ok"]}', "m", "\ufffd\nok"),
+        (b'{"model":"m","cache_salt":"\\ud800","prompt":"p"}', "m", "p"),
+        # a proper pair is one character, on the fast path as before
+        (b'{"model":"m","prompt":"\\ud83d\\ude00"}', "m", "\U0001f600"),
+    ],
+)
+def test_lone_surrogates_are_accepted_like_vllm_does(body: bytes, model: str, prompt: str) -> None:
+    request = _parse("/v1/completions", body)
+    assert (request.model, request.prompt) == (model, prompt)
+    # every string the picker keeps can be encoded (headers, labels, logs)
+    for text in (request.model, request.prompt, request.cache_salt or ""):
+        text.encode("utf-8")
+
+
+def test_lone_surrogates_in_chat_and_responses_bodies() -> None:
+    chat = b'{"model":"m","messages":[{"role":"user\\ud800","content":[{"type":"text","text":"\\udc01"}]}]}'
+    assert _parse("/v1/chat/completions", chat).prompt == "<|user\ufffd|>\n\ufffd\n"
+    responses = b'{"model":"m","instructions":"\\ud800","input":[{"role":"user","content":"hi\\ud800"}]}'
+    assert _parse("/v1/responses", responses).prompt == "<|system|>\n\ufffd\n<|user|>\nhi\ufffd\n"
+    assert _parse("/v1/embeddings", b'{"model":"m","input":"\\ud800"}').prompt == "\ufffd"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        # still wrong for another reason: the message says that reason, never "truncated"
+        (b'{"model":5,"user":"\\ud800"}', "invalid request body for /v1/completions: Expected `str`, got `int` - at `$.model`"),
+        (b'{"model":"m","user":"\\ud800"} trailing', "request body is not valid JSON: Extra data: line 1 column 31 (char 30)"),
+        (b'{"model":"m","user":"\\ud800","x":%s}' % _nested(5_000), "request body nests too deeply (JSON nested about 1,000 levels or more)"),
+    ],
+)
+def test_a_body_with_lone_surrogates_that_is_still_bad(body: bytes, message: str) -> None:
+    assert _bad("/v1/completions", body) == message
+
+
+# -- fuzzing (issue 15): whatever the body, a parsed request or a 400, nothing else -----------------
+
+_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/other", ""]
+# deadline=None: the machine is shared and noisy, and a timed assertion is no test here (the bound is
+# max_examples); derandomize: the same examples on every run, so a failure reproduces.
+_FUZZ = settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+# Any code point, lone surrogates included (json.dumps escapes them as \udXXX, as a client may).
+_TEXT = st.text(st.characters(codec=None), max_size=40)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def _nest(value: Any, depth: int, as_object: bool) -> Any:
+    for _ in range(depth):
+        value = {"a": value} if as_object else [value]
+    return value
+
+
+@st.composite
+def _bodies(draw: st.DrawFn) -> bytes:
+    kind = draw(st.sampled_from(["bytes", "json", "object", "nested", "oversize", "mutated"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=200))
+    if kind == "json":
+        return json.dumps(draw(_JSON), ensure_ascii=draw(st.booleans())).encode("utf-8", "surrogatepass")
+    body: dict[str, Any] = draw(st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=6))
+    if kind == "nested":  # spliced in as text: json.dumps itself recurses per level
+        body[draw(st.sampled_from(["extra", "prompt", "messages", "input", "model"]))] = "@NEST@"
+    elif kind == "oversize":
+        body[draw(st.sampled_from(_FIELDS))] = "x" * draw(st.integers(10_000, 300_000))
+    raw = json.dumps(body, ensure_ascii=draw(st.booleans())).encode("utf-8", "surrogatepass")
+    if kind == "nested":
+        depth, inner = draw(st.integers(1, 3_000)), json.dumps(draw(_JSON)).encode()
+        nested = b'{"a":' * depth + inner + b"}" * depth if draw(st.booleans()) else b"[" * depth + inner + b"]" * depth
+        raw = raw.replace(b'"@NEST@"', nested)
+    if kind == "mutated" and raw:
+        at = draw(st.integers(0, len(raw) - 1))
+        raw = raw[:at] + draw(st.binary(max_size=3)) + raw[at + draw(st.integers(0, 3)) :]
+    return raw
+
+
+_FIELDS = ["model", "prompt", "messages", "input", "stream", "cache_salt", "max_tokens", "instructions", "extra"]
+
+
+@_FUZZ
+@given(path=st.sampled_from(_PATHS), body=_bodies())
+def test_fuzz_any_body_is_parsed_or_refused_with_a_400(path: str, body: bytes) -> None:
+    try:
+        request = parse_request(_headers(path), body)
+    except EppError as error:
+        assert error.reason is Reason.BAD_REQUEST and error.status == 400
+        assert error.message and "internal" not in error.message
+        error.message.encode("utf-8")  # a message can always be sent
+        return
+    for text in (request.model or "", request.prompt, request.cache_salt or ""):
+        text.encode("utf-8")  # what the picker keeps can always be encoded (headers, labels, logs)
+
+
+@_FUZZ
+@given(
+    model=_TEXT.filter(bool),
+    prompt=_TEXT,
+    extra=st.dictionaries(_TEXT.filter(lambda k: k not in _FIELDS), _JSON, max_size=4),
+    depth=st.integers(0, 400),
+    ascii_only=st.booleans(),
+)
+def test_fuzz_a_well_formed_completion_is_never_refused(
+    model: str, prompt: str, extra: dict[str, Any], depth: int, ascii_only: bool
+) -> None:
+    # What vLLM accepts (json.loads, then its own schema), the picker must accept too: any model and
+    # prompt text, lone surrogates included, with unread fields of any shape nested moderately deep.
+    body = {**extra, "model": model, "prompt": prompt, "extra": _nest(None, depth, depth % 2 == 0)}
+    raw = json.dumps(body, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    if not ascii_only and any(0xD800 <= ord(c) <= 0xDFFF for c in model + prompt + json.dumps(extra)):
+        return  # raw surrogate bytes are invalid UTF-8, which vLLM refuses too; escaped, they are tested
+    request = parse_request(_headers("/v1/completions"), raw)
+    clean = model.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    assert request.model == clean
+
+
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+def test_what_json_loads_accepts_in_unread_fields_is_accepted(constant: bytes) -> None:
+    # vLLM parses with json.loads, which takes these; the picker is never stricter
+    assert _parse("/v1/completions", b'{"model":"m","prompt":"p","temperature":%s}' % constant).prompt == "p"
+    assert _bad("/v1/completions", b'{"model":"m","max_tokens":%s}' % constant).startswith(
+        "invalid request body for /v1/completions: Expected `int | null`, got `float` - at `$.max_tokens`"
+    )

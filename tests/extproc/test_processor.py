@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import unittest.mock
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,9 +15,20 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
+from epp.datalayer.datastore import Datastore
 from epp.datalayer.static import parse_endpoints
-from epp.extproc.processor import MAX_STREAMED_CHUNK
+from epp.errors import EppError
+from epp.extproc.processor import MAX_STREAMED_CHUNK, ExternalProcessor
+from epp.framework import Endpoint, Handle, InferenceRequest, Outcome, PluginMetrics
+from epp.requestcontrol.director import Director
+from epp.requestcontrol.lifecycle import RoutedRequest
+from epp.requestcontrol.metrics import RequestMetrics
+from epp.scheduling.config import load_config
+from epp.scheduling.registry import default_registry
 from epp.server.server import EXT_PROC_SERVICE, EndpointPicker
 from epp.server.settings import Settings
 
@@ -35,6 +47,8 @@ async def picker() -> AsyncIterator[EndpointPicker]:
             bind_address="127.0.0.1",
             secure_serving=False,
             max_request_body_bytes=1_000_000,
+            # Nothing listens at POOL's addresses: with scraping on the pool would never be ready.
+            scrape_metrics=False,
         )
     )
     await running.start()
@@ -393,3 +407,142 @@ async def test_a_stream_cancelled_while_queued_leaves_the_queue() -> None:
         assert value("llm_d_epp_flow_control_requests_total", {"outcome": "EvictedContextCancelled", "priority": "0", "inference_pool": ""}) == 1
     finally:
         await running.stop(0)
+
+
+# -- fuzzing the stream state machine (issue 15), in-process ------------------------------------
+
+_FUZZ = settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+_FUZZ_POOL = [Endpoint(f"pod-{i}", f"10.0.1.{i}", 8000) for i in range(3)]
+_RANDOM_PICKER = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: random-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: random-picker
+"""
+
+
+class _SpyDirector:
+    """A real director over a static pool, recording every request it routes."""
+
+    def __init__(self) -> None:
+        self.datastore = Datastore(_FUZZ_POOL)
+        built = load_config(_RANDOM_PICKER, default_registry(), Handle(self.datastore, metrics=PluginMetrics(CollectorRegistry())))
+        self._director = Director(self.datastore, built.scheduler, RequestMetrics())
+        self.base_models = self._director.base_models
+        self.routed: list[RoutedRequest] = []
+
+    async def route(self, request: InferenceRequest, subset: object = None) -> RoutedRequest:
+        routed = await self._director.route(request, subset)  # type: ignore[arg-type]
+        self.routed.append(routed)
+        return routed
+
+
+_MODES = st.sampled_from([Mode.NONE, Mode.STREAMED, Mode.BUFFERED, Mode.BUFFERED_PARTIAL, Mode.FULL_DUPLEX_STREAMED])
+_HEADER_SETS = st.sampled_from(
+    [
+        POST,
+        {":method": "GET", ":path": "/v1/models"},
+        {":method": "POST", ":path": "/v1/chat/completions", "x-gateway-destination-endpoint-subset": "forged"},
+        {},
+    ]
+)
+_BODY_BYTES = st.one_of(
+    st.just(COMPLETION),
+    st.binary(max_size=64),
+    st.sampled_from([COMPLETION[:7], COMPLETION[7:], b'{"model":"m",', b"[" * 3000]),
+    st.integers(60_000, 130_000).map(lambda n: json.dumps({"model": "m", "prompt": "q" * n}).encode()),
+)
+
+
+@st.composite
+def _message(draw: st.DrawFn) -> pb.ProcessingRequest:
+    kind = draw(st.sampled_from(["headers", "body", "trailers", "response_headers", "response_body", "response_trailers", "empty", "bytes"]))
+    if kind == "headers":
+        mode = draw(st.none() | _MODES)
+        return headers(draw(_HEADER_SETS), end_of_stream=draw(st.booleans()), mode=mode)
+    if kind == "body":
+        return body(draw(_BODY_BYTES), end_of_stream=draw(st.booleans()))
+    if kind == "trailers":
+        return pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+    if kind == "response_headers":
+        status = draw(st.sampled_from([b"200", b"503", b"x", b""]))
+        return pb.ProcessingRequest(
+            response_headers=pb.HttpHeaders(
+                headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=status)]),
+                end_of_stream=draw(st.booleans()),
+            )
+        )
+    if kind == "response_body":
+        return pb.ProcessingRequest(response_body=pb.HttpBody(body=draw(st.binary(max_size=32)), end_of_stream=draw(st.booleans())))
+    if kind == "response_trailers":
+        return pb.ProcessingRequest(response_trailers=pb.HttpTrailers())
+    if kind == "bytes":  # whatever random bytes parse as
+        try:
+            return pb.ProcessingRequest.FromString(draw(st.binary(max_size=48)))
+        except Exception:  # not a message at all: gRPC would have failed the stream before us
+            return pb.ProcessingRequest()
+    return pb.ProcessingRequest()
+
+
+async def _messages(sequence: list[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingRequest]:
+    for message in sequence:
+        yield message
+
+
+@_FUZZ
+@given(sequence=st.lists(_message(), max_size=8), cancel_after=st.none() | st.integers(0, 6))
+async def test_fuzz_any_message_sequence_gets_well_formed_answers_and_finishes_each_request_once(
+    sequence: list[pb.ProcessingRequest], cancel_after: int | None
+) -> None:
+    director = _SpyDirector()
+    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
+    finishes: list[RoutedRequest] = []
+    real_finish = RoutedRequest.finish
+
+    def counted(routed: RoutedRequest, outcome: Outcome = "complete") -> None:
+        finishes.append(routed)
+        real_finish(routed, outcome)
+
+    answers: list[pb.ProcessingResponse] = []
+    stream = processor.Process(_messages(sequence), None)  # type: ignore[arg-type]
+    with unittest.mock.patch.object(RoutedRequest, "finish", counted):
+        try:
+            async for answer in stream:
+                answers.append(answer)
+                if cancel_after is not None and len(answers) > cancel_after:
+                    break  # Envoy (or the client) goes away mid-stream
+        except (EppError, RuntimeError):
+            # the documented stream failure: only once the request was routed, too late for an answer
+            assert director.routed
+        finally:
+            await stream.aclose()  # what gRPC does to a cancelled stream
+    for answer in answers:
+        assert isinstance(answer, pb.ProcessingResponse)
+        assert answer.WhichOneof("response") is not None
+        pb.ProcessingResponse.FromString(answer.SerializeToString())
+        if answer.HasField("immediate_response"):
+            assert answer is answers[-1]  # an immediate response ends the stream
+            assert 400 <= answer.immediate_response.status.code < 600
+    # every routed request finished exactly once; nothing left in flight
+    assert sorted(map(id, finishes)) == sorted(map(id, director.routed))
+    assert len(set(map(id, finishes))) == len(finishes)
+    for endpoint in director.datastore.endpoints():
+        assert (endpoint.inflight.requests, endpoint.inflight.unanswered, endpoint.inflight.tokens) == (0, 0, 0)
+
+
+async def test_request_headers_again_after_the_pick_fail_the_stream_and_the_pick_is_finished() -> None:
+    # Found by the fuzz test above: a second request_headers used to route again, and the first
+    # routed request was never finished (its in-flight count leaked).
+    director = _SpyDirector()
+    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
+    get = {":method": "GET", ":path": "/v1/models"}
+    stream = processor.Process(_messages([headers(get, end_of_stream=True)] * 2), None)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="request headers after the request was routed"):
+        async for _ in stream:
+            pass
+    assert len(director.routed) == 1
+    assert all(e.inflight.requests == 0 for e in director.datastore.endpoints())

@@ -9,20 +9,28 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from epp.datalayer.datastore import Datastore
+from epp.datalayer.inflight import InFlight
+from epp.errors import EppError
+from epp.flowcontrol import FlowControlMetrics, build_admission
 from epp.datalayer.static import parse_endpoint
 from epp.framework import (
     Endpoint,
     Handle,
     InferenceRequest,
     Metrics,
+    Outcome,
     PluginMetrics,
     Profile,
     SchedulingResult,
     ScoredEndpoint,
 )
 from epp.requestcontrol.director import Director
+from epp.requestcontrol.lifecycle import RoutedRequest
 from epp.scheduling.config import load_config
 from epp.scheduling.registry import default_registry
 from epp.scheduling.runner import Scheduler
@@ -156,3 +164,175 @@ def test_a_request_counts_as_unanswered_until_its_response_body_starts() -> None
     first.finish()
     second.finish("cancelled")  # never answered: released from both counts
     assert (endpoint.inflight.requests, endpoint.inflight.unanswered) == (0, 0)
+
+
+# -- a stateful test (issue 15): datastore + in-flight accounting + admission + routed requests ------
+
+_STATEFUL_CONFIG = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl=true]
+plugins:
+- type: concurrency-detector
+  parameters: {maxConcurrency: 2}
+- type: random-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: random-picker
+saturationDetector: {pluginRef: concurrency-detector}
+"""
+_NAMES = [f"pod-{i}" for i in range(4)]
+
+
+class _PoolMachine(RuleBasedStateMachine):
+    """Random pod churn and request lives against one director with flow control (the queue holds
+    requests while the pool is saturated or empty). Rules that need an open or queued request do
+    nothing without one (no preconditions: which requests queue depends on the random picker's
+    choices, which hypothesis does not draw). The model: which routed requests are open, on
+    which in-flight record, answered or not. Invariants: every record counts exactly its open
+    requests, nothing is finished twice, and once everything ends every count is back to zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.datastore = Datastore()
+        self.metrics = PickerMetrics()
+        built = load_config(_STATEFUL_CONFIG, default_registry(), Handle(self.datastore, metrics=PluginMetrics(self.metrics.registry)))
+        assert built.detector is not None
+        self.admission = build_admission(
+            built.admission, built.detector, self.datastore.endpoints, metrics=FlowControlMetrics(self.metrics.registry)
+        )
+        self.datastore.subscribe(lambda added, removed: self.admission.wake())  # as the server does
+        self.director = Director(self.datastore, built.scheduler, self.metrics.requests, admission=self.admission)
+        self.pending: list[asyncio.Task[RoutedRequest]] = []
+        self.open: list[RoutedRequest] = []
+        self.answered: set[int] = set()
+        self.records: dict[int, InFlight] = {}  # every record a request was counted in, by id
+        self.record_of: dict[int, InFlight] = {}  # routed request id -> its record
+        self.finished: dict[int, int] = {}
+        self.alive: list[RoutedRequest] = []  # every routed request kept alive: their ids stay unique
+
+    def _settle(self) -> None:
+        for _ in range(8):
+            self.loop.run_until_complete(asyncio.sleep(0))
+        still: list[asyncio.Task[RoutedRequest]] = []
+        for task in self.pending:
+            if not task.done():
+                still.append(task)
+            elif not task.cancelled() and task.exception() is None:
+                self._opened(task.result())
+            elif not task.cancelled():
+                assert isinstance(task.exception(), EppError)  # refused: an HTTP answer, never a crash
+                event(f"refused: {task.exception()}")
+        if still:
+            event("a request waited in the queue")
+        self.pending = still
+
+    def _opened(self, routed: RoutedRequest) -> None:
+        record = self.datastore.in_flight(routed.primary.name)
+        assert record is not None  # routed to a pod in the pool
+        self.open.append(routed)
+        self.records[id(record)] = record
+        self.record_of[id(routed)] = record
+        self.alive.append(routed)
+
+    @rule(name=st.sampled_from(_NAMES), zone=st.sampled_from(["a", "b"]))
+    def add_or_relabel_pod(self, name: str, zone: str) -> None:
+        before = self.datastore.in_flight(name)
+        self.datastore.upsert(Endpoint(name, f"10.0.2.{_NAMES.index(name)}", 8000, {"zone": zone}))
+        if before is not None:
+            assert self.datastore.in_flight(name) is before  # a re-label keeps the pod's record
+        self._settle()
+
+    @rule(name=st.sampled_from(_NAMES))
+    def remove_pod(self, name: str) -> None:
+        self.datastore.remove(name)
+        self._settle()
+
+    @rule(name=st.sampled_from(_NAMES), waiting=st.integers(0, 9))
+    def scrape(self, name: str, waiting: int) -> None:
+        before = self.datastore.in_flight(name)
+        self.datastore.update_metrics(name, Metrics(waiting_queue_size=waiting, updated_at=1.0, stale=False))
+        assert self.datastore.in_flight(name) is before
+
+    @rule(prompt=st.text(max_size=30), objective=st.sampled_from(["", "batch"]))
+    def request(self, prompt: str, objective: str) -> None:
+        headers = {"x-llm-d-inference-objective": objective} if objective else {}
+        request = InferenceRequest("r", "POST", "/v1/completions", headers, model="m", prompt=prompt)
+        self.pending.append(self.loop.create_task(self.director.route(request)))
+        self._settle()
+
+    @rule(i=st.integers(0, 99))
+    def client_goes_away_while_queued(self, i: int) -> None:
+        if not self.pending:
+            return
+        self.pending[i % len(self.pending)].cancel()
+        self._settle()
+
+    @rule(i=st.integers(0, 99), status=st.sampled_from(["200", "500", ""]))
+    def response_headers(self, i: int, status: str) -> None:
+        if not self.open:
+            return
+        self.open[i % len(self.open)].response_headers({":status": status})
+
+    @rule(i=st.integers(0, 99))
+    def response_body(self, i: int) -> None:
+        if not self.open:
+            return
+        routed = self.open[i % len(self.open)]
+        routed.response_body_started()
+        self.answered.add(id(routed))
+
+    @rule(i=st.integers(0, 99), outcome=st.sampled_from(["complete", "error", "cancelled"]), twice=st.booleans())
+    def finish(self, i: int, outcome: Outcome, twice: bool) -> None:
+        if not self.open:
+            return
+        routed = self.open.pop(i % len(self.open))
+        routed.finish(outcome)
+        if twice:
+            routed.finish(outcome)  # a second finish is a no-op
+        self.finished[id(routed)] = self.finished.get(id(routed), 0) + 1
+        self._settle()  # a freed slot may release a queued request
+
+    @invariant()
+    def every_record_counts_exactly_its_open_requests(self) -> None:
+        for key, record in self.records.items():
+            mine = [r for r in self.open if self.record_of[id(r)] is record]
+            assert record.requests == len(mine), key
+            assert record.unanswered == sum(1 for r in mine if id(r) not in self.answered)
+            assert record.tokens == sum(r.request.prompt_tokens for r in mine)
+        running = self.metrics.registry.get_sample_value("inference_objective_running_requests", {"model_name": "m"})
+        assert (running or 0) == len(self.open)
+        assert all(count == 1 for count in self.finished.values())
+
+    def teardown(self) -> None:
+        try:
+            for routed in self.open:
+                routed.finish("complete")
+            self.open.clear()
+            self._settle()
+            while self.open or self.pending:  # the queue drains as slots free; a request queued for an
+                for routed in self.open:  # empty pool is given up when the client goes away
+                    routed.finish("complete")
+                self.open.clear()
+                if not self.datastore.endpoints():
+                    for task in self.pending:
+                        task.cancel()
+                self._settle()
+            for record in self.records.values():
+                assert (record.requests, record.unanswered, record.tokens) == (0, 0, 0)
+            assert self.admission.queued == 0
+            running = self.metrics.registry.get_sample_value("inference_objective_running_requests", {"model_name": "m"})
+            assert not running
+        finally:
+            self.admission.close()
+            self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.close()
+
+
+_PoolMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)  # fmt: skip
+test_pool_state_machine = _PoolMachine.TestCase
