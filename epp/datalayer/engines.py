@@ -72,6 +72,9 @@ class EngineMetrics:
     """KV-cache blocks on the GPU."""
     missing: tuple[str, ...]
     """Selectors (or ``selector label name``) configured but not found usable on the page: an error state."""
+    kv_cache_size_tokens: int | None = None
+    """The KV cache's capacity in tokens, when the engine says it (vLLM's ``cache_config_info`` label);
+    optional, never missing: ``num_gpu_blocks x block_size`` stands in for it."""
 
 
 _NO_ADAPTERS: frozenset[str] = frozenset()
@@ -112,6 +115,8 @@ class EngineMapping:
     """An info-style metric whose labels carry the block size and the number of blocks."""
     cache_block_size_label: str = "block_size"
     cache_num_blocks_label: str = "num_gpu_blocks"
+    cache_size_tokens_label: str = "kv_cache_size_tokens"
+    """The optional label of ``cache_info`` with the cache's capacity in tokens."""
     cache_block_size: tuple[Selector, ...] = ()
     """Block size as a gauge value, used when ``cache_info`` gives none."""
     cache_num_blocks: tuple[Selector, ...] = ()
@@ -130,10 +135,12 @@ class EngineMapping:
                 raise TypeError(f"engine {self.name!r}: expected a Selector or None, got {sel!r}")
             return None if sel is None else CompiledSelector(sel)
 
-        block_size, num_blocks = (n.encode() for n in (self.cache_block_size_label, self.cache_num_blocks_label))
+        labels = (self.cache_block_size_label, self.cache_num_blocks_label, self.cache_size_tokens_label)
+        block_size, num_blocks, size_tokens = (n.encode() for n in labels)
         plan = _Plan(
             many(self.queued_requests), many(self.running_requests), many(self.kv_usage), one(self.lora),
-            one(self.cache_info), ((block_size, block_size + b'="'), (num_blocks, num_blocks + b'="')),
+            one(self.cache_info),
+            ((block_size, block_size + b'="'), (num_blocks, num_blocks + b'="'), (size_tokens, size_tokens + b'="')),
             many(self.cache_block_size), many(self.cache_num_blocks),
         )  # fmt: skip
         object.__setattr__(self, "_plan", plan)
@@ -172,10 +179,10 @@ class EngineMapping:
         max_a = None
         if lora is not None:
             running_a, waiting_a, max_a = scan.lora(lora, missing)
-        block_size = num_blocks = None
+        block_size = num_blocks = size_tokens = None
         info_missing: list[str] = []
         if info is not None:
-            block_size, num_blocks = scan.cache_info(info, info_labels, info_missing)
+            block_size, num_blocks, size_tokens = scan.cache_info(info, info_labels, info_missing)
         if block_size is None and bs_gauges:
             value = scan.largest(bs_gauges, info_missing)
             block_size = None if value is None else round(value)
@@ -194,6 +201,7 @@ class EngineMapping:
             block_size=block_size,
             num_gpu_blocks=num_blocks,
             missing=tuple(missing),
+            kv_cache_size_tokens=size_tokens,
         )
 
 

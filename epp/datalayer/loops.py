@@ -123,6 +123,7 @@ class ScrapeResult(msgspec.Struct, frozen=True, array_like=True, gc=False):
     stale: bool = True
     error: str | None = None  # why the scrape failed or what the page lacked; None when complete
     reason: Reason | None = None  # the error's kind; None when the scrape was complete
+    kv_cache_size_tokens: int | None = None  # the cache's capacity in tokens, when the engine says it
 
 
 Sink = Callable[[ScrapeResult], None]
@@ -372,6 +373,7 @@ class _EndpointLoop:
             max_adapters=parsed.max_adapters or 0,
             block_size=parsed.block_size,
             num_gpu_blocks=parsed.num_gpu_blocks,
+            kv_cache_size_tokens=parsed.kv_cache_size_tokens,
             updated_at=now,
             stale=False,
             error=f"metrics missing from the page: {', '.join(missing)}" if missing else None,

@@ -156,4 +156,5 @@ def _metrics(result: ScrapeResult) -> Metrics:
         updated_at=result.updated_at,
         stale=result.stale,
         error=result.error,
+        kv_cache_size_tokens=result.kv_cache_size_tokens,
     )

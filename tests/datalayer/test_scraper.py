@@ -396,7 +396,7 @@ def test_a_result_becomes_the_datastore_metrics_field_by_field() -> None:
     from epp.datalayer.scraper import _metrics
 
     result = ScrapeResult(
-        "pod", 7, 3, 0.25, frozenset({"a"}), frozenset({"w"}), 4, 16, 1000, 12.5, False, "why", "missing_metrics"
+        "pod", 7, 3, 0.25, frozenset({"a"}), frozenset({"w"}), 4, 16, 1000, 12.5, False, "why", "missing_metrics", 16_000
     )
     metrics = _metrics(result)
     # Every field of Metrics comes from the field of the same name (values all differ from the defaults).
