@@ -121,6 +121,10 @@ class EngineMapping:
     """Block size as a gauge value, used when ``cache_info`` gives none."""
     cache_num_blocks: tuple[Selector, ...] = ()
     """Number of GPU blocks as a gauge value, used when ``cache_info`` gives none."""
+    filter_path: str | None = None
+    """Where the engine honours ``?name[]=`` for the page it serves at ``/metrics``, when that is another
+    path. vLLM 0.32 serves ``/metrics`` through prometheus-fastapi-instrumentator, which ignores the
+    query, and the same page at ``/metrics/`` through prometheus_client's own app, which honours it."""
     _plan: _Plan = field(init=False, repr=False, compare=False)
     _sample_runs: re.Pattern[bytes] | None = field(init=False, repr=False, compare=False)
 
@@ -224,6 +228,7 @@ _BUILTINS = (
         kv_usage=_sels("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         lora=parse_selector("vllm:lora_requests_info"),
         cache_info=parse_selector("vllm:cache_config_info"),
+        filter_path="/metrics/",
     ),
     EngineMapping(
         "sglang",

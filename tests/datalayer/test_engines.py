@@ -122,7 +122,7 @@ def test_engine_from_config_full_replacement_and_merge() -> None:
     # A selector replaces the alternatives, and the result equals an explicit construction.
     kv = engine_from_config("vllm", {"kvUsageSpec": "vllm:gpu_cache_usage_perc"}, VLLM)
     assert kv == EngineMapping(**{**{f: getattr(VLLM, f) for f in (
-        "name", "queued_requests", "running_requests", "lora", "cache_info")},
+        "name", "queued_requests", "running_requests", "lora", "cache_info", "filter_path")},
         "kv_usage": (Selector("vllm:gpu_cache_usage_perc"),)})
     assert kv.parse(VLLM_PAGE.encode()).kv_cache_usage == 0.99
 

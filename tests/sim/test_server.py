@@ -317,15 +317,22 @@ async def test_same_seed_same_answers_over_http(make_pool, session) -> None:
     assert await answers(1) != await answers(2)
 
 
-# The simulator answers /metrics?name[]=... as vLLM's prometheus_client does: only those families.
+# The simulator answers /metrics/?name[]=... as vLLM 0.32's prometheus_client app does: only those
+# families; its /metrics, like vLLM's instrumentator, ignores the query (issue 13).
 async def test_name_filter_restricts_the_page_to_the_named_families() -> None:
     config = EngineConfig(time_scale=0.05, max_model_len=4096, num_gpu_blocks=1024)
     async with SimulatedPool(1, config) as pool, aiohttp.ClientSession() as session:
         async with session.get(pool.url(0) + "/metrics") as response:
             whole = await response.read()
         query = "?name[]=vllm:num_requests_waiting&name[]=vllm:cache_config_info"
-        async with session.get(pool.url(0) + "/metrics" + query) as response:
+        async with session.get(pool.url(0) + "/metrics/" + query) as response:
             restricted = await response.read()
+        async with session.get(pool.url(0) + "/metrics" + query) as response:
+            ignored = await response.read()
+        async with session.get(pool.url(0) + "/metrics/") as response:
+            whole_again = await response.read()
     families = {f.name for f in text_string_to_metric_families(restricted.decode())}
     assert families == {"vllm:num_requests_waiting", "vllm:cache_config_info"}
     assert len(restricted) < len(whole) / 20
+    assert len(ignored) > len(whole) * 0.9 and b"python_gc_objects_collected_total" in ignored
+    assert len(whole_again) > len(whole) * 0.9
