@@ -102,7 +102,9 @@ def test_simulated_vllm_page() -> None:
 
     engine = Engine(EngineConfig(lora_adapters=("sql-lora",), max_loras=2, num_gpu_blocks=20000, block_size=32))
     got = VLLM.parse(MetricsPage(engine, HttpStats()).render())
-    assert got == engine_metrics(0, 0, 0.0, max_adapters=2, block_size=32, num_gpu_blocks=20000)
+    assert got == engine_metrics(
+        0, 0, 0.0, max_adapters=2, block_size=32, num_gpu_blocks=20000, kv_cache_size_tokens=20000 * 32
+    )
 
 
 def test_engine_from_config_full_replacement_and_merge() -> None:

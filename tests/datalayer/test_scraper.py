@@ -517,3 +517,20 @@ async def test_a_user_given_path_is_asked_as_given(fake: FakeServer, scrape_metr
         assert fake.queries[0] != "" and set(fake.queries[1:]) == {""}
     finally:
         await scraper.stop()
+
+
+async def test_against_the_simulator_a_128_token_block_pod_reports_its_cache_in_tokens(
+    scrape_metrics: ScrapeMetrics,
+) -> None:
+    # vLLM on CPU uses 128-token blocks; its cache_config_info says kv_cache_size_tokens (issue 13).
+    config = EngineConfig(time_scale=0.05, block_size=128, num_gpu_blocks=23, max_model_len=2048)
+    async with SimulatedPool(1, config) as pool:
+        datastore = Datastore([parse_endpoint(f"127.0.0.1:{pool.ports[0]}")])
+        scraper = await running(datastore, scrape_metrics)
+        try:
+            await until(lambda: not datastore.endpoints()[0].metrics.stale)
+            metrics = datastore.endpoints()[0].metrics
+            assert (metrics.block_size, metrics.num_gpu_blocks, metrics.kv_cache_size_tokens) == (128, 23, 2944)
+            assert metrics.cache_tokens == 2944 and metrics.error is None
+        finally:
+            await scraper.stop()
