@@ -16,20 +16,21 @@ vLLM validates bodies with pydantic in lax mode, so it serves ``"max_tokens": "3
 vLLM refuses too and what routing cannot do without: a body that is not UTF-8, not JSON or not an
 object, and a ``model`` that is not a string (or null). Everything else it routes:
 
-* the routing-only scalars (``stream``, ``max_tokens`` and its newer names, ``cache_salt``) are kept
-  as raw JSON and read with pydantic's lax coercions (:func:`_lax_bool`, :func:`_lax_int`); a value
-  pydantic would refuse just does not help routing (the default is used) and vLLM answers it;
+* the typed structs take the forms nearly every client sends; a body they refuse anywhere but at
+  ``model`` (``"max_tokens": "3"``, token ids written ``"1"`` or ``1.0``, odd content parts) is decoded
+  a second time, loosely (``_LooseBody``): the routing-only scalars (``stream``, ``max_tokens`` and its
+  newer names, ``cache_salt``) as raw JSON read with pydantic's lax coercions (:mod:`epp.extproc.lax`),
+  the prompt-bearing field as plain JSON rendered as the typed path renders it. A scalar pydantic
+  would refuse just does not help routing (the default is used) and vLLM answers it. Only such rare
+  bodies pay for the second decode. Mixed prompt lists that vLLM refuses too (``["a", 1]``) keep
+  their 400, as does a chat message without ``role``;
 * a missing, null or empty ``model`` is routed with model ``""`` (vLLM serves its default model);
-* a prompt-bearing field the typed structs cannot describe (token ids written as ``"1"`` or ``1.0``,
-  odd content parts) is decoded a second time, loosely, and its text rendered best-effort; the
-  second decode costs Python objects, but only for such rare bodies. Mixed prompt lists that vLLM
-  refuses too (``["a", 1]``) keep their 400, as does a chat message without ``role``;
 * a path the picker does not know (``/v1/audio/transcriptions`` is multipart, ``/tokenize``...) is
   never refused: a JSON object's string ``model`` is read if there is one.
 
 Which struct to decode into is chosen by the request path (``/v1/completions``,
-``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``); any other path with a body only
-needs a string ``model``. Body-less requests (``GET /v1/models``) are routed too, with no model.
+``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``). Body-less requests
+(``GET /v1/models``) are routed too, with no model.
 
 ``prompt`` is the text later hashed for prefix-cache affinity. Chat messages and Responses-API
 items are rendered deterministically (role markers + content parts) so the same conversation
@@ -38,13 +39,13 @@ always yields the same text, and a conversation that grows keeps its earlier tex
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import cast
 
 import msgspec
 
 from epp.errors import EppError, Reason
+from epp.extproc.lax import lax_bool, lax_int, lax_salt, loose_prompt_text, loose_turn, newer, token_text
 from epp.framework import Api, InferenceRequest
 
 __all__ = ["api_for_path", "parse_request"]
@@ -68,19 +69,11 @@ class _ChatMessage(msgspec.Struct):
     content: _Content = None
 
 
-# A routing-only scalar absent from the body. Raw keeps the value's JSON text: no Python object is
-# built for it, and a value of a shape routing cannot use can never fail the decode.
-_ABSENT = msgspec.Raw(b"")
-# A routing scalar longer than this is no number, boolean or salt vLLM accepts (a salt is at most
-# 1024 characters): it is not decoded at all.
-_MAX_SCALAR_BYTES = 1100
-
-
 class _Common(msgspec.Struct):
     model: str | None = None
-    stream: msgspec.Raw = _ABSENT
-    cache_salt: msgspec.Raw = _ABSENT
-    max_tokens: msgspec.Raw = _ABSENT
+    stream: bool | None = False
+    cache_salt: str | None = None
+    max_tokens: int | None = None
 
 
 class _Completion(_Common):
@@ -89,7 +82,7 @@ class _Completion(_Common):
 
 class _ChatCompletion(_Common):
     messages: list[_ChatMessage] = []
-    max_completion_tokens: msgspec.Raw = _ABSENT
+    max_completion_tokens: int | None = None
 
 
 class _Embedding(_Common):
@@ -105,13 +98,23 @@ class _ResponseItem(msgspec.Struct):
 class _Response(_Common):
     input: str | list[_ResponseItem] = ""
     instructions: str | None = None
-    max_output_tokens: msgspec.Raw = _ABSENT
+    max_output_tokens: int | None = None
 
 
-class _LooseBody(_Common):
-    """The second, loose decode of a body whose prompt-bearing field the typed structs refused:
-    every prompt-bearing field any API has, as plain JSON values."""
+# A routing-only scalar absent from the body. Raw keeps the value's JSON text: no Python object is
+# built for it, and a value of a shape routing cannot use can never fail the decode.
+_ABSENT = msgspec.Raw(b"")
 
+
+class _LooseBody(msgspec.Struct):
+    """The second, loose decode of a body the typed structs refused (a value of a form pydantic's lax
+    mode takes, or of none): the routing scalars as raw JSON, every prompt-bearing field any API has as
+    plain JSON values. Only such rare bodies pay for it."""
+
+    model: str | None = None
+    stream: msgspec.Raw = _ABSENT
+    cache_salt: msgspec.Raw = _ABSENT
+    max_tokens: msgspec.Raw = _ABSENT
     prompt: object = None
     messages: object = None
     input: object = None
@@ -132,7 +135,6 @@ _DECODERS: dict[Api, msgspec.json.Decoder] = {
     Api.CHAT_COMPLETIONS: msgspec.json.Decoder(_ChatCompletion),
     Api.EMBEDDINGS: msgspec.json.Decoder(_Embedding),
     Api.RESPONSES: msgspec.json.Decoder(_Response),
-    Api.OTHER: msgspec.json.Decoder(_Common),
 }
 _LOOSE_DECODER = msgspec.json.Decoder(_LooseBody)
 
@@ -161,7 +163,7 @@ def parse_request(
 
     refusal = ""  # the typed decode's 400 message, kept for a loosely read field vLLM refuses too
     try:
-        parsed: _Common = _DECODERS[api].decode(body)
+        parsed: _Common | _LooseBody = _DECODERS[api].decode(body)
     except msgspec.ValidationError as exc:
         parsed, refusal = _loose_decode(path, body, exc), f"invalid request body for {path}: {exc}"
     except msgspec.DecodeError as exc:
@@ -170,21 +172,13 @@ def parse_request(
             raise EppError(Reason.BAD_REQUEST, "request body is not valid UTF-8") from exc
         raise EppError(Reason.BAD_REQUEST, f"request body is not valid JSON: {text}") from exc
 
-    max_tokens = _lax_int(parsed.max_tokens)
-    prompt = ""
     if isinstance(parsed, _LooseBody):
-        prompt, newer_max = _loose_prompt(api, parsed, refusal)
-        max_tokens = newer_max if newer_max is not None else max_tokens
-    elif isinstance(parsed, _Completion):
-        prompt = _prompt_text(parsed.prompt, "prompt")
-    elif isinstance(parsed, _ChatCompletion):
-        prompt = _render_messages(parsed.messages)
-        max_tokens = _newer(parsed.max_completion_tokens, max_tokens)
-    elif isinstance(parsed, _Embedding):
-        prompt = _prompt_text(parsed.input, "input")
-    elif isinstance(parsed, _Response):
-        prompt = _render_response_input(parsed)
-        max_tokens = _newer(parsed.max_output_tokens, max_tokens)
+        prompt, max_tokens = _loose_prompt(api, parsed, refusal)
+        stream, cache_salt = lax_bool(parsed.stream), lax_salt(parsed.cache_salt)
+    else:
+        prompt, max_tokens = _typed_prompt(parsed)
+        salt = parsed.cache_salt  # vLLM refuses "" and over 1024 characters: then it is no salt
+        stream, cache_salt = bool(parsed.stream), salt if salt and len(salt) <= 1024 else None
     model = parsed.model or ""
     return InferenceRequest(
         request_id,
@@ -195,11 +189,27 @@ def parse_request(
         model=model,
         adapter=_adapter(model, base_models),
         prompt=prompt,
-        stream=_lax_bool(parsed.stream),
-        cache_salt=_lax_salt(parsed.cache_salt),
+        stream=stream,
+        cache_salt=cache_salt,
         max_tokens=max_tokens,
         body_size=len(body),
     )
+
+
+def _typed_prompt(parsed: _Common) -> tuple[str, int | None]:
+    """The prompt and max tokens of a body the typed structs decoded (the newer field wins)."""
+    max_tokens = parsed.max_tokens
+    if isinstance(parsed, _Completion):
+        return _prompt_text(parsed.prompt, "prompt"), max_tokens
+    if isinstance(parsed, _ChatCompletion):
+        newer_max = parsed.max_completion_tokens
+        return _render_messages(parsed.messages), max_tokens if newer_max is None else newer_max
+    if isinstance(parsed, _Embedding):
+        return _prompt_text(parsed.input, "input"), max_tokens
+    if isinstance(parsed, _Response):
+        newer_max = parsed.max_output_tokens
+        return _render_response_input(parsed), max_tokens if newer_max is None else newer_max
+    return "", max_tokens
 
 
 def _adapter(model: str, base_models: frozenset[str]) -> str | None:
@@ -212,9 +222,9 @@ def _other_request(
     """A body for a path the picker does not know: whatever it is (multipart audio, JSON of any shape),
     the engine judges it; a JSON object's string ``model`` is read when there is one."""
     try:
-        parsed: _Common = _DECODERS[Api.OTHER].decode(body)
+        parsed: _LooseBody = _LOOSE_DECODER.decode(body)
     except (msgspec.DecodeError, RecursionError):
-        parsed = _Common()
+        parsed = _LooseBody()
     model = parsed.model or ""
     return InferenceRequest(
         request_id,
@@ -224,68 +234,11 @@ def _other_request(
         Api.OTHER,
         model=model,
         adapter=_adapter(model, base_models),
-        stream=_lax_bool(parsed.stream),
-        cache_salt=_lax_salt(parsed.cache_salt),
-        max_tokens=_lax_int(parsed.max_tokens),
+        stream=lax_bool(parsed.stream),
+        cache_salt=lax_salt(parsed.cache_salt),
+        max_tokens=lax_int(parsed.max_tokens),
         body_size=len(body),
     )
-
-
-# --- pydantic's lax coercions, for the routing-only scalars --------------------------------------
-# vLLM's request models (vllm/entrypoints/openai/completion/protocol.py, chat_completion/protocol.py)
-# declare ``stream: bool | None``, ``max_tokens: int | None``, ``cache_salt: str | None`` (1 to 1024
-# characters) and validate them in pydantic's lax mode; these functions accept what it accepts and
-# give None (the default) for what it refuses, since such a value only means no routing hint.
-
-_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
-_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
-_INT_TEXT = re.compile(r"[+-]?[0-9](?:_?[0-9])*(?:\.0*)?")
-_INT64_LIMIT = 2**63
-
-
-def _scalar(raw: msgspec.Raw) -> object:
-    if not raw or len(raw) > _MAX_SCALAR_BYTES:
-        return None
-    return msgspec.json.decode(raw)  # already checked to be JSON by the body's decode
-
-
-def _lax_bool(raw: msgspec.Raw) -> bool:
-    value = _scalar(raw)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)):
-        return value == 1  # pydantic takes 0, 1, 0.0 and 1.0; anything else is not a stream flag
-    if isinstance(value, str):
-        return value.lower() in _TRUE_WORDS
-    return False
-
-
-def _lax_int_value(value: object) -> int | None:
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value) if value.is_integer() and abs(value) < _INT64_LIMIT else None
-    if isinstance(value, str):
-        text = value.strip()
-        return int(text.partition(".")[0]) if _INT_TEXT.fullmatch(text) else None
-    return None
-
-
-def _lax_int(raw: msgspec.Raw) -> int | None:
-    return _lax_int_value(_scalar(raw))
-
-
-def _newer(raw: msgspec.Raw, older: int | None) -> int | None:
-    """The newer max-tokens field wins when it holds a number."""
-    value = _lax_int(raw)
-    return older if value is None else value
-
-
-def _lax_salt(raw: msgspec.Raw) -> str | None:
-    value = _scalar(raw)
-    return value if isinstance(value, str) and 0 < len(value) <= 1024 else None
 
 
 # --- the prompt-bearing fields -------------------------------------------------------------------
@@ -306,68 +259,24 @@ def _loose_decode(path: str, body: bytes, exc: msgspec.ValidationError) -> _Loos
 
 
 def _loose_prompt(api: Api, loose: _LooseBody, refusal: str) -> tuple[str, int | None]:
-    """The prompt of a loosely decoded body, and the API's newer max-tokens field."""
+    """The prompt and max tokens of a loosely decoded body (rendered as the typed path renders them)."""
+    max_tokens = lax_int(loose.max_tokens)
     if api is Api.COMPLETIONS:
-        return _loose_prompt_text(loose.prompt, "prompt", refusal), None
+        return loose_prompt_text(loose.prompt, "prompt", refusal), max_tokens
     if api is Api.EMBEDDINGS:
-        return _loose_prompt_text(loose.input, "input", refusal), None
+        return loose_prompt_text(loose.input, "input", refusal), max_tokens
     if api is Api.CHAT_COMPLETIONS:
         if not isinstance(loose.messages, list | None):
             raise EppError(Reason.BAD_REQUEST, refusal)
-        messages = [_loose_turn(item, refusal) for item in loose.messages or []]
-        return "".join(messages), _lax_int(loose.max_completion_tokens)
+        messages = [loose_turn(item, refusal) for item in loose.messages or []]
+        return "".join(messages), newer(loose.max_completion_tokens, max_tokens)
+    max_tokens = newer(loose.max_output_tokens, max_tokens)
     head = f"<|system|>\n{loose.instructions}\n" if isinstance(loose.instructions, str) and loose.instructions else ""
     if isinstance(loose.input, str):
-        return f"{head}<|user|>\n{loose.input}\n", _lax_int(loose.max_output_tokens)
+        return f"{head}<|user|>\n{loose.input}\n", max_tokens
     items = loose.input if isinstance(loose.input, list) else []
-    turns = [_loose_turn(item, None) for item in items if isinstance(item, dict)]
-    return head + "".join(turns), _lax_int(loose.max_output_tokens)
-
-
-def _loose_turn(item: object, refusal: str | None) -> str:
-    """One chat message or Responses item as plain JSON; ``refusal`` set: a role is required."""
-    fields = item if isinstance(item, dict) else {}
-    role = fields.get("role")
-    if refusal is not None and not isinstance(role, str):
-        raise EppError(Reason.BAD_REQUEST, refusal)
-    marker = role if isinstance(role, str) and role else fields.get("type") or "user"
-    content = fields.get("content")
-    if isinstance(content, list):
-        text = "".join(part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
-    else:
-        text = content if isinstance(content, str) else ""
-    return f"<|{marker}|>\n{text}\n"
-
-
-def _loose_prompt_text(value: object, name: str, refusal: str) -> str:
-    """A completions ``prompt`` / embeddings ``input`` in any form vLLM's union takes in lax mode
-    (``list[int] | list[list[int]] | str | list[str]``: token ids may be written ``"1"``, ``1.0``,
-    ``true``); a form it refuses keeps the picker's 400."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise EppError(Reason.BAD_REQUEST, refusal)
-    if all(isinstance(item, str) for item in value):
-        return "\n".join(cast(list[str], value))
-    ids = _lax_ids(value)
-    if ids is not None:
-        return _token_text(ids)
-    if all(isinstance(item, list) for item in value):
-        nested = [_lax_ids(item) for item in cast(list[list[object]], value)]
-        if all(item is not None for item in nested):
-            return "\n".join(_token_text(item) for item in nested if item is not None)
-    raise EppError(
-        Reason.BAD_REQUEST,
-        f"invalid request body: `{name}` must be a string, a list of strings, a list of token ids "
-        "or a list of token-id lists, not a mix",
-    )
-
-
-def _lax_ids(items: list[object]) -> list[int] | None:
-    ids = [_lax_int_value(item) for item in items]
-    return None if any(i is None for i in ids) else cast(list[int], ids)
+    turns = [loose_turn(item, None) for item in items if isinstance(item, dict)]
+    return head + "".join(turns), max_tokens
 
 
 def _prompt_text(value: str | list[str | int | list[int]], name: str) -> str:
@@ -380,20 +289,14 @@ def _prompt_text(value: str | list[str | int | list[int]], name: str) -> str:
         return ""
     kinds = {type(item) for item in value}
     if len(kinds) != 1:
-        return _loose_prompt_text(value, name, "")
+        return loose_prompt_text(value, name, "")
     kind = kinds.pop()
     # One kind of item throughout (checked above): the casts name which.
     if kind is str:
         return "\n".join(cast(list[str], value))
     if kind is int:
-        return _token_text(cast(list[int], value))
-    return "\n".join(_token_text(ids) for ids in cast(list[list[int]], value))
-
-
-def _token_text(ids: list[int]) -> str:
-    # Token-id prompts have no text; their ids, written out, still share prefixes exactly when the
-    # prompts do, which is all prefix affinity needs.
-    return " ".join(map(str, ids))
+        return token_text(cast(list[int], value))
+    return "\n".join(token_text(ids) for ids in cast(list[list[int]], value))
 
 
 def _content_text(content: _Content) -> str:
