@@ -124,7 +124,9 @@ class EngineMapping:
     filter_path: str | None = None
     """Where the engine honours ``?name[]=`` for the page it serves at ``/metrics``, when that is another
     path. vLLM 0.32 serves ``/metrics`` through prometheus-fastapi-instrumentator, which ignores the
-    query, and the same page at ``/metrics/`` through prometheus_client's own app, which honours it."""
+    query, and the same page at ``/metrics/`` through prometheus_client's own app, which honours it
+    (vllm/entrypoints/serve/instrumentator/metrics.py: the instrumentator's route is registered before
+    the prometheus_client mount, whose pattern matches ``/metrics`` and everything under it)."""
     _plan: _Plan = field(init=False, repr=False, compare=False)
     _sample_runs: re.Pattern[bytes] | None = field(init=False, repr=False, compare=False)
 
