@@ -72,6 +72,9 @@ class EngineMetrics:
     """KV-cache blocks on the GPU."""
     missing: tuple[str, ...]
     """Selectors (or ``selector label name``) configured but not found usable on the page: an error state."""
+    kv_cache_size_tokens: int | None = None
+    """The KV cache's capacity in tokens, when the engine says it (vLLM's ``cache_config_info`` label);
+    optional, never missing: ``num_gpu_blocks x block_size`` stands in for it."""
 
 
 _NO_ADAPTERS: frozenset[str] = frozenset()
@@ -112,10 +115,18 @@ class EngineMapping:
     """An info-style metric whose labels carry the block size and the number of blocks."""
     cache_block_size_label: str = "block_size"
     cache_num_blocks_label: str = "num_gpu_blocks"
+    cache_size_tokens_label: str = "kv_cache_size_tokens"
+    """The optional label of ``cache_info`` with the cache's capacity in tokens."""
     cache_block_size: tuple[Selector, ...] = ()
     """Block size as a gauge value, used when ``cache_info`` gives none."""
     cache_num_blocks: tuple[Selector, ...] = ()
     """Number of GPU blocks as a gauge value, used when ``cache_info`` gives none."""
+    filter_path: str | None = None
+    """Where the engine honours ``?name[]=`` for the page it serves at ``/metrics``, when that is another
+    path. vLLM 0.32 serves ``/metrics`` through prometheus-fastapi-instrumentator, which ignores the
+    query, and the same page at ``/metrics/`` through prometheus_client's own app, which honours it
+    (vllm/entrypoints/serve/instrumentator/metrics.py: the instrumentator's route is registered before
+    the prometheus_client mount, whose pattern matches ``/metrics`` and everything under it)."""
     _plan: _Plan = field(init=False, repr=False, compare=False)
     _sample_runs: re.Pattern[bytes] | None = field(init=False, repr=False, compare=False)
 
@@ -130,10 +141,12 @@ class EngineMapping:
                 raise TypeError(f"engine {self.name!r}: expected a Selector or None, got {sel!r}")
             return None if sel is None else CompiledSelector(sel)
 
-        block_size, num_blocks = (n.encode() for n in (self.cache_block_size_label, self.cache_num_blocks_label))
+        labels = (self.cache_block_size_label, self.cache_num_blocks_label, self.cache_size_tokens_label)
+        block_size, num_blocks, size_tokens = (n.encode() for n in labels)
         plan = _Plan(
             many(self.queued_requests), many(self.running_requests), many(self.kv_usage), one(self.lora),
-            one(self.cache_info), ((block_size, block_size + b'="'), (num_blocks, num_blocks + b'="')),
+            one(self.cache_info),
+            ((block_size, block_size + b'="'), (num_blocks, num_blocks + b'="'), (size_tokens, size_tokens + b'="')),
             many(self.cache_block_size), many(self.cache_num_blocks),
         )  # fmt: skip
         object.__setattr__(self, "_plan", plan)
@@ -172,10 +185,10 @@ class EngineMapping:
         max_a = None
         if lora is not None:
             running_a, waiting_a, max_a = scan.lora(lora, missing)
-        block_size = num_blocks = None
+        block_size = num_blocks = size_tokens = None
         info_missing: list[str] = []
         if info is not None:
-            block_size, num_blocks = scan.cache_info(info, info_labels, info_missing)
+            block_size, num_blocks, size_tokens = scan.cache_info(info, info_labels, info_missing)
         if block_size is None and bs_gauges:
             value = scan.largest(bs_gauges, info_missing)
             block_size = None if value is None else round(value)
@@ -194,6 +207,7 @@ class EngineMapping:
             block_size=block_size,
             num_gpu_blocks=num_blocks,
             missing=tuple(missing),
+            kv_cache_size_tokens=size_tokens,
         )
 
 
@@ -216,6 +230,7 @@ _BUILTINS = (
         kv_usage=_sels("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         lora=parse_selector("vllm:lora_requests_info"),
         cache_info=parse_selector("vllm:cache_config_info"),
+        filter_path="/metrics/",
     ),
     EngineMapping(
         "sglang",

@@ -15,8 +15,15 @@ upstream) a loop:
 
 The GET asks for only the metrics the engine mapping reads (``?name[]=vllm:num_requests_waiting&...``),
 which prometheus_client - the exposition library of vLLM and SGLang - honours: the answer is about
-2 KB instead of ~50 KB, which is most of what a scrape costs. A server that refuses the query (400, 404,
-405, 414 or 422) or answers it with nothing usable is asked for the whole page from then on, at
+2 KB instead of ~50 KB, which is most of what a scrape costs. Where it is honoured is the engine's to
+say (:attr:`EngineMapping.filter_path`): vLLM 0.32 ignores the query on ``/metrics`` (an instrumentator
+serves it) and honours it on ``/metrics/`` (prometheus_client's app, the same page), so with the default
+path a vLLM pod is asked ``/metrics/?name[]=...``; a path given with ``--model-server-metrics-path``
+is asked as given. What comes back is checked: a page with more metric families (``# TYPE`` lines)
+than names asked ignored the filter. That is counted (``epp_endpoint_scrape_filter_ignored_total``),
+logged once for the endpoint, and the page is read as the whole page it is; the endpoint is asked for
+the whole page, without the query, from then on. A server that refuses the query (a redirect, 400,
+404, 405, 414 or 422) or answers it with nothing usable is asked for the whole page from then on, at
 once; a 5xx is the pod's trouble and counts as a failed scrape.
 
 Failures never end a loop: an HTTP error, a timeout, a refused connection, a 200 page with none of
@@ -77,8 +84,11 @@ Reason = Literal["connection", "timeout", "http_status", "no_metrics", "missing_
 """Why a scrape failed or was incomplete; the label values of ``epp_endpoint_scrape_errors_total``."""
 REASONS: tuple[Reason, ...] = get_args(Reason)
 
-# Answers of a server that will not take the ?name[]= query: ask it for the whole page instead.
-_FILTER_REFUSED = frozenset({400, 404, 405, 414, 422})
+# Answers of a server that will not take the ?name[]= query (or the engine's filter path, which a
+# server may redirect): ask it for the whole page instead.
+_FILTER_REFUSED = frozenset({301, 302, 303, 307, 308, 400, 404, 405, 414, 422})
+# The path the engine's filter_path stands in for: the default --model-server-metrics-path.
+_DEFAULT_PATH = "/metrics"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +138,8 @@ class ScrapeResult(msgspec.Struct, frozen=True, array_like=True, gc=False):
     stale: bool = True
     error: str | None = None  # why the scrape failed or what the page lacked; None when complete
     reason: Reason | None = None  # the error's kind; None when the scrape was complete
+    kv_cache_size_tokens: int | None = None  # the cache's capacity in tokens, when the engine says it
+    filter_ignored: bool = False  # this scrape found that the pod ignores ?name[]= (reported once)
 
 
 Sink = Callable[[ScrapeResult], None]
@@ -226,9 +238,9 @@ class _EndpointLoop:
     """One endpoint's scrape loop: a timer sends, the response callback parses and reports."""
 
     __slots__ = (
-        "_closed", "_connecting", "_connection", "_current", "_deadline", "_engine", "_filtered", "_host",
-        "_last_ok", "_last_page", "_last_parsed", "_loop", "_port", "_request", "_settings", "_sink", "_timer",
-        "_tls", "name", "sent_at", "slot",
+        "_asked", "_closed", "_connecting", "_connection", "_current", "_deadline", "_engine", "_filtered",
+        "_host", "_last_ok", "_last_page", "_last_parsed", "_loop", "_path", "_port", "_request", "_settings",
+        "_sink", "_timer", "_tls", "name", "sent_at", "slot",
     )  # fmt: skip
 
     def __init__(
@@ -254,8 +266,9 @@ class _EndpointLoop:
         self._host = target.address
         self._port = settings.port or target.port
         self._filtered = settings.name_filter
-        path = _filtered_path(settings.path, engine) if self._filtered else settings.path
-        self._request = request_bytes(self._host, self._port, path)
+        self._asked = len(engine.metric_names())
+        self._path = _filtered_path(settings.path, engine) if self._filtered else settings.path
+        self._request = request_bytes(self._host, self._port, self._path)
         self._connection: GetConnection | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -270,6 +283,11 @@ class _EndpointLoop:
     def connected(self) -> bool:
         """Whether a connection to the endpoint is open."""
         return self._connection is not None and not self._connection.closed
+
+    @property
+    def path(self) -> str:
+        """The path (and query) this loop asks for now."""
+        return self._path
 
     @property
     def closed(self) -> bool:
@@ -358,7 +376,10 @@ class _EndpointLoop:
                 self._failed("http_status", f"HTTP {status} from {self._settings.path}")
             return
         parsed = self._last_parsed
+        ignored = False
         if page != self._last_page or parsed is None:  # an idle pod serves the same page over and over
+            if self._filtered and page.count(b"# TYPE ") > self._asked:
+                ignored = self._filter_ignored(len(page))
             parsed = self._engine.parse(page)
             self._last_page, self._last_parsed = page, parsed
         if self._filtered and _nothing_read(parsed):
@@ -383,11 +404,15 @@ class _EndpointLoop:
             max_adapters=parsed.max_adapters or 0,
             block_size=parsed.block_size,
             num_gpu_blocks=parsed.num_gpu_blocks,
+            kv_cache_size_tokens=parsed.kv_cache_size_tokens,
             updated_at=now,
             stale=False,
             error=f"metrics missing from the page: {', '.join(missing)}" if missing else None,
             reason="missing_metrics" if missing else None,
         )
+        if ignored:  # reported by this result alone: the next failure's result copies _current
+            self._current = msgspec.structs.replace(current, filter_ignored=False)
+            current = msgspec.structs.replace(current, filter_ignored=True)
         try:
             self._sink(current)
         finally:
@@ -403,9 +428,24 @@ class _EndpointLoop:
     def _whole_pages(self) -> None:
         # This server refuses or misreads ``?name[]=``: ask for the whole page from now on, at once.
         log.info("endpoint %s: metrics name filter not supported; scraping the whole page", self.name)
-        self._filtered = False
-        self._request = request_bytes(self._host, self._port, self._settings.path)
+        self._unfiltered()
         self._send(self._loop.time())  # now, off the beat; the phase stays
+
+    def _filter_ignored(self, size: int) -> bool:
+        # The page came back whole: it is read as it is, and the query, which only costs the server
+        # its parsing, is not sent again. Logged once: the loop never asks filtered again.
+        log.warning(
+            "endpoint %s: %s?name[]=... ignored the metrics name filter (a %d-byte page with more families "
+            "than the %d asked for); scraping the whole page from %s",
+            self.name, self._path.partition("?")[0], size, self._asked, self._settings.path,
+        )  # fmt: skip
+        self._unfiltered()
+        return True
+
+    def _unfiltered(self) -> None:
+        self._filtered = False
+        self._path = self._settings.path
+        self._request = request_bytes(self._host, self._port, self._path)
 
     def _failed(self, reason: Reason, detail: str, *, stale: bool = False) -> None:
         if self._closed:
@@ -427,9 +467,15 @@ class _EndpointLoop:
 
 def _filtered_path(path: str, engine: EngineMapping) -> str:
     """``path`` asking for only ``engine``'s metrics: prometheus_client (vLLM's and SGLang's
-    exposition) answers ``?name[]=a&name[]=b`` with those samples alone, ~2 KB instead of ~50 KB."""
+    exposition) answers ``?name[]=a&name[]=b`` with those samples alone, ~2 KB instead of ~50 KB.
+    The default path is asked at the engine's :attr:`~EngineMapping.filter_path` (vLLM: ``/metrics/``),
+    any other as given."""
     query = "&".join(f"name[]={quote(name, safe=':')}" for name in engine.metric_names())
-    return f"{path}{'&' if '?' in path else '?'}{query}" if query else path
+    if not query:
+        return path
+    if path == _DEFAULT_PATH and engine.filter_path:
+        path = engine.filter_path
+    return f"{path}{'&' if '?' in path else '?'}{query}"
 
 
 def _nothing_read(parsed: EngineMetrics) -> bool:

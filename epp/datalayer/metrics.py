@@ -13,7 +13,7 @@ __all__ = ["ScrapeMetrics"]
 
 
 class ScrapeMetrics:
-    """The three scrape series, registered in ``registry``."""
+    """The scrape series, registered in ``registry``."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -36,3 +36,11 @@ class ScrapeMetrics:
             registry=registry,
         )
         """1 while an endpoint's metrics are stale, by endpoint."""
+        self.filter_ignored = Counter(
+            "epp_endpoint_scrape_filter_ignored_total",
+            "Metrics pages that came back whole although only some metrics were asked for (?name[]=), "
+            "by endpoint; the endpoint is scraped unfiltered from then on.",
+            ["endpoint"],
+            registry=registry,
+        )
+        """Pages that ignored the ``?name[]=`` filter, by endpoint (once per scrape loop)."""

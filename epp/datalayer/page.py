@@ -76,8 +76,10 @@ _INDEX_MAX_BYTES = 16 * 1024
 
 _NO_ADAPTERS: frozenset[str] = frozenset()
 
-CacheInfoLabels: TypeAlias = tuple[tuple[bytes, bytes], tuple[bytes, bytes]]
-"""The block-size and number-of-blocks label names of an info metric, each as ``(name, name + b'="')``."""
+CacheInfoLabels: TypeAlias = tuple[tuple[bytes, bytes], tuple[bytes, bytes], tuple[bytes, bytes]]
+"""The block-size, number-of-blocks and cache-size-in-tokens label names of an info metric, each as
+``(name, name + b'="')``. The third is optional: vLLM's ``kv_cache_size_tokens`` (its profiled capacity,
+which hybrid and sliding-window models do not have as blocks x block size), never reported missing."""
 
 
 class CompiledSelector:
@@ -277,17 +279,18 @@ class Page:
 
     def cache_info(
         self, src: CompiledSelector, labels: CacheInfoLabels, missing: list[str]
-    ) -> tuple[int | None, int | None]:
+    ) -> tuple[int | None, int | None, int | None]:
+        """Block size, number of blocks and cache size in tokens from the first matching series."""
         if self.index is None:
-            block_size, num_blocks, lacking = _cache_info(self._samples(src), src, labels)
+            block_size, num_blocks, size_tokens, lacking = _cache_info(self._samples(src), src, labels)
         else:
             run = self.index.get(src.name)
             if run is None:
                 missing.append(src.text)
-                return None, None
-            block_size, num_blocks, lacking = _cache_info_of_run(run, src, labels)
+                return None, None, None
+            block_size, num_blocks, size_tokens, lacking = _cache_info_of_run(run, src, labels)
         missing.extend(lacking)
-        return block_size, num_blocks
+        return block_size, num_blocks, size_tokens
 
 
 # What a pod's cache_config_info line and the labels of its newest LoRA series say change seldom
@@ -298,21 +301,22 @@ _REMEMBERED = 256
 
 def _cache_info(
     samples: list[tuple[float, bytes]], src: CompiledSelector, labels: CacheInfoLabels
-) -> tuple[int | None, int | None, tuple[str, ...]]:
-    """Block size, number of blocks and what is missing, from the first matching series' labels."""
+) -> tuple[int | None, int | None, int | None, tuple[str, ...]]:
+    """Block size, number of blocks, cache size in tokens and what is missing (of the first two), from
+    the first matching series' labels."""
     if not samples:
-        return None, None, (src.text,)
+        return None, None, None, (src.text,)
     block = samples[0][1]
     found = [_int(_label(block, name, key)) for name, key in labels]
-    lacking = tuple(f"{src.text} label {name.decode()}" for (name, _), value in zip(labels, found, strict=True)
+    lacking = tuple(f"{src.text} label {name.decode()}" for (name, _), value in zip(labels[:2], found, strict=False)
                     if value is None)
-    return found[0], found[1], lacking
+    return found[0], found[1], found[2], lacking
 
 
 @functools.lru_cache(maxsize=_REMEMBERED)
 def _cache_info_of_run(
     run: bytes, src: CompiledSelector, labels: CacheInfoLabels
-) -> tuple[int | None, int | None, tuple[str, ...]]:
+) -> tuple[int | None, int | None, int | None, tuple[str, ...]]:
     return _cache_info(_samples(run.split(src.needle), 0, src.matchers), src, labels)
 
 

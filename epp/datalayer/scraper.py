@@ -106,6 +106,8 @@ class Scraper:
 
     def _apply_result(self, result: ScrapeResult) -> None:
         self._apply(result.endpoint, _metrics(result), result.reason)
+        if result.filter_ignored:  # once per scrape loop: the loop logged it and asks unfiltered since
+            self._metrics.filter_ignored.labels(result.endpoint).inc()
 
     def _apply(self, name: str, metrics: Metrics, reason: str | None) -> None:
         """One loop's result: to the datastore, the counters and (on a change of state) the log."""
@@ -132,6 +134,8 @@ class Scraper:
         series = self._metrics
         with contextlib.suppress(KeyError):  # never scraped, or never failed for that reason
             series.endpoint_stale.remove(name)
+        with contextlib.suppress(KeyError):
+            series.filter_ignored.remove(name)
         for reason in REASONS:
             with contextlib.suppress(KeyError):
                 series.scrape_errors.remove(name, reason)
@@ -156,4 +160,5 @@ def _metrics(result: ScrapeResult) -> Metrics:
         updated_at=result.updated_at,
         stale=result.stale,
         error=result.error,
+        kv_cache_size_tokens=result.kv_cache_size_tokens,
     )

@@ -46,6 +46,8 @@ class Metrics:
         block_size: KV-cache block size in tokens (None: not reported).
         num_gpu_blocks: KV-cache blocks (None: not reported).
         updated_at: ``time.monotonic()`` of the scrape these numbers come from; 0: never scraped.
+        kv_cache_size_tokens: the KV cache's capacity in tokens when the engine reports it (vLLM's
+            ``cache_config_info`` label); None: use :attr:`cache_tokens`' fallback.
     """
 
     waiting_queue_size: int = 0
@@ -59,6 +61,17 @@ class Metrics:
     updated_at: float = 0.0
     stale: bool = True
     error: str | None = None
+    kv_cache_size_tokens: int | None = None
+
+    @property
+    def cache_tokens(self) -> int | None:
+        """The pod's KV-cache capacity in tokens: ``kv_cache_size_tokens`` when reported, else
+        ``num_gpu_blocks x block_size``; None when neither is known."""
+        if self.kv_cache_size_tokens:
+            return self.kv_cache_size_tokens
+        if self.num_gpu_blocks and self.block_size:
+            return self.num_gpu_blocks * self.block_size
+        return None
 
 
 NEVER_SCRAPED = Metrics(error="not scraped yet")

@@ -1,15 +1,17 @@
 """The Prometheus text page (``GET /metrics``) of one simulated pod, and its HTTP server counters.
 
-The page has what a vLLM v1 server (0.10/0.11 era) serves, under vLLM's names, help texts and bucket
-boundaries, so that a scraper written for vLLM reads it unchanged:
+The page has what a vLLM v1 server serves, under vLLM's names, help texts and bucket boundaries, so that a
+scraper written for vLLM reads it unchanged; where vLLM 0.32 differs from earlier versions it follows 0.32
+(issue 13's observations of a real server):
 
 * scheduler gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
-  (and its deprecated twin ``vllm:gpu_cache_usage_perc``);
+  (the blocks held by running requests: 0 when idle, however full the prefix cache; 0.32 no longer serves
+  the deprecated ``vllm:gpu_cache_usage_perc``), labelled ``engine`` and ``model_name``;
 * ``vllm:lora_requests_info`` (only when LoRA is enabled): labels ``max_lora``, ``running_lora_adapters``,
   ``waiting_lora_adapters`` (comma-separated), value = wall-clock time of the engine step that last saw that
   label combination (the history is :class:`epp.sim.stats.LoraInfoHistory`);
 * ``vllm:cache_config_info``: an info-style gauge (value 1) whose labels describe the cache (``block_size``,
-  ``num_gpu_blocks``, ...);
+  ``num_gpu_blocks``, ``kv_cache_size_tokens`` = their product, ...);
 * the engine's counters in tokens/requests, each with its ``_created`` twin, and its request histograms
   (TTFT, inter-token latency, e2e/queue/inference/prefill/decode time, token counts): :mod:`epp.sim.stats`;
 * the HTTP metrics of prometheus-fastapi-instrumentator that vLLM's API server exposes (``/metrics`` itself is
@@ -186,8 +188,6 @@ class MetricsPage:
 
         self._running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self._waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self._gpu_usage = gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage."
-                                + DEPRECATED.format("vllm:kv_cache_usage_perc"))
         self._kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self._counters = [
             (header(f"{name}_total", doc, "counter") + f"{name}_total{{{base}}} ",
@@ -207,7 +207,8 @@ class MetricsPage:
         cache_config = label_set(
             block_size=str(cfg.block_size), cache_dtype="auto", calculate_kv_scales="False", cpu_offload_gb="0",
             enable_prefix_caching="True", engine="0", gpu_memory_utilization="0.9", is_attention_free="False",
-            num_cpu_blocks="None", num_gpu_blocks=str(cfg.num_gpu_blocks), num_gpu_blocks_override="None",
+            kv_cache_size_tokens=str(cfg.num_gpu_blocks * cfg.block_size), num_cpu_blocks="None",
+            num_gpu_blocks=str(cfg.num_gpu_blocks), num_gpu_blocks_override="None",
             prefix_caching_hash_algo="sha256", sliding_window="None", swap_space="4", swap_space_bytes=str(4 << 30),
         )
         self._cache_config = (header("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge")
@@ -228,7 +229,7 @@ class MetricsPage:
             process,
             self._http.render(),
             f"{self._running}{engine.num_running}.0\n{self._waiting}{engine.num_waiting}.0\n",
-            f"{self._gpu_usage}{usage}\n{self._kv_usage}{usage}\n",
+            f"{self._kv_usage}{usage}\n",
         ]
         for head, value, created in self._counters:
             parts += (head, str(value(stats)), ".0", created)

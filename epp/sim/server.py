@@ -11,7 +11,9 @@ Endpoints
   chunk, sent with the first token, after the prefill, as vLLM does), then a usage chunk with empty
   ``choices`` if asked, then ``data: [DONE]``.
 * ``GET /v1/models`` (base model and served adapters), ``GET /health``, ``GET /metrics``
-  (:mod:`epp.sim.metrics`), and vLLM's runtime adapter endpoints ``POST /v1/load_lora_adapter`` and
+  (:mod:`epp.sim.metrics`; as in vLLM 0.32 it ignores ``?name[]=``, while ``GET /metrics/`` serves the same
+  page restricted to the names asked, as prometheus_client's app does), and vLLM's runtime adapter
+  endpoints ``POST /v1/load_lora_adapter`` and
   ``POST /v1/unload_lora_adapter`` (``{"lora_name": ..., "lora_path": ...}``; need LoRA enabled).
 * Errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed body or an
   invalid request, 404 for an unknown model, 503 when the pod shuts down mid-request.
@@ -298,9 +300,16 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    # vLLM 0.32's /metrics is prometheus-fastapi-instrumentator's handler: it ignores ?name[]=.
+    return web.Response(body=request.app[_PAGE].render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _metrics_app(request: web.Request) -> web.Response:
+    # vLLM 0.32's /metrics/ is prometheus_client's own ASGI app: the same page, and it serves only the
+    # samples ?name[]= asks for.
     page = request.app[_PAGE].render()
     names = request.query.getall("name[]", [])
-    if names:  # vLLM's prometheus_client serves only the samples asked for
+    if names:
         page = restrict_page(page, [name.encode() for name in names])
     return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE})
 
@@ -357,7 +366,7 @@ async def _instrument(request: web.Request, handler: Handler) -> web.StreamRespo
     finally:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "none"
-        if route != "/metrics":
+        if route not in ("/metrics", "/metrics/"):
             app[_HTTP].record(route, request.method, status, request.content_length or 0, size, loop_time() - start)
 
 
@@ -384,6 +393,7 @@ def build_app(engine: Engine, pod_name: str) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/metrics/", _metrics_app)
     app.router.add_post("/v1/load_lora_adapter", _load_adapter)
     app.router.add_post("/v1/unload_lora_adapter", _unload_adapter)
     return app

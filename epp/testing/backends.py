@@ -1,7 +1,7 @@
 """Echo model servers: the simplest honest upstreams for protocol tests and overhead benchmarks.
 
-Each :class:`EchoServer` answers every request (but ``GET /metrics``, a minimal vLLM page for the
-picker's scraper) with JSON that proves what it received (its own
+Each :class:`EchoServer` answers every request (but ``GET /metrics`` and ``/metrics/``, a minimal vLLM page
+for the picker's scraper) with JSON that proves what it received (its own
 name and port, the body's length and SHA-256, the headers) and records it, so a test can assert
 that a request reached the endpoint the picker chose with its body byte-identical. A body with
 ``"stream": true`` is answered as an OpenAI-style SSE stream of ``max_tokens`` events spaced
@@ -63,7 +63,7 @@ class EchoServer:
             self._runner = None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        if request.path == "/metrics" and request.method == "GET":
+        if request.path in ("/metrics", "/metrics/") and request.method == "GET":  # vLLM serves both
             # Enough of a vLLM page for the picker's scraper; not recorded as a received request.
             return web.Response(body=_METRICS_PAGE, content_type="text/plain")
         try:

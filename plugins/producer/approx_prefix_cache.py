@@ -6,8 +6,10 @@ that module for the hashing, the per-pod eviction policy and the costs). The pro
 blocks of ``blockSizeTokens`` × 4 characters; each block's 64-bit hash chains the previous
 block's, seeded by the model name and the request's ``cache_salt``, so equal hashes at block *i*
 mean an equal prefix through block *i*. Each pod holds at most ``lruCapacityPerServer`` block
-hashes (with ``autoTune``, the pod's own ``num_gpu_blocks`` from ``vllm:cache_config_info`` once
-scraped), evicting the oldest first (by generations, an approximation of an LRU). Before
+hashes (with ``autoTune``, the pod's own capacity once scraped: its cache in tokens, from
+``vllm:cache_config_info``'s ``kv_cache_size_tokens`` or ``num_gpu_blocks`` x ``block_size``, divided by
+the index's own ``blockSizeTokens``: vLLM on CPU uses 128-token blocks, 8 of the index's), evicting
+the oldest first (by generations, an approximation of an LRU). Before
 scheduling, the producer puts every pod's longest consecutive matched prefix into
 ``request.state[PREFIX_MATCH]`` (:data:`epp.framework.PREFIX_MATCH`, which ``prefix-cache-scorer``
 reads); after the pick (``pre_request``) it records the prompt's
@@ -24,7 +26,7 @@ Parameters (upstream names; ``prefix-cache-scorer`` takes the same ones):
     maxPrefixTokensToMatch (int, default 131072): tokens of prompt considered.
     maxPrefixBlocksToMatch (int): the same, in blocks (upstream's older spelling).
     lruCapacityPerServer (int, default 31250): blocks remembered per pod.
-    autoTune (bool, default true): use each pod's num_gpu_blocks as its capacity when known.
+    autoTune (bool, default true): use each pod's own cache size as its capacity when known.
 
 Metrics: ``inference_extension_prefix_indexer_size`` (blocks indexed over all pods),
 ``inference_extension_prefix_indexer_hit_ratio`` (histogram of the share of the prompt's blocks the
@@ -171,8 +173,18 @@ class ApproxPrefixCacheProducer:
         )
 
     def _capacity(self, endpoint: Endpoint) -> int:
-        blocks = endpoint.metrics.num_gpu_blocks if self.parameters.auto_tune else None
-        return blocks if blocks else self.parameters.lru_capacity_per_server
+        return self._tuned_capacity(endpoint) or self.parameters.lru_capacity_per_server
+
+    def _tuned_capacity(self, endpoint: Endpoint) -> int | None:
+        """The pod's cache in the index's blocks (autoTune), None when unknown or not tuned."""
+        if not self.parameters.auto_tune:
+            return None
+        metrics = endpoint.metrics
+        tokens = metrics.cache_tokens
+        if tokens:
+            return max(1, tokens // self.parameters.block_size_tokens)
+        # Blocks of an unknown size: the index's own size is the only guess there is.
+        return metrics.num_gpu_blocks or None
 
     def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
         still_here = {endpoint.name for endpoint in added}
@@ -203,8 +215,9 @@ class ApproxPrefixCacheProducer:
         if lookup is None or not endpoints:
             return
         endpoint = endpoints[0]
-        if self.parameters.auto_tune and endpoint.metrics.num_gpu_blocks:
-            self.index.set_capacity(endpoint.name, endpoint.metrics.num_gpu_blocks)  # a no-op when unchanged
+        capacity = self._tuned_capacity(endpoint)
+        if capacity:
+            self.index.set_capacity(endpoint.name, capacity)  # a no-op when unchanged
         held = self.index.add(endpoint.name, lookup.hashes, lookup=lookup)
         if self._hit_ratio is not None:
             self._hit_ratio.observe(held / len(lookup.hashes))

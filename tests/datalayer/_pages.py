@@ -177,7 +177,9 @@ def engine_metrics(
     block_size: int | None = None,
     num_gpu_blocks: int | None = None,
     missing: tuple[str, ...] = (),
+    kv_cache_size_tokens: int | None = None,
 ) -> EngineMetrics:
     return EngineMetrics(
-        waiting, running, kv, running_adapters, waiting_adapters, max_adapters, block_size, num_gpu_blocks, missing
+        waiting, running, kv, running_adapters, waiting_adapters, max_adapters, block_size, num_gpu_blocks, missing,
+        kv_cache_size_tokens,
     )

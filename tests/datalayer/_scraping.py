@@ -40,6 +40,7 @@ class FakeServer:
     respond: Callable[[], web.StreamResponse] = lambda: web.Response(body=VLLM_PAGE)
     delay: float = 0.0
     queries: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
     connections: set[object] = field(default_factory=set)
     requests: int = 0
     port: int = 0
@@ -48,6 +49,7 @@ class FakeServer:
     async def handler(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
         self.queries.append(request.query_string)
+        self.paths.append(request.path)
         self.connections.add(request.transport)
         if self.delay:
             await asyncio.sleep(self.delay)

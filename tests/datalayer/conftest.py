@@ -28,6 +28,7 @@ async def fake() -> AsyncIterator[FakeServer]:
     server = FakeServer()
     app = web.Application()
     app.router.add_get("/metrics", server.handler)
+    app.router.add_get("/metrics/", server.handler)  # vLLM serves its page at both (see test_scraper)
     server.runner = web.AppRunner(app, access_log=None)
     await server.runner.setup()
     site = web.TCPSite(server.runner, "127.0.0.1", 0)

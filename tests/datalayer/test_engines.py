@@ -102,7 +102,9 @@ def test_simulated_vllm_page() -> None:
 
     engine = Engine(EngineConfig(lora_adapters=("sql-lora",), max_loras=2, num_gpu_blocks=20000, block_size=32))
     got = VLLM.parse(MetricsPage(engine, HttpStats()).render())
-    assert got == engine_metrics(0, 0, 0.0, max_adapters=2, block_size=32, num_gpu_blocks=20000)
+    assert got == engine_metrics(
+        0, 0, 0.0, max_adapters=2, block_size=32, num_gpu_blocks=20000, kv_cache_size_tokens=20000 * 32
+    )
 
 
 def test_engine_from_config_full_replacement_and_merge() -> None:
@@ -122,7 +124,7 @@ def test_engine_from_config_full_replacement_and_merge() -> None:
     # A selector replaces the alternatives, and the result equals an explicit construction.
     kv = engine_from_config("vllm", {"kvUsageSpec": "vllm:gpu_cache_usage_perc"}, VLLM)
     assert kv == EngineMapping(**{**{f: getattr(VLLM, f) for f in (
-        "name", "queued_requests", "running_requests", "lora", "cache_info")},
+        "name", "queued_requests", "running_requests", "lora", "cache_info", "filter_path")},
         "kv_usage": (Selector("vllm:gpu_cache_usage_perc"),)})
     assert kv.parse(VLLM_PAGE.encode()).kv_cache_usage == 0.99
 
@@ -215,3 +217,28 @@ def test_builtins_are_upstreams() -> None:
     assert [str(s) for s in TRITON.queued_requests] == ['nv_trt_llm_request_metrics{request_type="waiting"}']
     assert hash(VLLM) == hash(engine_from_config("vllm", {}, VLLM))
     assert math.isclose(VLLM.parse(VLLM_PAGE.encode()).kv_cache_usage or 0, 0.5)
+
+
+# vLLM 0.32's cache_config_info carries ~36 labels, among them block_size (128 on CPU), num_gpu_blocks and
+# kv_cache_size_tokens, its profiled capacity (issue 13).
+_VLLM_032_CACHE_INFO = (
+    b"# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+    b"# TYPE vllm:cache_config_info gauge\n"
+    b'vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",'
+    b'engine="0",gpu_memory_utilization="0.9",kv_cache_size_tokens="%s",num_gpu_blocks="23",'
+    b'prefix_caching_hash_algo="sha256"} 1.0\n'
+)
+
+
+@pytest.mark.parametrize(("size_label", "size_tokens"), [(b"2944", 2944), (b"", None), (b"many", None)])
+def test_vllm_cache_size_in_tokens_is_read_when_present(size_label: bytes, size_tokens: int | None) -> None:
+    got = VLLM.parse(_VLLM_032_CACHE_INFO % size_label)
+    assert (got.block_size, got.num_gpu_blocks, got.kv_cache_size_tokens) == (128, 23, size_tokens)
+    assert not [m for m in got.missing if "cache_config_info" in m]  # the label is optional
+
+
+def test_a_page_without_the_cache_size_label_misses_nothing_for_it() -> None:
+    page = _VLLM_032_CACHE_INFO.replace(b'kv_cache_size_tokens="%s",', b"")
+    got = VLLM.parse(page)
+    assert (got.block_size, got.num_gpu_blocks, got.kv_cache_size_tokens) == (128, 23, None)
+    assert not [m for m in got.missing if "cache_config_info" in m]

@@ -95,3 +95,27 @@ def test_the_name_filter_asks_for_each_metric_the_engine_reads(path: str, expect
         "e", {"queuedRequestsSpec": "sglang:num_queue_reqs", "runningRequestsSpec": 'sglang:num_running_reqs{a="b"}'}
     )
     assert _filtered_path(path, engine) == expected
+
+
+_VLLM_QUERY = (
+    "name[]=vllm:num_requests_waiting&name[]=vllm:num_requests_running&name[]=vllm:kv_cache_usage_perc"
+    "&name[]=vllm:gpu_cache_usage_perc&name[]=vllm:lora_requests_info&name[]=vllm:cache_config_info"
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        # vLLM 0.32 ignores ?name[]= on /metrics (an instrumentator) and honours it on /metrics/
+        ("/metrics", f"/metrics/?{_VLLM_QUERY}"),
+        # a path the user gave is asked as given
+        ("/metrics/", f"/metrics/?{_VLLM_QUERY}"),
+        ("/vllm/metrics", f"/vllm/metrics?{_VLLM_QUERY}"),
+        ("/metrics?x=1", f"/metrics?x=1&{_VLLM_QUERY}"),
+    ],
+)
+def test_vllm_is_asked_for_the_filter_where_it_honours_it(path: str, expected: str) -> None:
+    from epp.datalayer.loops import _filtered_path
+
+    assert _filtered_path(path, builtin_engines()["vllm"]) == expected
+    assert _filtered_path(path, builtin_engines()["sglang"]).startswith(path)  # SGLang: as given

@@ -19,6 +19,7 @@ def test_the_series_are_exposed_under_their_names_labels_and_help_texts() -> Non
     metrics.scrape_errors.labels("pod-a", "timeout").inc()
     metrics.scrapes.inc(2)
     metrics.endpoint_stale.labels("pod-a").set(1)
+    metrics.filter_ignored.labels("pod-a").inc()
     exposed = generate_latest(registry).decode().splitlines()
     assert [line for line in exposed if "_created" not in line] == [
         "# HELP epp_endpoint_scrape_errors_total Failed or incomplete metrics scrapes, by endpoint and reason "
@@ -32,6 +33,10 @@ def test_the_series_are_exposed_under_their_names_labels_and_help_texts() -> Non
         "--metrics-staleness-threshold (treated as fully loaded).",
         "# TYPE epp_endpoint_metrics_stale gauge",
         'epp_endpoint_metrics_stale{endpoint="pod-a"} 1.0',
+        "# HELP epp_endpoint_scrape_filter_ignored_total Metrics pages that came back whole although only some "
+        "metrics were asked for (?name[]=), by endpoint; the endpoint is scraped unfiltered from then on.",
+        "# TYPE epp_endpoint_scrape_filter_ignored_total counter",
+        'epp_endpoint_scrape_filter_ignored_total{endpoint="pod-a"} 1.0',
     ]
 
 

@@ -360,7 +360,7 @@ async def test_asks_for_only_the_metrics_it_reads_as_prometheus_client_serves_th
         return web.Response(body=body)
 
     app = web.Application()
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics/", metrics)  # prometheus_client's app: vLLM 0.32 mounts it at /metrics/
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -469,7 +469,7 @@ def test_a_result_becomes_the_datastore_metrics_field_by_field() -> None:
     from epp.datalayer.scraper import _metrics
 
     result = ScrapeResult(
-        "pod", 7, 3, 0.25, frozenset({"a"}), frozenset({"w"}), 4, 16, 1000, 12.5, False, "why", "missing_metrics"
+        "pod", 7, 3, 0.25, frozenset({"a"}), frozenset({"w"}), 4, 16, 1000, 12.5, False, "why", "missing_metrics", 16_000
     )
     metrics = _metrics(result)
     # Every field of Metrics comes from the field of the same name (values all differ from the defaults).
@@ -491,3 +491,119 @@ async def test_an_unknown_engine_label_falls_back_to_the_default_names_with_one_
         assert len(warnings) == 1 and "'tgi'" in warnings[0] and "using vllm metric names" in warnings[0]
     finally:
         await scraper.stop()
+
+
+# The whole page: more metric families than the six the vLLM mapping asks for, as vLLM's /metrics serves.
+_WHOLE_PAGE = VLLM_PAGE + (
+    b"# HELP python_gc_objects_collected_total Objects collected during gc\n"
+    b"# TYPE python_gc_objects_collected_total counter\n"
+    b'python_gc_objects_collected_total{generation="0"} 1234.0\n'
+    b"# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n"
+    b"# TYPE process_cpu_seconds_total counter\n"
+    b"process_cpu_seconds_total 12.5\n"
+)
+
+
+def _filter_ignored(scrape_metrics: ScrapeMetrics, endpoint: str) -> float:
+    value = scrape_metrics.registry.get_sample_value("epp_endpoint_scrape_filter_ignored_total", {"endpoint": endpoint})
+    return value or 0.0
+
+
+async def test_against_the_simulator_vllm_pods_are_asked_filtered_pages_at_metrics_slash(
+    scrape_metrics: ScrapeMetrics,
+) -> None:
+    # The simulator, as vLLM 0.32, honours ?name[]= on /metrics/ only (issue 13).
+    config = EngineConfig(time_scale=0.05, num_gpu_blocks=4096, max_model_len=8192)
+    async with SimulatedPool(1, config) as pool:
+        datastore = Datastore([parse_endpoint(f"127.0.0.1:{pool.ports[0]}")])
+        scraper = await running(datastore, scrape_metrics)
+        try:
+            await until(lambda: scrape_metrics.registry.get_sample_value("epp_endpoint_scrapes_total") >= 5)
+            name = datastore.endpoints()[0].name
+            loop = scraper.loops.endpoints[name]  # type: ignore[union-attr]  # in process: ScrapeLoops
+            assert loop.path.startswith("/metrics/?name[]=vllm:num_requests_waiting&")
+            assert _filter_ignored(scrape_metrics, name) == 0
+            assert datastore.endpoints()[0].metrics.num_gpu_blocks == 4096
+        finally:
+            await scraper.stop()
+
+
+async def test_a_page_that_ignored_the_filter_is_read_counted_logged_once_then_asked_whole(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The fake answers every query with the whole vLLM page, as vLLM's /metrics does.
+    fake.respond = lambda: web.Response(body=_WHOLE_PAGE)
+    datastore = Datastore([fake.endpoint])
+    scraper = await running(datastore, scrape_metrics)
+    name = fake.endpoint.name
+    try:
+        with caplog.at_level("WARNING", logger="epp.datalayer.loops"):
+            await until(lambda: len(fake.queries) >= 5)
+        assert fake.queries[0] != "" and set(fake.queries[1:]) == {""}  # filtered once, whole pages since
+        assert fake.paths[0] == "/metrics/" and set(fake.paths[1:]) == {"/metrics"}
+        assert datastore.endpoints()[0].metrics.waiting_queue_size == 7  # the first page was read all the same
+        assert _filter_ignored(scrape_metrics, name) == 1
+        assert all(_errors(scrape_metrics, name, reason) == 0 for reason in REASONS)  # a fallback, not an error
+        warnings = [r.getMessage() for r in caplog.records if "ignored the metrics name filter" in r.getMessage()]
+        assert len(warnings) == 1 and name in warnings[0] and "/metrics/?name[]=..." in warnings[0]
+    finally:
+        await scraper.stop()
+
+
+async def test_the_filter_ignored_is_counted_across_the_worker_process(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics
+) -> None:
+    fake.respond = lambda: web.Response(body=_WHOLE_PAGE)
+    datastore = Datastore([fake.endpoint])
+    scraper = await running(datastore, scrape_metrics, in_process=False)
+    try:
+        await until(lambda: len(fake.queries) >= 4, timeout=10)
+        await until(lambda: _filter_ignored(scrape_metrics, fake.endpoint.name) == 1)
+        assert set(fake.queries[1:]) == {""}
+    finally:
+        await scraper.stop()
+
+
+async def test_a_redirect_of_the_filter_path_gets_whole_page_requests(
+    fake: FakeServer, scrape_metrics: ScrapeMetrics
+) -> None:
+    whole = fake.respond
+    fake.respond = lambda: web.Response(status=307, headers={"Location": "/metrics"}) if fake.queries[-1] else whole()
+    datastore = Datastore([fake.endpoint])
+    scraper = await running(datastore, scrape_metrics)
+    try:
+        await until(lambda: not datastore.endpoints()[0].metrics.stale)
+        await until(lambda: len(fake.queries) >= 4)
+        assert set(fake.queries[1:]) == {""}
+        assert all(_errors(scrape_metrics, fake.endpoint.name, reason) == 0 for reason in REASONS)
+    finally:
+        await scraper.stop()
+
+
+async def test_a_user_given_path_is_asked_as_given(fake: FakeServer, scrape_metrics: ScrapeMetrics) -> None:
+    fake.respond = lambda: web.Response(body=_WHOLE_PAGE)
+    datastore = Datastore([fake.endpoint])
+    scraper = await running(datastore, scrape_metrics, replace(FAST, path="/metrics/"))
+    try:
+        await until(lambda: len(fake.queries) >= 3)
+        assert set(fake.paths) == {"/metrics/"}  # filtered first (ignored by the fake), then whole, both there
+        assert fake.queries[0] != "" and set(fake.queries[1:]) == {""}
+    finally:
+        await scraper.stop()
+
+
+async def test_against_the_simulator_a_128_token_block_pod_reports_its_cache_in_tokens(
+    scrape_metrics: ScrapeMetrics,
+) -> None:
+    # vLLM on CPU uses 128-token blocks; its cache_config_info says kv_cache_size_tokens (issue 13).
+    config = EngineConfig(time_scale=0.05, block_size=128, num_gpu_blocks=23, max_model_len=2048)
+    async with SimulatedPool(1, config) as pool:
+        datastore = Datastore([parse_endpoint(f"127.0.0.1:{pool.ports[0]}")])
+        scraper = await running(datastore, scrape_metrics)
+        try:
+            await until(lambda: not datastore.endpoints()[0].metrics.stale)
+            metrics = datastore.endpoints()[0].metrics
+            assert (metrics.block_size, metrics.num_gpu_blocks, metrics.kv_cache_size_tokens) == (128, 23, 2944)
+            assert metrics.cache_tokens == 2944 and metrics.error is None
+        finally:
+            await scraper.stop()

@@ -235,8 +235,23 @@ def test_unknown_path_with_a_body_only_needs_a_model() -> None:
     assert request.prompt == ""
 
 
-def test_unknown_path_with_a_body_still_needs_a_model() -> None:
-    assert _bad("/v1/other", {"prompt": "x"}) == "invalid request body for /v1/other: Object missing required field `model`"
+@pytest.mark.parametrize(
+    ("body", "model"),
+    [
+        ({"prompt": "x"}, ""),  # vLLM's /tokenize, /pooling... take a body without model (default model)
+        ({"model": 7}, ""),
+        ([1, 2], ""),
+        (b"--boundary\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\n\xff\xfe\r\n", ""),  # multipart audio
+        (b"{", ""),
+        ({"model": "whisper", "stream": "true"}, "whisper"),
+    ],
+)
+def test_unknown_path_is_never_refused(body: Any, model: str) -> None:
+    # the picker cannot know what an API it does not model accepts: the engine judges the body
+    request = _parse("/v1/audio/transcriptions", body)
+    assert request.api is Api.OTHER
+    assert request.model == model
+    assert request.adapter == (model or None)
 
 
 def test_large_prompt_parses() -> None:
@@ -248,6 +263,94 @@ def test_large_prompt_parses() -> None:
     assert request.body_size == len(body)
 
 
+# -- never stricter than vLLM ---------------------------------------------------------------------
+# The `vllm` column is what vLLM 0.32 does with the body. Its request models
+# (vllm/entrypoints/openai/completion/protocol.py, chat_completion/protocol.py) declare
+# `model: str | None = None`, `stream: bool | None`, `max_tokens: int | None`, `cache_salt: str | None`
+# (1 to 1024 characters) and the prompt union `list[int] | list[list[int]] | str | list[str]`, validated by
+# pydantic in lax mode; a missing or empty model is served as the default model
+# (serving's `_is_model_supported` answers True for it). Each verdict was checked by validating the same
+# field types with pydantic 2.13. The picker routes all of these: a value vLLM refuses (400) only gives no
+# routing hint, and vLLM answers the client itself.
+
+_SERVED, _REFUSED = "served", "400"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "vllm", "field", "expected"),
+    [
+        # model: absent, null or empty is vLLM's default model
+        ("/v1/completions", {"prompt": "x"}, _SERVED, "model", ""),
+        ("/v1/completions", {"prompt": "x"}, _SERVED, "adapter", None),
+        ("/v1/completions", {"model": None, "prompt": "x"}, _SERVED, "model", ""),
+        ("/v1/completions", {"model": "", "prompt": "x"}, _SERVED, "model", ""),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, _SERVED, "prompt", "<|user|>\nHi\n"),
+        ("/v1/embeddings", {"input": "x"}, _SERVED, "model", ""),
+        ("/v1/responses", {"input": "Hi"}, _SERVED, "model", ""),
+        # max_tokens: pydantic's lax int
+        ("/v1/completions", {"model": "m", "max_tokens": "3"}, _SERVED, "max_tokens", 3),
+        ("/v1/completions", {"model": "m", "max_tokens": 3.0}, _SERVED, "max_tokens", 3),
+        ("/v1/completions", {"model": "m", "max_tokens": "3.0"}, _SERVED, "max_tokens", 3),
+        ("/v1/completions", {"model": "m", "max_tokens": " 3 "}, _SERVED, "max_tokens", 3),
+        ("/v1/completions", {"model": "m", "max_tokens": "+3"}, _SERVED, "max_tokens", 3),
+        ("/v1/completions", {"model": "m", "max_tokens": "3_000"}, _SERVED, "max_tokens", 3000),
+        ("/v1/completions", {"model": "m", "max_tokens": 1e3}, _SERVED, "max_tokens", 1000),
+        ("/v1/completions", {"model": "m", "max_tokens": True}, _SERVED, "max_tokens", 1),
+        ("/v1/completions", {"model": "m", "max_tokens": None}, _SERVED, "max_tokens", None),
+        ("/v1/completions", {"model": "m", "max_tokens": 3.5}, _REFUSED, "max_tokens", None),
+        ("/v1/completions", {"model": "m", "max_tokens": "3.5"}, _REFUSED, "max_tokens", None),
+        ("/v1/completions", {"model": "m", "max_tokens": "1e3"}, _REFUSED, "max_tokens", None),
+        ("/v1/completions", {"model": "m", "max_tokens": "x"}, _REFUSED, "max_tokens", None),
+        ("/v1/completions", {"model": "m", "max_tokens": 1e20}, _REFUSED, "max_tokens", None),
+        ("/v1/completions", {"model": "m", "max_tokens": [16]}, _REFUSED, "max_tokens", None),
+        ("/v1/completions", {"model": "m", "max_tokens": {"n": 1}}, _REFUSED, "max_tokens", None),
+        ("/v1/chat/completions", {"model": "m", "max_completion_tokens": "32"}, _SERVED, "max_tokens", 32),
+        # a newer field vLLM refuses does not hide the older one
+        ("/v1/chat/completions", {"model": "m", "max_tokens": 16, "max_completion_tokens": "x"}, _REFUSED, "max_tokens", 16),
+        ("/v1/responses", {"model": "m", "max_output_tokens": "64"}, _SERVED, "max_tokens", 64),
+        # stream: pydantic's lax bool
+        ("/v1/completions", {"model": "m", "stream": "false"}, _SERVED, "stream", False),
+        ("/v1/completions", {"model": "m", "stream": "true"}, _SERVED, "stream", True),
+        ("/v1/completions", {"model": "m", "stream": "TRUE"}, _SERVED, "stream", True),
+        ("/v1/completions", {"model": "m", "stream": "yes"}, _SERVED, "stream", True),
+        ("/v1/completions", {"model": "m", "stream": "on"}, _SERVED, "stream", True),
+        ("/v1/completions", {"model": "m", "stream": "y"}, _SERVED, "stream", True),
+        ("/v1/completions", {"model": "m", "stream": "t"}, _SERVED, "stream", True),
+        ("/v1/completions", {"model": "m", "stream": "1"}, _SERVED, "stream", True),
+        ("/v1/completions", {"model": "m", "stream": "off"}, _SERVED, "stream", False),
+        ("/v1/completions", {"model": "m", "stream": 1}, _SERVED, "stream", True),
+        ("/v1/completions", {"model": "m", "stream": 1.0}, _SERVED, "stream", True),
+        ("/v1/completions", {"model": "m", "stream": 0}, _SERVED, "stream", False),
+        ("/v1/chat/completions", {"model": "m", "stream": "true"}, _SERVED, "stream", True),
+        ("/v1/completions", {"model": "m", "stream": "maybe"}, _REFUSED, "stream", False),
+        ("/v1/completions", {"model": "m", "stream": " true"}, _REFUSED, "stream", False),
+        ("/v1/completions", {"model": "m", "stream": 2}, _REFUSED, "stream", False),
+        ("/v1/completions", {"model": "m", "stream": [True]}, _REFUSED, "stream", False),
+        # cache_salt: a string of 1 to 1024 characters
+        ("/v1/completions", {"model": "m", "cache_salt": "tenant"}, _SERVED, "cache_salt", "tenant"),
+        ("/v1/completions", {"model": "m", "cache_salt": ""}, _REFUSED, "cache_salt", None),
+        ("/v1/completions", {"model": "m", "cache_salt": 5}, _REFUSED, "cache_salt", None),
+        ("/v1/completions", {"model": "m", "cache_salt": "s" * 1025}, _REFUSED, "cache_salt", None),
+        # token ids in any form the lax int takes
+        ("/v1/completions", {"model": "m", "prompt": ["1", 2]}, _SERVED, "prompt", "1 2"),
+        ("/v1/completions", {"model": "m", "prompt": [1.0, 2]}, _SERVED, "prompt", "1 2"),
+        ("/v1/completions", {"model": "m", "prompt": [True, 2]}, _SERVED, "prompt", "1 2"),
+        ("/v1/completions", {"model": "m", "prompt": [[1, "2"], [3.0]]}, _SERVED, "prompt", "1 2\n3"),
+        ("/v1/embeddings", {"model": "m", "input": ["7", 8]}, _SERVED, "prompt", "7 8"),
+        # no prompt at all: vLLM asks for one; nothing to hash here
+        ("/v1/completions", {"model": "m", "prompt": None}, _REFUSED, "prompt", ""),
+    ],
+)
+def test_what_vllm_accepts_is_routed(path: str, body: dict[str, Any], vllm: str, field: str, expected: Any) -> None:
+    assert vllm in (_SERVED, _REFUSED)
+    assert getattr(_parse(path, body), field) == expected
+
+
+def test_a_body_without_model_is_routed_with_its_prompt() -> None:
+    request = _parse("/v1/completions", {"prompt": "Hello", "max_tokens": "3", "stream": "false"})
+    assert (request.model, request.adapter, request.prompt, request.max_tokens, request.stream) == ("", None, "Hello", 3, False)
+
+
 # -- 400s ---------------------------------------------------------------------------------------
 
 
@@ -256,15 +359,11 @@ def test_large_prompt_parses() -> None:
     [
         ("/v1/completions", b'{"model":"m",', "request body is not valid JSON: Input data was truncated"),
         ("/v1/completions", b'{"model":"m","prompt":"\xff"}', "request body is not valid UTF-8"),
-        ("/v1/completions", {"prompt": "x"}, "invalid request body for /v1/completions: Object missing required field `model`"),
-        ("/v1/completions", {"model": ""}, "invalid request body for /v1/completions: `model` must not be empty"),
-        ("/v1/other", {"model": ""}, "invalid request body for /v1/other: `model` must not be empty"),
         (
             "/v1/chat/completions",
             {"model": 7, "messages": []},
-            "invalid request body for /v1/chat/completions: Expected `str`, got `int` - at `$.model`",
+            "invalid request body for /v1/chat/completions: Expected `str | null`, got `int` - at `$.model`",
         ),
-        ("/v1/completions", {"model": None}, "invalid request body for /v1/completions: Expected `str`, got `null` - at `$.model`"),
         ("/v1/completions", [{"model": "m"}], "invalid request body for /v1/completions: Expected `object`, got `array`"),
         ("/v1/completions", "m", "invalid request body for /v1/completions: Expected `object`, got `str`"),
         (
@@ -273,24 +372,22 @@ def test_large_prompt_parses() -> None:
             "invalid request body for /v1/completions: Expected `str | array`, got `int` - at `$.prompt`",
         ),
         (
-            "/v1/completions",
-            {"model": "m", "stream": "yes"},
-            "invalid request body for /v1/completions: Expected `bool | null`, got `str` - at `$.stream`",
-        ),
-        (
-            "/v1/completions",
-            {"model": "m", "max_tokens": "16"},
-            "invalid request body for /v1/completions: Expected `int | null`, got `str` - at `$.max_tokens`",
-        ),
-        (
             "/v1/chat/completions",
             {"model": "m", "messages": [{"content": "Hi"}]},
             "invalid request body for /v1/chat/completions: Object missing required field `role` - at `$.messages[0]`",
         ),
-        ("/v1/completions", b"", "/v1/completions needs a JSON body with a `model` field"),
-        ("/v1/chat/completions", b"", "/v1/chat/completions needs a JSON body with a `model` field"),
-        ("/v1/embeddings", b"", "/v1/embeddings needs a JSON body with a `model` field"),
-        ("/v1/responses?x=1", b"", "/v1/responses?x=1 needs a JSON body with a `model` field"),
+        # vLLM refuses these too: a non-string model (pydantic's lax str takes no int), a prompt of no
+        # form of its union
+        ("/v1/completions", {"model": True}, "invalid request body for /v1/completions: Expected `str | null`, got `bool` - at `$.model`"),
+        (
+            "/v1/completions",
+            {"model": "m", "prompt": {"text": "x"}},
+            "invalid request body for /v1/completions: Expected `str | array`, got `object` - at `$.prompt`",
+        ),
+        ("/v1/completions", b"", "/v1/completions needs a JSON body"),
+        ("/v1/chat/completions", b"", "/v1/chat/completions needs a JSON body"),
+        ("/v1/embeddings", b"", "/v1/embeddings needs a JSON body"),
+        ("/v1/responses?x=1", b"", "/v1/responses?x=1 needs a JSON body"),
     ],
 )
 def test_bad_request(path: str, body: Any, message: str) -> None:
@@ -323,13 +420,19 @@ def _nested(depth: int) -> bytes:
         # in a field no struct declares: skipped by msgspec, which still recurses per level
         ("/v1/completions", b'{"model":"m","extra":%s}'),
         ("/v1/chat/completions", b'{"model":"m","messages":[{"role":"user","content":[{"type":"image","image_url":%s}]}]}'),
-        ("/v1/other", b'{"model":"m","tools":[{"function":{"parameters":%s}}]}'),
     ],
 )
 def test_deep_nesting_is_a_400_saying_so(path: str, template: bytes, depth: int) -> None:
     assert _bad(path, template % _nested(depth)) == "request body nests too deeply (JSON nested about 1,000 levels or more)"
     objects = b'{"a":' * depth + b"1" + b"}" * depth
     assert _bad(path, template % objects) == "request body nests too deeply (JSON nested about 1,000 levels or more)"
+
+
+@pytest.mark.parametrize("depth", [1_000, 200_000])
+def test_deep_nesting_on_a_path_the_picker_does_not_know_is_routed_for_the_engine_to_judge(depth: int) -> None:
+    # Unknown paths are never refused (the engine answers them); nesting there is never a 500 either.
+    body = b'{"model":"m","tools":[{"function":{"parameters":%s}}]}' % _nested(depth)
+    assert _parse("/v1/other", body).path == "/v1/other"
 
 
 def test_moderate_nesting_in_a_skipped_field_still_parses() -> None:
@@ -369,7 +472,7 @@ def test_lone_surrogates_in_chat_and_responses_bodies() -> None:
     ("body", "message"),
     [
         # still wrong for another reason: the message says that reason, never "truncated"
-        (b'{"model":5,"user":"\\ud800"}', "invalid request body for /v1/completions: Expected `str`, got `int` - at `$.model`"),
+        (b'{"model":5,"user":"\\ud800"}', "invalid request body for /v1/completions: Expected `str | null`, got `int` - at `$.model`"),
         (b'{"model":"m","user":"\\ud800"} trailing', "request body is not valid JSON: Extra data: line 1 column 31 (char 30)"),
         (b'{"model":"m","user":"\\ud800","x":%s}' % _nested(5_000), "request body nests too deeply (JSON nested about 1,000 levels or more)"),
     ],
@@ -468,4 +571,25 @@ def test_what_json_loads_accepts_in_unread_fields_is_accepted(constant: bytes) -
     assert _parse("/v1/completions", b'{"model":"m","prompt":"p","temperature":%s}' % constant).prompt == "p"
     assert _bad("/v1/completions", b'{"model":"m","max_tokens":%s}' % constant).startswith(
         "invalid request body for /v1/completions: Expected `int | null`, got `float` - at `$.max_tokens`"
+    )
+
+
+def test_a_prompt_field_the_typed_structs_refuse_is_read_loosely() -> None:
+    # a part whose text is no string: the typed decode fails, the loose one renders what it can
+    body = {
+        "model": "m",
+        "max_completion_tokens": "8",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": 5}, {"type": "text", "text": "Hi"}]}],
+    }
+    request = _parse("/v1/chat/completions", body)
+    assert (request.prompt, request.max_tokens) == ("<|user|>\nHi\n", 8)
+    request = _parse("/v1/responses", {"model": "m", "instructions": "Be brief.", "input": [{"role": "user", "content": 5}]})
+    assert request.prompt == "<|system|>\nBe brief.\n<|user|>\n\n"
+
+
+def test_a_loosely_read_chat_message_still_needs_a_role() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"text": 5}]}, {"content": "x"}]}
+    assert _bad("/v1/chat/completions", body).startswith("invalid request body for /v1/chat/completions: ")
+    assert _bad("/v1/chat/completions", {"model": "m", "messages": "Hi"}) == (
+        "invalid request body for /v1/chat/completions: Expected `array`, got `str` - at `$.messages`"
     )

@@ -242,13 +242,13 @@ async def test_empty_or_foreign_subset_is_503(stub: pb_grpc.ExternalProcessorStu
 async def test_bad_body_is_an_immediate_400_with_openai_error(stub: pb_grpc.ExternalProcessorStub) -> None:
     talk = Conversation(stub)
     await talk.send(headers(POST))
-    await talk.send(body(b'{"prompt": "x"}', end_of_stream=True))
+    await talk.send(body(b'{"model": 7, "prompt": "x"}', end_of_stream=True))  # vLLM refuses it too
     reply = await talk.read()
     immediate = reply.immediate_response
     assert immediate.status.code == 400
     error = json.loads(immediate.body)["error"]
     assert error["type"] == "invalid_request_error"
-    assert "`model`" in error["message"]
+    assert "`$.model`" in error["message"]
     assert [(h.header.key, h.header.raw_value) for h in immediate.headers.set_headers] == [("content-type", b"application/json")]
     assert await talk.finish() == []
 

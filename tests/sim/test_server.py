@@ -188,7 +188,7 @@ async def test_metrics_page_parses_and_has_vllm_names(make_pool, session) -> Non
     families = await _metrics(session, pool.url(0))
     for name in (
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-        "vllm:gpu_cache_usage_perc", "vllm:lora_requests_info", "vllm:cache_config_info",
+        "vllm:lora_requests_info", "vllm:cache_config_info",
         "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
         "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens",
         "vllm:request_generation_tokens", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
@@ -205,8 +205,13 @@ async def test_metrics_page_parses_and_has_vllm_names(make_pool, session) -> Non
     assert len(ttft_buckets) >= 20 and ttft_buckets[-1].value == 3
     config = families["vllm:cache_config_info"][0].labels
     assert config["block_size"] == "16" and config["num_gpu_blocks"] == "4096"
+    assert config["kv_cache_size_tokens"] == str(4096 * 16)
     usage = _value(families, "vllm:kv_cache_usage_perc")
     assert 0.0 <= usage <= 1.0
+    # vLLM 0.32's surface: the deprecated usage gauge is gone, and an idle pod's usage is 0 (only running
+    # requests' blocks count) although its prefix cache holds the three prompts
+    assert "vllm:gpu_cache_usage_perc" not in families
+    assert usage == 0.0 and engine.kv.num_cached > 0
 
 
 async def test_prefix_hit_header_sums_to_the_counter(make_pool, session) -> None:
@@ -317,15 +322,22 @@ async def test_same_seed_same_answers_over_http(make_pool, session) -> None:
     assert await answers(1) != await answers(2)
 
 
-# The simulator answers /metrics?name[]=... as vLLM's prometheus_client does: only those families.
+# The simulator answers /metrics/?name[]=... as vLLM 0.32's prometheus_client app does: only those
+# families; its /metrics, like vLLM's instrumentator, ignores the query (issue 13).
 async def test_name_filter_restricts_the_page_to_the_named_families() -> None:
     config = EngineConfig(time_scale=0.05, max_model_len=4096, num_gpu_blocks=1024)
     async with SimulatedPool(1, config) as pool, aiohttp.ClientSession() as session:
         async with session.get(pool.url(0) + "/metrics") as response:
             whole = await response.read()
         query = "?name[]=vllm:num_requests_waiting&name[]=vllm:cache_config_info"
-        async with session.get(pool.url(0) + "/metrics" + query) as response:
+        async with session.get(pool.url(0) + "/metrics/" + query) as response:
             restricted = await response.read()
+        async with session.get(pool.url(0) + "/metrics" + query) as response:
+            ignored = await response.read()
+        async with session.get(pool.url(0) + "/metrics/") as response:
+            whole_again = await response.read()
     families = {f.name for f in text_string_to_metric_families(restricted.decode())}
     assert families == {"vllm:num_requests_waiting", "vllm:cache_config_info"}
     assert len(restricted) < len(whole) / 20
+    assert len(ignored) > len(whole) * 0.9 and b"python_gc_objects_collected_total" in ignored
+    assert len(whole_again) > len(whole) * 0.9

@@ -5,6 +5,7 @@ autoTune capacities, metrics, and parameter validation (upstream spellings inclu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -146,11 +147,53 @@ def test_autotune_follows_the_pods_cache_size_and_evicts_past_it() -> None:
     prompt = SYSTEM["alpha-"] + "tail" * 40  # 20 blocks
     serve(producer, ask(prompt), [endpoint], endpoint)
     assert producer.index.endpoint_size("pod-0") == 20
-    scraped = pod(0, cache_tokens=16 * 8)  # num_gpu_blocks = 8
+    scraped = pod(0, cache_tokens=16 * 2)  # 2 of the pod's 16-token blocks: 8 of the index's 4-token ones
     serve(producer, ask(prompt), [scraped], scraped)
     assert producer.index.capacity("pod-0") == 8
     assert producer.index.endpoint_size("pod-0") == 8  # the prompt's first 8 blocks
     assert scores(producer, ask(prompt), [scraped]) == [8 / 20]
+
+
+def _geometry(block_size: int | None, num_gpu_blocks: int | None, size_tokens: int | None = None) -> Endpoint:
+    endpoint = pod(0)
+    metrics = replace(endpoint.metrics, block_size=block_size, num_gpu_blocks=num_gpu_blocks, kv_cache_size_tokens=size_tokens)
+    return replace(endpoint, metrics=metrics)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_gpu_blocks", "size_tokens", "capacity"),
+    [
+        # issue 13: vLLM on CPU uses 128-token blocks; N of them hold N x 8 of the index's 16-token blocks
+        (128, 1000, None, 8000),
+        (128, 23, None, 184),
+        (16, 1000, None, 1000),
+        (8, 1000, None, 500),
+        # vLLM's own count of its cache in tokens wins over blocks x block size (hybrid models differ)
+        (128, 1000, 64_000, 4000),
+        (None, None, 64_000, 4000),
+        # blocks of an unknown size: taken as the index's own (what there is to go by)
+        (None, 1000, None, 1000),
+        (None, None, None, 31250),
+    ],
+)
+def test_autotune_capacity_is_the_pods_cache_in_the_index_blocks(
+    block_size: int | None, num_gpu_blocks: int | None, size_tokens: int | None, capacity: int
+) -> None:
+    endpoint = _geometry(block_size, num_gpu_blocks, size_tokens)
+    producer = ApproxPrefixCacheProducer("p", PrefixParameters(), Handle(Datastore([endpoint])))
+    assert producer.index.capacity("pod-0") == capacity
+    serve(producer, ask("w" * 640), [endpoint], endpoint)
+    assert producer.index.capacity("pod-0") == capacity
+
+
+def test_a_128_token_block_pod_keeps_what_it_holds_in_the_index() -> None:
+    # 23 blocks of 128 tokens hold 2,944 tokens (issue 13's figure): the index keeps 184 of its blocks
+    endpoint = _geometry(128, 23)
+    producer = ApproxPrefixCacheProducer("p", PrefixParameters(), Handle(Datastore([endpoint])))
+    first = "first prompt " * 1000  # 13,000 characters: 203 blocks of 64 characters
+    serve(producer, ask(first), [endpoint], endpoint)
+    assert producer.index.endpoint_size("pod-0") == 184
+    assert scores(producer, ask(first), [endpoint]) == [pytest.approx(184 / 203)]
 
 
 def test_the_match_is_capped_at_max_prefix_tokens() -> None:
