@@ -70,6 +70,7 @@ from epp.extproc.answers import (
     subset_hint,
 )
 from epp.extproc.parsing import parse_request
+from epp.extproc.usage import MAX_JSON_BODY, STREAM_TAIL_CHUNKS, usage_of
 from epp.framework import Outcome
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
@@ -86,8 +87,8 @@ class _Stream:
     """The state of one ext_proc stream (one HTTP request), and its answer to each message."""
 
     __slots__ = (
-        "_director", "_max_body", "chunks", "done", "headers", "outcome", "request_mode", "response_mode",
-        "routed", "size", "subset",
+        "_director", "_max_body", "chunks", "done", "headers", "outcome", "request_mode", "response_bytes",
+        "response_mode", "routed", "size", "sse", "subset", "tail",
     )  # fmt: skip
 
     def __init__(self, director: Director, max_body: int) -> None:
@@ -102,6 +103,10 @@ class _Stream:
         self.routed: RoutedRequest | None = None
         self.done = False  # the request phase has been answered (routed)
         self.outcome: Outcome = "cancelled"
+        # The response body: its size, and its last chunks (references, no copies) for the usage.
+        self.response_bytes = 0
+        self.sse = False
+        self.tail: list[bytes] | None = []
 
     # -- the request phase ---------------------------------------------------------------------
 
@@ -182,7 +187,9 @@ class _Stream:
 
     def response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
         routed = self.routed
-        added = routed.response_headers(headers_of(message)) if routed is not None else None
+        headers = headers_of(message)
+        self.sse = headers.get("content-type", "").startswith("text/event-stream")
+        added = routed.response_headers(headers) if routed is not None else None
         if message.end_of_stream:
             self.outcome = "complete"
         return response_headers_answer(added) if added else CONTINUE_RESPONSE_HEADERS
@@ -190,10 +197,26 @@ class _Stream:
     def response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
         chunk = body.body
         routed = self.routed
-        if routed is not None and chunk:
-            routed.response_body_started()
+        if chunk:
+            if routed is not None and not self.response_bytes:
+                routed.response_body_started()
+            self.response_bytes += len(chunk)
+            tail = self.tail
+            if tail is not None:
+                tail.append(chunk)
+                if self.sse:
+                    if len(tail) > STREAM_TAIL_CHUNKS:
+                        del tail[0]
+                elif self.response_bytes > MAX_JSON_BODY:
+                    self.tail = None  # too large to search for usage
         if body.end_of_stream:
             self.outcome = "complete"
+            if routed is not None:
+                tail = self.tail
+                usage = usage_of(tail, stream=self.sse) if tail else None
+                routed.response_ended(
+                    self.response_bytes, (usage.prompt_tokens, usage.completion_tokens) if usage else None
+                )
         if self.response_mode != FULL_DUPLEX:
             return CONTINUE_RESPONSE_BODY
         if chunk or not body.end_of_stream:

@@ -160,6 +160,7 @@ class Director:
         metrics.routed.inc()
         if request.body_size:
             per_model.sizes.observe(request.body_size)
+        metrics.picked(endpoints[0].name)
         routed = RoutedRequest(request, result, scheduler, in_flight, per_model, wake=self._wake)
         scheduler.pre_request(request, result)
         return routed

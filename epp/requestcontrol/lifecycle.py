@@ -12,15 +12,20 @@ only this object, in the order the response arrives:
   plugins' ``response_received`` hooks may add response headers);
 * :meth:`RoutedRequest.response_body_started` on the first response body bytes (the pod has finished
   queueing and prefill: the request stops counting as unanswered);
+* :meth:`RoutedRequest.response_ended` when the response body has ended, with its size and the token
+  usage the model server reported in it (read by the edge from the end of the body);
 * :meth:`RoutedRequest.finish` exactly once however the stream ends (``complete``, ``error``,
   ``cancelled``; a 5xx response counts as ``error``): the in-flight release, the running-requests
-  gauge, admission's wake-up and the ``response_complete`` hooks.
+  gauge, admission's wake-up, the ``response_complete`` hooks, and for a complete response the
+  response series (duration from the pick to the end, time to the first body byte, body size, input
+  and output tokens, and the duration per output token, upstream's NTPOT).
 
 Nothing here calls back into the director: a request's data goes one way, down.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 
 from epp.datalayer.inflight import InFlight, Ticket
@@ -39,8 +44,8 @@ class RoutedRequest:
     """A routed request: its pick, and the calls made while its response streams back."""
 
     __slots__ = (
-        "_answering", "_finished", "_in_flight", "_metrics", "_scheduler", "_ticket", "_wake",
-        "endpoints", "request", "result", "status",
+        "_answering", "_finished", "_first_byte", "_in_flight", "_metrics", "_response_bytes", "_scheduler",
+        "_sent", "_ticket", "_usage", "_wake", "endpoints", "request", "result", "status",
     )  # fmt: skip
 
     def __init__(
@@ -63,6 +68,10 @@ class RoutedRequest:
         self._wake = wake
         self._finished = False
         self._answering = False
+        self._sent = time.monotonic()
+        self._first_byte = 0.0
+        self._response_bytes = 0
+        self._usage: tuple[int, int] | None = None
         # The request counts toward its primary's load from now until its response ends.
         self._ticket: Ticket = in_flight.add(request.prompt_tokens)
         metrics.running.inc()
@@ -86,7 +95,13 @@ class RoutedRequest:
         """The first response body bytes arrived: the pod has finished queueing and prefill."""
         if not self._answering and not self._finished:
             self._answering = True
+            self._first_byte = time.monotonic()
             self._in_flight.answering(self._ticket)
+
+    def response_ended(self, size: int, usage: tuple[int, int] | None) -> None:
+        """The response body ended: its size in bytes and the (prompt, output) tokens reported, if any."""
+        self._response_bytes = size
+        self._usage = usage
 
     def finish(self, outcome: Outcome = "complete") -> None:
         """The response ended (``complete``), failed (``error``) or the stream went away (``cancelled``)."""
@@ -96,6 +111,21 @@ class RoutedRequest:
         if outcome == "complete" and self.status >= 500:
             outcome = "error"
         self._in_flight.release(self._ticket)
-        self._metrics.running.dec()
+        metrics = self._metrics
+        metrics.running.dec()
+        if outcome == "complete":
+            took = time.monotonic() - self._sent
+            metrics.duration.observe(took)
+            if self._first_byte:
+                metrics.first_byte.observe(self._first_byte - self._sent)
+            if self._response_bytes:
+                metrics.response_sizes.observe(self._response_bytes)
+            usage = self._usage
+            if usage is not None:
+                prompt_tokens, output_tokens = usage
+                metrics.input_tokens.observe(prompt_tokens)
+                metrics.output_tokens.observe(output_tokens)
+                if output_tokens:
+                    metrics.ntpot.observe(took / output_tokens)
         self._wake()  # a slot freed: a queued request may go
         self._scheduler.response_complete(self.request, self.endpoints[0], outcome)

@@ -49,6 +49,15 @@ MAX_MODEL_LABEL_CHARS = 256
 
 # Request bodies from a few bytes to the 16 MiB default limit (upstream's size buckets, roughly x4 apart).
 _SIZE_BUCKETS = (64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+# Whole requests, from a few milliseconds to an hour-long generation (upstream's latency buckets).
+_DURATION_BUCKETS = (
+    0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 45, 60, 120,
+    180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600,
+)  # fmt: skip
+# Seconds per output token: a fast GPU at ~1 ms, a loaded CPU pod at hundreds.
+_NTPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+# Token counts, powers of two up to a million-token context.
+_TOKEN_BUCKETS = tuple(2**i for i in range(0, 21, 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +67,12 @@ class ModelMetrics:
     requests: Counter
     sizes: Histogram
     running: Gauge
+    duration: Histogram
+    first_byte: Histogram
+    ntpot: Histogram
+    response_sizes: Histogram
+    input_tokens: Histogram
+    output_tokens: Histogram
 
 
 class RequestMetrics:
@@ -106,10 +121,60 @@ class RequestMetrics:
             ["status"],
             registry=r,
         )
+        model_labels = ["model_name", "target_model_name"]
+        self.request_duration = Histogram(
+            "inference_objective_request_duration_seconds",
+            "Response latency: from the pick to the end of the response.",
+            model_labels,
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "epp_request_time_to_first_byte_seconds",
+            "From the pick to the first response body bytes, as the picker sees them (TTFT for streamed answers).",
+            model_labels,
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.ntpot = Histogram(
+            "inference_objective_normalized_time_per_output_token_seconds",
+            "Response latency divided by the output tokens the model server reported.",
+            model_labels,
+            buckets=_NTPOT_BUCKETS,
+            registry=r,
+        )
+        self.response_sizes = Histogram(
+            "inference_objective_response_sizes",
+            "Response body size in bytes.",
+            model_labels,
+            buckets=_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.input_tokens = Histogram(
+            "inference_objective_input_tokens",
+            "Prompt tokens, as the model server reported them in the response's usage.",
+            model_labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Histogram(
+            "inference_objective_output_tokens",
+            "Output tokens, as the model server reported them in the response's usage.",
+            model_labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.picks = Counter(
+            "epp_endpoint_picks_total",
+            "Requests routed to each endpoint (the primary of the pick).",
+            ["endpoint"],
+            registry=r,
+        )
         self.routed = self.request_outcome_total.labels("routed")
         self.scheduled = self.scheduler_attempts.labels("success")
         self.unscheduled = self.scheduler_attempts.labels("failure")
         self._per_model: dict[str, ModelMetrics] = {}  # by label value
+        self._picks: dict[str, Counter] = {}
         self._served = 0
         self._first_seen = 0
 
@@ -142,8 +207,23 @@ class RequestMetrics:
                 requests=self.request_total.labels(label, label),
                 sizes=self.request_sizes.labels(label, label),
                 running=self.running_requests.labels(label),
+                duration=self.request_duration.labels(label, label),
+                first_byte=self.first_byte.labels(label, label),
+                ntpot=self.ntpot.labels(label, label),
+                response_sizes=self.response_sizes.labels(label, label),
+                input_tokens=self.input_tokens.labels(label, label),
+                output_tokens=self.output_tokens.labels(label, label),
             )
         return found
+
+    def picked(self, endpoint: str) -> None:
+        """One request routed to ``endpoint`` (endpoint names are the pool's: bounded by it)."""
+        counter = self._picks.get(endpoint)
+        if counter is None:
+            counter = self.picks.labels(endpoint)
+            if len(self._picks) < 4096:
+                self._picks[endpoint] = counter
+        counter.inc()
 
     def refused(self, error: EppError) -> None:
         """A request refused with ``error`` (before it was routed)."""

@@ -202,6 +202,38 @@ async def test_response_phase_passes_headers_and_each_chunk_through(stub: pb_grp
     assert await talk.finish() == []
 
 
+@pytest.mark.parametrize("streamed_answer", [True, False])
+async def test_the_response_usage_and_size_reach_the_request_metrics(
+    picker: EndpointPicker, stub: pb_grpc.ExternalProcessorStub, streamed_answer: bool
+) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers(POST))
+    await talk.send(body(COMPLETION, end_of_stream=True))
+    await talk.read()
+    await talk.read()
+    content_type = b"text/event-stream" if streamed_answer else b"application/json"
+    response_headers = [base_pb2.HeaderValue(key=":status", raw_value=b"200"), base_pb2.HeaderValue(key="content-type", raw_value=content_type)]
+    await talk.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=response_headers))))
+    await talk.read()
+    if streamed_answer:
+        chunks = [b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'] * 9 + [
+            b'data: {"choices":[],"usage":{"prompt_tokens":11,"completion_tokens":9}}\n\n',
+            b"data: [DONE]\n\n",
+        ]
+    else:
+        chunks = [b'{"choices":[{"text":"abc"}],', b'"usage":{"prompt_tokens":11,"completion_tokens":9}}']
+    for i, chunk in enumerate(chunks):
+        await talk.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=i == len(chunks) - 1)))
+        await talk.read()
+    assert await talk.finish() == []
+    value = picker.metrics.registry.get_sample_value
+    model = {"model_name": "m", "target_model_name": "m"}
+    await asyncio.sleep(0)  # the stream's end runs its finally
+    assert value("inference_objective_output_tokens_sum", model) == 9
+    assert value("inference_objective_input_tokens_sum", model) == 11
+    assert value("inference_objective_response_sizes_sum", model) == sum(map(len, chunks))
+
+
 async def test_request_trailers_end_the_body(stub: pb_grpc.ExternalProcessorStub) -> None:
     talk = Conversation(stub)
     await talk.send(headers(POST))

@@ -336,3 +336,43 @@ _PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
 test_pool_state_machine = _PoolMachine.TestCase
+
+
+# -- the response series: duration, first byte, size, tokens, NTPOT, picks ---------------------------
+
+
+def _sample(metrics: PickerMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_complete_response_records_duration_first_byte_size_tokens_and_ntpot() -> None:
+    metrics = PickerMetrics()
+    datastore = Datastore(ENDPOINTS)
+    director = Director(datastore, Scheduler(Profile("p", OnlyPicker("only", E2.hostport))), metrics.requests)
+    routed = asyncio.run(director.route(request("hello")))
+    routed.response_headers({":status": "200"})
+    routed.response_body_started()
+    routed.response_ended(1234, (7, 40))
+    routed.finish("complete")
+    model = {"model_name": "m", "target_model_name": "m"}
+    assert _sample(metrics, "inference_objective_request_duration_seconds_count", **model) == 1
+    assert _sample(metrics, "epp_request_time_to_first_byte_seconds_count", **model) == 1
+    assert _sample(metrics, "inference_objective_response_sizes_sum", **model) == 1234
+    assert _sample(metrics, "inference_objective_input_tokens_sum", **model) == 7
+    assert _sample(metrics, "inference_objective_output_tokens_sum", **model) == 40
+    duration = _sample(metrics, "inference_objective_request_duration_seconds_sum", **model)
+    ntpot = _sample(metrics, "inference_objective_normalized_time_per_output_token_seconds_sum", **model)
+    assert ntpot == pytest.approx(duration / 40)
+    assert _sample(metrics, "epp_endpoint_picks_total", endpoint=E2.name) == 1
+
+
+@pytest.mark.parametrize("outcome", ["error", "cancelled"])
+def test_a_response_that_did_not_complete_records_no_latency(outcome: str) -> None:
+    metrics = PickerMetrics()
+    director = Director(Datastore(ENDPOINTS), Scheduler(Profile("p", OnlyPicker("only", E2.hostport))), metrics.requests)
+    routed = asyncio.run(director.route(request("hello")))
+    routed.response_ended(10, (1, 1))
+    routed.finish(outcome)  # type: ignore[arg-type]
+    model = {"model_name": "m", "target_model_name": "m"}
+    assert _sample(metrics, "inference_objective_request_duration_seconds_count", **model) == 0
+    assert _sample(metrics, "inference_objective_output_tokens_count", **model) == 0
