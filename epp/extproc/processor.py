@@ -87,8 +87,21 @@ class _Stream:
     """The state of one ext_proc stream (one HTTP request), and its answer to each message."""
 
     __slots__ = (
-        "_director", "_max_body", "chunks", "done", "headers", "outcome", "request_mode", "response_bytes",
-        "response_mode", "routed", "size", "sse", "subset", "tail",
+        "_director",
+        "_max_body",
+        "chunks",
+        "done",
+        "headers",
+        "model",
+        "outcome",
+        "request_mode",
+        "response_bytes",
+        "response_mode",
+        "routed",
+        "size",
+        "sse",
+        "subset",
+        "tail",
     )  # fmt: skip
 
     def __init__(self, director: Director, max_body: int) -> None:
@@ -103,6 +116,7 @@ class _Stream:
         self.routed: RoutedRequest | None = None
         self.done = False  # the request phase has been answered (routed)
         self.outcome: Outcome = "cancelled"
+        self.model: str | None = None  # known once the body is parsed
         # The response body: its size, and its last chunks (references, no copies) for the usage.
         self.response_bytes = 0
         self.sse = False
@@ -179,6 +193,7 @@ class _Stream:
     async def _route(self, body: bytes) -> RoutedRequest:
         director = self._director
         request = parse_request(self.headers, body, base_models=director.base_models)
+        self.model = request.model  # a refusal after parsing is counted under it
         self.routed = await director.route(request, self.subset)
         self.done = True
         return self.routed
@@ -264,7 +279,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             stream.outcome = "error"
             if stream.done:
                 raise  # too late for an HTTP answer: fail the stream
-            self._metrics.refused(error)
+            self._metrics.refused(error, stream.model)
             yield immediate(error)
         except Exception:
             stream.outcome = "error"
@@ -272,7 +287,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 raise
             log.exception("unexpected error while processing request %s", stream.headers.get("x-request-id", "?"))
             internal = EppError(Reason.INTERNAL, "internal error in the endpoint picker")
-            self._metrics.refused(internal)
+            self._metrics.refused(internal, stream.model)
             yield immediate(internal)
         finally:
             if stream.routed is not None:

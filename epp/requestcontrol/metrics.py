@@ -225,8 +225,17 @@ class RequestMetrics:
                 self._picks[endpoint] = counter
         counter.inc()
 
-    def refused(self, error: EppError) -> None:
-        """A request refused with ``error`` (before it was routed)."""
+    def refused(self, error: EppError, model: str | None = None) -> None:
+        """A request refused with ``error`` (before it was routed); ``model``: as parsed, if the body
+        was (a refusal of the body itself has none), counted under its bounded label."""
         self.request_outcome_total.labels(error.reason.value).inc()
-        # No model label: the body, where the model is named, may be what is wrong.
-        self.request_error_total.labels("", "", error.reason.value).inc()
+        label = "" if model is None else self._label_of(model)
+        self.request_error_total.labels(label, label, error.reason.value).inc()
+
+    def _label_of(self, model: str) -> str:
+        """The label ``model`` is counted under (the one it has, or a new one by the usual rule)."""
+        if model in self._per_model:
+            return model
+        label = self._label(model, None)
+        self._series(label)
+        return label

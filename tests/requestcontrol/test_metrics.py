@@ -104,3 +104,18 @@ def test_public_names() -> None:
         "MAX_FIRST_SEEN_MODEL_LABELS", "MAX_MODEL_LABEL_CHARS", "MAX_SERVED_MODEL_LABELS", "ModelMetrics",
         "OTHER_MODEL", "RequestMetrics",
     ]  # fmt: skip
+
+
+def test_a_refusal_after_parsing_is_counted_under_the_parsed_model() -> None:
+    from epp.errors import EppError, Reason
+
+    metrics = RequestMetrics()
+    metrics.refused(EppError(Reason.NO_ENDPOINT, "none"), "llama")
+    metrics.refused(EppError(Reason.BAD_REQUEST, "not json"))
+    value = metrics.registry.get_sample_value
+    labels = {"model_name": "llama", "target_model_name": "llama", "error_code": "no_endpoint"}
+    assert value("inference_objective_request_error_total", labels) == 1
+    assert value("inference_objective_request_error_total", {"model_name": "", "target_model_name": "", "error_code": "bad_request"}) == 1
+    huge = "x" * 10_000
+    metrics.refused(EppError(Reason.NO_ENDPOINT, "none"), huge)  # a client's 10 KB name is no label
+    assert value("inference_objective_request_error_total", {"model_name": "other", "target_model_name": "other", "error_code": "no_endpoint"}) == 1
