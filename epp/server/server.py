@@ -34,6 +34,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
@@ -55,6 +56,7 @@ from epp.scheduling.config import PickerConfig, load_config
 from epp.scheduling.registry import load_registry
 from epp.server.debug import DebugViews
 from epp.server.metrics import Metrics, start_metrics_server
+from epp.server.metrics_auth import MetricsAuth
 from epp.server.settings import Settings
 from epp.server.tls import server_credentials
 
@@ -245,6 +247,7 @@ class EndpointPicker:
                     settings.metrics_port,
                     settings.bind_address,
                     routes=routes if settings.enable_debug_endpoints else None,
+                    guard=self._metrics_guard(),
                 )
             except OSError as exc:
                 raise StartupError(
@@ -270,6 +273,19 @@ class EndpointPicker:
             settings.metrics_port,
             len(self.datastore.endpoints()),
         )
+
+    def _metrics_guard(self) -> Callable[[dict[str, Any]], Any] | None:
+        """The metrics port's check (--metrics-endpoint-auth): with discovery only, a static pool has no API server."""
+        if not self.settings.metrics_endpoint_auth:
+            return None
+        if self.discovery is None or self.discovery.client is None:
+            log.info(
+                "metrics endpoint auth is off: a static pool has no Kubernetes API server to review tokens "
+                "(--metrics-endpoint-auth applies with --pool-name or --endpoint-selector)"
+            )
+            return None
+        auth = MetricsAuth.for_client(self.discovery.client, asyncio.get_running_loop())
+        return auth.wsgi_guard
 
     async def stop(self, grace: float | None = None) -> None:
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
