@@ -2,9 +2,11 @@
 
 All metrics live on one registry per service (no process-global state), served on
 ``--metrics-port`` by :func:`start_metrics_server`, which answers ``/metrics`` and 404 on every
-other path (a port that answers every path hides a scrape config's typo). The series are defined by the packages that
-write them (:mod:`epp.requestcontrol.metrics`, :mod:`epp.scheduling.metrics`, flow control's, the
-plugins' own through :class:`epp.framework.PluginMetrics`); :class:`Metrics` puts them together.
+other path (a port that answers every path hides a scrape config's typo); a ``guard``
+(``--metrics-endpoint-auth``, :mod:`epp.server.metrics_auth`) may refuse a request first. The
+series are defined by the packages that write them (:mod:`epp.requestcontrol.metrics`,
+:mod:`epp.scheduling.metrics`, flow control's, the plugins' own through
+:class:`epp.framework.PluginMetrics`); :class:`Metrics` puts them together.
 
 Counters carry no ``*_created`` series: upstream's Go client exports none, and they double the
 series count for nothing a dashboard reads. prometheus_client's switch for that is process-wide

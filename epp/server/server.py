@@ -18,6 +18,9 @@ not shutting down: a pod that never answered is not known to serve, and requests
 requests then wait in the queue for a pod (``noEndpointRequestTTL``), which is how a pool scaled
 to zero is woken, instead of Envoy failing them before they reach the picker.
 
+The metrics port is guarded by ``--metrics-endpoint-auth`` (:mod:`epp.server.metrics_auth`) when
+the pool comes from Kubernetes: the reviews go through discovery's API client, on this event loop.
+
 Shutdown, in order:
  1. every health service but liveness goes NOT_SERVING (load balancers stop sending new streams);
  2. admission closes: queued requests are answered 503 (``rejected-shutting-down``) at once, and
@@ -285,6 +288,10 @@ class EndpointPicker:
             )
             return None
         auth = MetricsAuth.for_client(self.discovery.client, asyncio.get_running_loop())
+        log.info(
+            "metrics endpoint auth is on: the metrics port needs a bearer token the API server accepts and "
+            "whose user may get the path (TokenReview, SubjectAccessReview; --metrics-endpoint-auth=false to turn off)"
+        )
         return auth.wsgi_guard
 
     async def stop(self, grace: float | None = None) -> None:
