@@ -146,6 +146,10 @@ class MetricsAuth:
         except FutureTimeout:
             future.cancel()
             raise ReviewUnavailable(f"no answer from the API server within {self._timeout:g}s") from None
+        except ReviewUnavailable:
+            raise
+        except Exception as exc:  # e.g. the client's credentials failing to refresh: still undecided, so 503
+            raise ReviewUnavailable(f"the review failed: {type(exc).__name__}: {exc}") from exc
 
     async def _reviewed(self, token: str, path: str) -> Access:
         access, user = await self._review(token, path)

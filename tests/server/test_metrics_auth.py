@@ -239,9 +239,10 @@ async def test_a_review_slower_than_the_timeout_is_503_and_not_cached() -> None:
     assert await _check(auth, "t") == "ok" and calls == 2
 
 
-async def test_an_unavailable_review_is_503() -> None:
+@pytest.mark.parametrize("error", [ReviewUnavailable("the API server answered 500"), KeyError("expirationTimestamp")])
+async def test_a_review_that_fails_is_503(error: Exception) -> None:
     async def review(token: str, path: str) -> tuple[Access, str]:
-        raise ReviewUnavailable("the API server answered 500")
+        raise error
 
     auth = MetricsAuth(review, asyncio.get_running_loop())
     assert await _check(auth, "t") == "503"
