@@ -116,6 +116,11 @@ class Discovery:
             return f"pods matching {self.spec.label_selector} in namespace {self.namespace}"
         return f"InferencePool {self.namespace}/{self.pool_name}"
 
+    @property
+    def client(self) -> Any:
+        """The kubernetes_asyncio ApiClient once connected (None before): other API calls share its credentials."""
+        return self._client
+
     async def connect(self) -> None:
         """Load the client configuration; a bad one raises :class:`~epp.kube.client.KubeConfigError`."""
         if self._client is None:

@@ -56,6 +56,12 @@ SERVE_FLAGS = FlagSet(
             False,
             "serve /debug/pool (endpoints, scraped numbers, in-flight) and /debug/config on the metrics port",
         ),
+        make_flag(
+            "metrics-endpoint-auth",
+            True,
+            "metrics port (/metrics, /debug/*) needs a bearer token the API server accepts (TokenReview) and "
+            "whose user may get the path (SubjectAccessReview); off in static mode (--endpoints)",
+        ),
         make_flag("secure-serving", True, "serve ext_proc over TLS"),
         make_flag("cert-path", "", "directory with tls.crt and tls.key; empty: a self-signed certificate"),
         make_flag("config-file", "", "EndpointPickerConfig YAML file"),
@@ -89,7 +95,6 @@ SERVE_FLAGS = FlagSet(
         make_flag("ha-enable-leader-election", False, "leader election between replicas", implemented=False),
         make_flag("health-checking", False, "upstream flag: enable health checking", implemented=False),
         make_flag("enable-pprof", True, "upstream profiling endpoint", implemented=False),
-        make_flag("metrics-endpoint-auth", True, "authenticate /metrics scrapes", implemented=False),
         make_flag(
             "refresh-prometheus-metrics-interval",
             Duration(5.0),
@@ -164,6 +169,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         grpc_health_port=values["grpc-health-port"],
         metrics_port=values["metrics-port"],
         enable_debug_endpoints=values["enable-debug-endpoints"],
+        metrics_endpoint_auth=values["metrics-endpoint-auth"],
         bind_address=values["bind-address"],
         secure_serving=values["secure-serving"],
         cert_path=values["cert-path"],

@@ -2,9 +2,11 @@
 
 All metrics live on one registry per service (no process-global state), served on
 ``--metrics-port`` by :func:`start_metrics_server`, which answers ``/metrics`` and 404 on every
-other path (a port that answers every path hides a scrape config's typo). The series are defined by the packages that
-write them (:mod:`epp.requestcontrol.metrics`, :mod:`epp.scheduling.metrics`, flow control's, the
-plugins' own through :class:`epp.framework.PluginMetrics`); :class:`Metrics` puts them together.
+other path (a port that answers every path hides a scrape config's typo); a ``guard``
+(``--metrics-endpoint-auth``, :mod:`epp.server.metrics_auth`) may refuse a request first. The
+series are defined by the packages that write them (:mod:`epp.requestcontrol.metrics`,
+:mod:`epp.scheduling.metrics`, flow control's, the plugins' own through
+:class:`epp.framework.PluginMetrics`); :class:`Metrics` puts them together.
 
 Counters carry no ``*_created`` series: upstream's Go client exports none, and they double the
 series count for nothing a dashboard reads. prometheus_client's switch for that is process-wide
@@ -34,7 +36,7 @@ import epp
 from epp.requestcontrol.metrics import RequestMetrics
 from epp.scheduling.metrics import PluginCallMetrics
 
-__all__ = ["Metrics", "start_metrics_server"]
+__all__ = ["Guard", "Metrics", "start_metrics_server"]
 
 
 class Metrics:
@@ -67,12 +69,25 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes come every few seconds: no access log."""
 
 
+# Given a request's WSGI environ: None to serve it, else (status line, extra headers, body) to answer.
+Guard = Callable[[dict[str, Any]], tuple[str, list[tuple[str, str]], bytes] | None]
+
+
 def _only_metrics(
-    app: Callable[..., Iterable[bytes]], routes: Mapping[str, Callable[[], bytes]]
+    app: Callable[..., Iterable[bytes]], routes: Mapping[str, Callable[[], bytes]], guard: Guard | None = None
 ) -> Callable[..., Iterable[bytes]]:
     def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO")
         view = routes.get(path or "")
+        if guard is not None and (view is not None or path == "/metrics"):
+            refusal = guard(environ)
+            if refusal is not None:
+                status, headers, text = refusal
+                start_response(
+                    status,
+                    [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(text))), *headers],
+                )
+                return [text]
         if view is not None:
             body = view()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
@@ -86,19 +101,24 @@ def _only_metrics(
 
 
 def start_metrics_server(
-    metrics: Metrics, port: int, address: str = "0.0.0.0", *, routes: Mapping[str, Callable[[], bytes]] | None = None
+    metrics: Metrics,
+    port: int,
+    address: str = "0.0.0.0",
+    *,
+    routes: Mapping[str, Callable[[], bytes]] | None = None,
+    guard: Guard | None = None,
 ) -> int:
     """Serve ``/metrics`` on a background thread (scrapes never touch the event loop); the port bound.
 
-    OSError when the port cannot be bound.
+    ``guard`` (:mod:`epp.server.metrics_auth`) is asked first for ``/metrics`` and the ``routes``,
+    on the server's thread. OSError when the port cannot be bound.
     """
     family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
 
     class _Server(ThreadingWSGIServer):
         address_family = family  # IPv6 bind addresses need AF_INET6
 
-    httpd = make_server(
-        str(sockaddr[0]), port, _only_metrics(make_wsgi_app(metrics.registry), routes or {}), _Server, _QuietHandler
-    )
+    app = _only_metrics(make_wsgi_app(metrics.registry), routes or {}, guard)
+    httpd = make_server(str(sockaddr[0]), port, app, _Server, _QuietHandler)
     threading.Thread(target=httpd.serve_forever, name="metrics-server", daemon=True).start()
     return int(httpd.server_port)

@@ -18,6 +18,9 @@ not shutting down: a pod that never answered is not known to serve, and requests
 requests then wait in the queue for a pod (``noEndpointRequestTTL``), which is how a pool scaled
 to zero is woken, instead of Envoy failing them before they reach the picker.
 
+The metrics port is guarded by ``--metrics-endpoint-auth`` (:mod:`epp.server.metrics_auth`) when
+the pool comes from Kubernetes: the reviews go through discovery's API client, on this event loop.
+
 Shutdown, in order:
  1. every health service but liveness goes NOT_SERVING (load balancers stop sending new streams);
  2. admission closes: queued requests are answered 503 (``rejected-shutting-down``) at once, and
@@ -34,6 +37,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
@@ -55,6 +59,7 @@ from epp.scheduling.config import PickerConfig, load_config
 from epp.scheduling.registry import load_registry
 from epp.server.debug import DebugViews
 from epp.server.metrics import Metrics, start_metrics_server
+from epp.server.metrics_auth import MetricsAuth
 from epp.server.settings import Settings
 from epp.server.tls import server_credentials
 
@@ -245,6 +250,7 @@ class EndpointPicker:
                     settings.metrics_port,
                     settings.bind_address,
                     routes=routes if settings.enable_debug_endpoints else None,
+                    guard=self._metrics_guard(),
                 )
             except OSError as exc:
                 raise StartupError(
@@ -270,6 +276,23 @@ class EndpointPicker:
             settings.metrics_port,
             len(self.datastore.endpoints()),
         )
+
+    def _metrics_guard(self) -> Callable[[dict[str, Any]], Any] | None:
+        """The metrics port's check (--metrics-endpoint-auth): with discovery only, a static pool has no API server."""
+        if not self.settings.metrics_endpoint_auth:
+            return None
+        if self.discovery is None or self.discovery.client is None:
+            log.info(
+                "metrics endpoint auth is off: a static pool has no Kubernetes API server to review tokens "
+                "(--metrics-endpoint-auth applies with --pool-name or --endpoint-selector)"
+            )
+            return None
+        auth = MetricsAuth.for_client(self.discovery.client, asyncio.get_running_loop())
+        log.info(
+            "metrics endpoint auth is on: the metrics port needs a bearer token the API server accepts and "
+            "whose user may get the path (TokenReview, SubjectAccessReview; --metrics-endpoint-auth=false to turn off)"
+        )
+        return auth.wsgi_guard
 
     async def stop(self, grace: float | None = None) -> None:
         grace = self.settings.shutdown_grace_seconds if grace is None else grace

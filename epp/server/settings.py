@@ -22,6 +22,8 @@ class Settings:
     grpc_health_port: int = 9003
     metrics_port: int = 9090
     enable_debug_endpoints: bool = False  # /debug/pool and /debug/config on the metrics port
+    # TokenReview + SubjectAccessReview for the metrics port (epp.server.metrics_auth); only with discovery.
+    metrics_endpoint_auth: bool = True
     bind_address: str = "0.0.0.0"
     secure_serving: bool = True
     cert_path: str = ""  # a directory holding tls.crt and tls.key; empty: self-signed at start

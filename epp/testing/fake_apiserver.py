@@ -34,7 +34,9 @@ start on the same port; by default the history is lost, as a restarted API serve
 is), :meth:`set_installed` and :meth:`forbid`. :attr:`requests` records every request.
 
 Writes happen in-process (:meth:`apply`, :meth:`delete`, :meth:`terminate`, :meth:`set_ready`)
-rather than over HTTP: the picker only reads.
+rather than over HTTP: the picker only reads, apart from the TokenReviews and SubjectAccessReviews
+of ``--metrics-endpoint-auth``, answered as configured in :attr:`FakeApiServer.reviews`
+(:mod:`epp.testing.fake_reviews`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+from epp.testing.fake_reviews import AccessReviews
 
 __all__ = [
     "INFERENCE_POOLS",
@@ -371,6 +375,7 @@ class FakeApiServer:
         self._installed = set(self.resources.values())
         self._forbidden: set[Resource] = set()
         self._runner: web.AppRunner | None = None
+        self.reviews = AccessReviews()  # TokenReview and SubjectAccessReview: which tokens, which grants
 
     # -- lifecycle --
 
@@ -575,6 +580,9 @@ class FakeApiServer:
         self.requests.append(RecordedRequest(request.method, request.path, query))
         if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
             return _error(401, "Unauthorized", "Unauthorized")
+        review = await self.reviews.answer(request)
+        if review is not None:
+            return review
         route = self._route(request.path)
         if route is None:
             return _error(404, "NotFound", f"the server could not find the requested resource ({request.path})")

@@ -21,7 +21,16 @@ from epp.server.settings import Settings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 OVERLAYS = ("envoy-gateway", "kgateway")
-CORE_KINDS = {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service"}
+CORE_KINDS = {
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ConfigMap",
+    "Deployment",
+    "Service",
+}
 CRD_KINDS = {"InferencePool", "HTTPRoute", "Gateway", "GatewayClass"}
 # The oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) and the newest.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -192,7 +201,7 @@ def test_picker_arguments_start_discovery_of_the_pool(tmp_path: Path, monkeypatc
     settings, not_yet = settings_from_args(args)
     assert not_yet == []
     assert settings.kube_discovery and settings.pool_name == one("InferencePool")["metadata"]["name"]
-    assert settings.pool_namespace == "llm"
+    assert settings.pool_namespace == "llm" and settings.metrics_endpoint_auth
     assert settings.grpc_port == 9002 and settings.grpc_health_port == 9003 and settings.metrics_port == 9090
     # the shutdown grace fits in the pod's termination grace period
     assert settings.shutdown_grace_seconds < pod["spec"]["terminationGracePeriodSeconds"]
@@ -222,8 +231,13 @@ def test_service_points_at_the_picker_and_the_pool_points_at_the_service() -> No
 
 
 def test_rbac_is_least_privilege_in_the_namespace() -> None:
-    kinds = {doc["kind"] for _, doc in ALL}
-    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    # The only cluster-scoped objects: the review rights and the scraper's role (tested below).
+    cluster = sorted((doc["kind"], doc["metadata"]["name"]) for _, doc in ALL if doc["kind"].startswith("Cluster"))
+    assert cluster == [
+        ("ClusterRole", "vllm-qwen-epp-auth-reviewer"),
+        ("ClusterRole", "vllm-qwen-epp-metrics-reader"),
+        ("ClusterRoleBinding", "vllm-qwen-epp-auth-reviewer"),
+    ]
     _, pod, _ = _picker()
     account = one("ServiceAccount")
     assert pod["spec"]["serviceAccountName"] == account["metadata"]["name"]
@@ -247,6 +261,32 @@ def test_rbac_is_least_privilege_in_the_namespace() -> None:
         ("inference.networking.x-k8s.io", "inferenceobjectives"),
     }
     assert granted[("inference.networking.k8s.io", "inferencepools")] == [one("InferencePool")["metadata"]["name"]]
+
+
+def test_the_picker_may_create_token_and_access_reviews_and_nothing_else_cluster_wide() -> None:
+    # --metrics-endpoint-auth (on: the args leave it at its default, see the test above) asks for both reviews.
+    _, pod, container = _picker()
+    assert not [a for a in container["args"] if a.startswith("--metrics-endpoint-auth")]
+    role = one("ClusterRole", "vllm-qwen-epp-auth-reviewer")
+    assert role["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+        {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]},
+    ]
+    binding = one("ClusterRoleBinding", "vllm-qwen-epp-auth-reviewer")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    (subject,) = binding["subjects"]
+    assert subject["kind"] == "ServiceAccount" and subject["name"] == pod["spec"]["serviceAccountName"]
+    assert subject["namespace"] == "llm"  # the namespace the README's kubectl apply -n uses
+
+
+def test_the_scraper_role_may_get_metrics_and_only_that() -> None:
+    role = one("ClusterRole", "vllm-qwen-epp-metrics-reader")
+    # what the picker's SubjectAccessReview asks for a scrape (epp.server.metrics_auth): path /metrics, verb get
+    assert role["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
 
 
 def test_the_sample_model_server_is_what_the_pool_selects() -> None:
