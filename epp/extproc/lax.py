@@ -44,10 +44,20 @@ _INT_TEXT = re.compile(r"[+-]?[0-9](?:_?[0-9])*(?:\.0*)?")
 _INT64_LIMIT = 2**63
 
 
+def _decode(data: bytes | msgspec.Raw) -> object:
+    """A raw field's JSON value; None when it cannot be decoded. The body's decode checked its
+    structure, not every string in it: bytes that are not UTF-8 inside a nested value (a lone
+    surrogate written as raw bytes) fail here, and such a value is simply no routing hint."""
+    try:
+        return msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
 def _scalar(raw: msgspec.Raw) -> object:
     if not raw or len(raw) > _MAX_SCALAR_BYTES:
         return None
-    return msgspec.json.decode(raw)  # already checked to be JSON by the body's decode
+    return _decode(raw)
 
 
 def lax_bool(raw: msgspec.Raw) -> bool:
@@ -59,7 +69,7 @@ def lax_bool(raw: msgspec.Raw) -> bool:
         return True
     if data == b"false":
         return False
-    value = msgspec.json.decode(data)  # already checked to be JSON by the body's decode
+    value = _decode(data)
     if isinstance(value, bool):
         return value
     if isinstance(value, (int, float)):
@@ -90,7 +100,7 @@ def lax_int(raw: msgspec.Raw) -> int | None:
     data = bytes(raw)
     if data.isdigit():  # plain digits, the common form, without a decode
         return int(data)
-    return lax_int_value(msgspec.json.decode(data))
+    return lax_int_value(_decode(data))
 
 
 def newer(raw: msgspec.Raw, older: int | None) -> int | None:

@@ -70,7 +70,7 @@ from epp.extproc.answers import (
     subset_hint,
 )
 from epp.extproc.parsing import parse_request
-from epp.extproc.usage import MAX_JSON_BODY, STREAM_TAIL_CHUNKS, usage_of
+from epp.extproc.usage import TAIL_CHUNKS, Usage, usage_of
 from epp.framework import Outcome
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
@@ -117,10 +117,10 @@ class _Stream:
         self.done = False  # the request phase has been answered (routed)
         self.outcome: Outcome = "cancelled"
         self.model: str | None = None  # known once the body is parsed
-        # The response body: its size, and its last chunks (references, no copies) for the usage.
+        # The response body: its size, and its last few chunks (references, no copies) for the usage.
         self.response_bytes = 0
         self.sse = False
-        self.tail: list[bytes] | None = []
+        self.tail: list[bytes] = []
 
     # -- the request phase ---------------------------------------------------------------------
 
@@ -217,18 +217,13 @@ class _Stream:
                 routed.response_body_started()
             self.response_bytes += len(chunk)
             tail = self.tail
-            if tail is not None:
-                tail.append(chunk)
-                if self.sse:
-                    if len(tail) > STREAM_TAIL_CHUNKS:
-                        del tail[0]
-                elif self.response_bytes > MAX_JSON_BODY:
-                    self.tail = None  # too large to search for usage
+            tail.append(chunk)
+            if len(tail) > TAIL_CHUNKS:
+                del tail[0]
         if body.end_of_stream:
             self.outcome = "complete"
             if routed is not None:
-                tail = self.tail
-                usage = usage_of(tail, stream=self.sse) if tail else None
+                usage = _usage(self.tail, self.sse)
                 routed.response_ended(
                     self.response_bytes, (usage.prompt_tokens, usage.completion_tokens) if usage else None
                 )
@@ -241,6 +236,17 @@ class _Stream:
     def response_trailers(self) -> pb.ProcessingResponse:
         self.outcome = "complete"
         return CONTINUE_RESPONSE_TRAILERS
+
+
+def _usage(tail: list[bytes], sse: bool) -> Usage | None:
+    """The response's usage, if its tail has one; never an exception on the response path."""
+    if not tail:
+        return None
+    try:
+        return usage_of(tail, stream=sse)
+    except Exception:  # a reading bug must not break a response the client is receiving
+        log.debug("could not read the response's usage", exc_info=True)
+        return None
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):

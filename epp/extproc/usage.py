@@ -7,12 +7,14 @@ OpenAI-style servers (vLLM, SGLang) report ``usage`` (``prompt_tokens``, ``compl
   ``stream_options: {"include_usage": true}`` (vLLM also with ``continuous_usage_stats``, in every
   event: the last one is the total).
 
-The response path keeps the chunks it forwards only by reference (a list append; no copy, no
-parsing per chunk), bounded: for a stream the last few chunks, for a JSON body up to
-:data:`MAX_JSON_BODY` bytes. When the response ends, :func:`usage_of` looks for the usage in what was
-kept: the last ``data:`` event carrying ``"usage"`` for a stream (searched from the end with
-``bytes.rfind``), the body's top-level ``usage`` for JSON (msgspec decodes that field only). What is
-not there, or not well formed, is simply no usage: this never fails or alters a response.
+The response path keeps only the last few chunks it forwards (:data:`TAIL_CHUNKS`, by reference: a
+list append, no copy, no parsing per chunk), for a stream and a JSON body alike: the usage comes at
+the end of both (vLLM writes it as the last fields of a JSON body, and as the last event before
+``[DONE]``), so memory per response stays a few chunks whatever the body's size. When the response
+ends, :func:`usage_of` looks for it in what was kept: the last ``data:`` event carrying ``"usage"``
+for a stream, the last ``"usage": {...}`` object of a JSON body (found with ``bytes.rfind`` and a
+brace count, then decoded alone by msgspec). What is not there, or not well formed, is simply no
+usage: this never fails or alters a response.
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-__all__ = ["MAX_JSON_BODY", "STREAM_TAIL_CHUNKS", "Usage", "usage_of"]
+__all__ = ["TAIL_CHUNKS", "Usage", "usage_of"]
 
-MAX_JSON_BODY = 4 * 1024 * 1024  # a non-streamed answer larger than this is not searched for usage
-STREAM_TAIL_CHUNKS = 4  # the usage event comes last but one (before [DONE]); a few more for split writes
+TAIL_CHUNKS = 4  # the usage comes last (a stream: last but one, before [DONE]); a few more for split writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +44,8 @@ class _Body(msgspec.Struct):
     usage: _Usage | None = None
 
 
-_decode_body = msgspec.json.Decoder(_Body).decode
-_decode_usage = msgspec.json.Decoder(_Body).decode
+_decode_usage = msgspec.json.Decoder(_Body).decode  # an SSE event: a whole JSON object
+_decode_object = msgspec.json.Decoder(_Usage).decode  # the usage object alone
 
 
 def usage_of(chunks: Sequence[bytes], *, stream: bool) -> Usage | None:
@@ -53,16 +54,40 @@ def usage_of(chunks: Sequence[bytes], *, stream: bool) -> Usage | None:
         return None
     data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     try:
-        if not stream:
-            body = _decode_body(data)
-            usage = body.usage
-        else:
-            usage = _last_event_usage(data)
+        usage = _last_event_usage(data) if stream else _last_usage_object(data)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
     if usage is None or usage.prompt_tokens < 0 or usage.completion_tokens < 0:
         return None
     return Usage(usage.prompt_tokens, usage.completion_tokens)
+
+
+def _last_usage_object(data: bytes) -> _Usage | None:
+    """The last ``"usage": {...}`` object in a JSON body's tail, decoded alone."""
+    at = data.rfind(b'"usage"')
+    if at < 0:
+        return None
+    start = data.find(b"{", at)
+    if start < 0 or data[at + 7 : start].strip() != b":":
+        return None  # "usage": null, or the key inside a string
+    depth, i, inside = 0, start, False
+    while i < len(data):
+        byte = data[i]
+        if inside:
+            if byte == 0x5C:  # backslash: skip the escaped byte
+                i += 1
+            elif byte == 0x22:
+                inside = False
+        elif byte == 0x22:
+            inside = True
+        elif byte == 0x7B:
+            depth += 1
+        elif byte == 0x7D:
+            depth -= 1
+            if depth == 0:
+                return _decode_object(data[start : i + 1])
+        i += 1
+    return None
 
 
 def _last_event_usage(data: bytes) -> _Usage | None:

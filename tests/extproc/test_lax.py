@@ -11,6 +11,7 @@ import pytest
 
 from epp.errors import EppError
 from epp.extproc.lax import lax_bool, lax_int, lax_salt, loose_prompt_text, loose_turn, newer
+from epp.extproc.parsing import parse_request
 
 
 def _raw(value: object) -> msgspec.Raw:
@@ -74,3 +75,12 @@ def test_loose_turn_renders_as_the_typed_path() -> None:
     assert loose_turn({"type": "function_call_output"}, None) == "<|function_call_output|>\n\n"
     with pytest.raises(EppError):
         loose_turn({"content": "x"}, "refused")
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "cache_salt", "stream", "max_completion_tokens"])
+def test_a_routing_field_with_bytes_that_are_not_utf8_is_no_hint_not_an_error(field: str) -> None:
+    # Found by the parser fuzzing: a nested value holding raw surrogate bytes is valid JSON structure
+    # to the body's decode, but its strings cannot be decoded.
+    body = b'{"model":"m","prompt":"p","%s":{"\xed\xa0\x80":null}}' % field.encode()
+    request = parse_request({":path": "/v1/completions"}, body)
+    assert (request.model, request.prompt) == ("m", "p")

@@ -27,6 +27,10 @@ SSE_END = (
         ([b'e_tokens":3}}\n\ndata: [DONE]\n\n'], True, None),  # the kept tail starts inside the event
         ([], True, None),
         ([b'{"usage":{"prompt_tokens":-1,"completion_tokens":2}}'], False, None),
+        # vLLM's JSON tail: usage with a nested details object, more fields after it
+        ([b'..."text":"x"}],"usage":{"prompt_tokens":3,"total_tokens":8,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":0}},"kv_transfer_params":null}'], False, Usage(3, 5)),
+        ([b'{"choices":[{"text":"the word \\"usage\\": {"}],"usage":null}'], False, None),  # the key inside a string, then null
+        ([b'{"choices":[],"usage":{"prompt_tokens":3,"completion'], False, None),  # cut before it closes
     ],
 )
 def test_usage_of(chunks: list[bytes], stream: bool, expected: Usage | None) -> None:
