@@ -176,8 +176,8 @@ class EndpointPicker:
         self.config = config
         assert config.detector is not None  # load_config always chooses one
         self.detector = config.detector
-        self.flow_control_metrics = FlowControlMetrics(self.metrics.registry, settings.pool_name)
-        self.metrics.registry.register(PoolCollector(self.datastore.endpoints, settings.pool_name))
+        self.flow_control_metrics = FlowControlMetrics(self.metrics.registry, settings.pool_label)
+        self.metrics.registry.register(PoolCollector(self.datastore.endpoints, settings.pool_label))
         self.admission = build_admission(
             config.admission, self.detector, self.datastore.endpoints, metrics=self.flow_control_metrics
         )
@@ -331,7 +331,7 @@ class EndpointPicker:
             self._answered = {e.name for e in endpoints}
         has_pool = bool(endpoints) or self.config.admission.flow_control_enabled  # see the module docstring
         ready = has_pool and synced and not self._stopping
-        self.metrics.ready_pods.labels(self.settings.pool_name).set(len(endpoints))
+        self.metrics.ready_pods.labels(self.settings.pool_label).set(len(endpoints))
         for service in _READINESS_SERVICES:
             await self.health.set(service, _SERVING if ready else _NOT_SERVING)
 

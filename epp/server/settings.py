@@ -54,6 +54,14 @@ class Settings:
     metric_overrides: tuple[tuple[str, str], ...] = ()
 
     @property
+    def pool_label(self) -> str:
+        """The pool's value of the metrics' pool labels (``name``, ``inference_pool``): the pool's name,
+        else ``static`` for a static pool and ``selector`` for upstream's no-CRD mode, never empty."""
+        if self.pool_name:
+            return self.pool_name
+        return "selector" if self.endpoint_selector and not self.endpoints else "static"
+
+    @property
     def kube_discovery(self) -> bool:
         """Whether the pool comes from Kubernetes: a pool name or selector, and no static pool."""
         return bool(self.pool_name or self.endpoint_selector) and not self.endpoints

@@ -111,7 +111,7 @@ class Stack:
         return self.picker.admission.queued  # type: ignore[union-attr]
 
     def sample(self, name: str, **labels: str) -> float:
-        return self.picker.metrics.registry.get_sample_value(name, {"inference_pool": "", **labels}) or 0.0
+        return self.picker.metrics.registry.get_sample_value(name, {"inference_pool": "static", **labels}) or 0.0
 
     async def wait_until(self, condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
         """A bounded wait for a state the system must reach (on a loaded machine it only takes longer)."""

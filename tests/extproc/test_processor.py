@@ -435,8 +435,8 @@ async def test_a_stream_cancelled_while_queued_leaves_the_queue() -> None:
                 await asyncio.sleep(0.01)
             assert running.admission.queued == 0  # type: ignore[union-attr]
         value = running.metrics.registry.get_sample_value
-        assert value("inference_extension_flow_control_queue_size", {"priority": "0", "inference_pool": ""}) == 0
-        assert value("llm_d_epp_flow_control_requests_total", {"outcome": "EvictedContextCancelled", "priority": "0", "inference_pool": ""}) == 1
+        assert value("inference_extension_flow_control_queue_size", {"priority": "0", "inference_pool": "static"}) == 0
+        assert value("llm_d_epp_flow_control_requests_total", {"outcome": "EvictedContextCancelled", "priority": "0", "inference_pool": "static"}) == 1
     finally:
         await running.stop(0)
 

@@ -79,3 +79,10 @@ async def test_debug_endpoints_are_off_by_default(path: str) -> None:
         assert status == 404
     finally:
         await picker.stop(grace=0)
+
+
+def test_the_pool_label_is_never_empty() -> None:
+    endpoints = tuple(parse_endpoints("127.0.0.1:1"))
+    assert Settings(endpoints=endpoints).pool_label == "static"
+    assert Settings(endpoints=endpoints, pool_name="p").pool_label == "p"
+    assert Settings(endpoint_selector=(("app", "vllm"),)).pool_label == "selector"

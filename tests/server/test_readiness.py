@@ -61,7 +61,7 @@ async def _readiness(picker: EndpointPicker) -> int:
 
 
 def _ready_pods(picker: EndpointPicker) -> float | None:
-    return picker.metrics.registry.get_sample_value("inference_pool_ready_pods", {"name": ""})
+    return picker.metrics.registry.get_sample_value("inference_pool_ready_pods", {"name": "static"})
 
 
 async def test_a_pool_whose_only_endpoint_never_answered_a_scrape_is_not_ready() -> None:
