@@ -273,7 +273,7 @@ class EndpointPicker:
             self.grpc_port,
             "TLS" if settings.secure_serving else "plaintext",
             self.grpc_health_port,
-            settings.metrics_port,
+            self.metrics_port,  # the port bound (--metrics-port 0 picks one)
             len(self.datastore.endpoints()),
         )
 
