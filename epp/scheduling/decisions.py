@@ -31,7 +31,7 @@ class DecisionRecord:
 
     def __init__(self, profile: str, candidates: Sequence[Endpoint]) -> None:
         self.profile = profile
-        self.candidates = [e.name for e in candidates]
+        self.candidates = len(candidates)
         self.filters: list[tuple[str, list[str]]] = []
         self.scores: list[tuple[str, float, Sequence[float]]] = []  # scorer, weight, its scores
         self.totals: Sequence[float] = ()
@@ -44,8 +44,9 @@ class DecisionRecord:
     def scored(self, name: str, weight: float, scores: Sequence[float]) -> None:
         self.scores.append((name, weight, scores))
 
-    def as_dict(self, candidates: Sequence[Endpoint]) -> dict[str, Any]:
-        """The record, the scores listed for the best-scoring of the scored ``candidates``."""
+    def as_dict(self) -> dict[str, Any]:
+        """The record, the scores listed for the best-scoring of the candidates the scorers saw."""
+        candidates = self.scored_candidates
         order = sorted(range(len(candidates)), key=lambda i: -self.totals[i] if i < len(self.totals) else 0.0)
         top = [
             {
@@ -57,7 +58,7 @@ class DecisionRecord:
         ]
         return {
             "profile": self.profile,
-            "candidates": len(self.candidates),
+            "candidates": self.candidates,
             "filters": [
                 {"filter": name, "kept": kept if len(kept) <= _TOP else len(kept)} for name, kept in self.filters
             ],
@@ -67,16 +68,14 @@ class DecisionRecord:
         }
 
 
-def log_decision(
-    request: InferenceRequest, records: Sequence[tuple[DecisionRecord, Sequence[Endpoint]]], primary: str
-) -> None:
-    """Write one request's decision line (``records``: each profile's record and scored candidates)."""
+def log_decision(request: InferenceRequest, records: Sequence[DecisionRecord], primary: str) -> None:
+    """Write one request's decision line (``records``: each profile's record)."""
     entry: dict[str, Any] = {
         "request_id": request.request_id,
         "model": request.model,
         "adapter": request.adapter,
         "primary_profile": primary,
-        "profiles": [record.as_dict(scored) for record, scored in records],
+        "profiles": [record.as_dict() for record in records],
     }
     match = request.state.get(PREFIX_MATCH)
     if match is not None and match.blocks:

@@ -194,9 +194,7 @@ class Scheduler:
                 site.failed(request, "exception", "raised", exc_info=True)
             site.observe(clock() - started)
         single = self._single
-        records: list[tuple[DecisionRecord, Sequence[Endpoint]]] | None = (
-            [] if decisions.isEnabledFor(logging.INFO) else None
-        )
+        records: list[DecisionRecord] | None = [] if decisions.isEnabledFor(logging.INFO) else None
         if single is not None:
             name = single.profile.name
             result = SchedulingResult({name: self._run_profile(single, request, candidates, records)}, name)
@@ -210,7 +208,7 @@ class Scheduler:
         self,
         request: InferenceRequest,
         candidates: Sequence[Endpoint],
-        records: list[tuple[DecisionRecord, Sequence[Endpoint]]] | None,
+        records: list[DecisionRecord] | None,
     ) -> SchedulingResult:
         site = self._handler
         assert site is not None  # several profiles always have one (see __init__)
@@ -251,7 +249,7 @@ class Scheduler:
         request: InferenceRequest,
         candidates: Sequence[Endpoint],
         results: dict[str, list[Endpoint]],
-        records: list[tuple[DecisionRecord, Sequence[Endpoint]]] | None,
+        records: list[DecisionRecord] | None,
     ) -> SchedulingResult:
         """The handler failed: route by the first configured profile (run now if it has not run)."""
         first = next(iter(self._compiled.values()))
@@ -265,13 +263,13 @@ class Scheduler:
         compiled: _CompiledProfile,
         request: InferenceRequest,
         candidates: Sequence[Endpoint],
-        records: list[tuple[DecisionRecord, Sequence[Endpoint]]] | None = None,
+        records: list[DecisionRecord] | None = None,
     ) -> list[Endpoint]:
         record = DecisionRecord(compiled.profile.name, candidates) if records is not None else None
         picked = self._profile_pick(compiled, request, candidates, record)
         if record is not None and records is not None:
             record.picked = [e.name for e in picked]
-            records.append((record, record.scored_candidates))
+            records.append(record)
         return picked
 
     def _profile_pick(
