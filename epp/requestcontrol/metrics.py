@@ -62,8 +62,9 @@ _TOKEN_BUCKETS = tuple(2**i for i in range(0, 21, 1))
 
 @dataclass(frozen=True, slots=True)
 class ModelMetrics:
-    """One model's series, resolved once (``labels()`` costs microseconds per call)."""
+    """One model's series, resolved once (``labels()`` costs microseconds per call), and their label."""
 
+    label: str
     requests: Counter
     sizes: Histogram
     running: Gauge
@@ -204,6 +205,7 @@ class RequestMetrics:
         found = self._per_model.get(label)
         if found is None:
             found = self._per_model[label] = ModelMetrics(
+                label=label,
                 requests=self.request_total.labels(label, label),
                 sizes=self.request_sizes.labels(label, label),
                 running=self.running_requests.labels(label),
@@ -229,13 +231,5 @@ class RequestMetrics:
         """A request refused with ``error`` (before it was routed); ``model``: as parsed, if the body
         was (a refusal of the body itself has none), counted under its bounded label."""
         self.request_outcome_total.labels(error.reason.value).inc()
-        label = "" if model is None else self._label_of(model)
+        label = "" if model is None else self.for_model(model).label
         self.request_error_total.labels(label, label, error.reason.value).inc()
-
-    def _label_of(self, model: str) -> str:
-        """The label ``model`` is counted under (the one it has, or a new one by the usual rule)."""
-        if model in self._per_model:
-            return model
-        label = self._label(model, None)
-        self._series(label)
-        return label
