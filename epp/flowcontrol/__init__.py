@@ -35,7 +35,7 @@ from epp.flowcontrol.outcomes import (
     FlowControlError,
     Outcome,
 )
-from epp.flowcontrol.wiring import build_admission, build_detector, register
+from epp.flowcontrol.wiring import build_admission, register
 
 __all__ = [
     "DEFAULT_FLOW_ID",
@@ -54,7 +54,6 @@ __all__ = [
     "LegacyAdmission",
     "Outcome",
     "build_admission",
-    "build_detector",
     "decode_admission",
     "decode_feature_gates",
     "decode_flow_control",

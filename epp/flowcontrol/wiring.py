@@ -6,8 +6,8 @@ here are what the ``epp.plugins`` entry points name (:data:`PLUGIN_FACTORIES`; :
 adds them to a registry directly); the detector factories take the
 in-flight tracker from the handle's optional ``in_flight`` attribute (``concurrency-detector``
 needs it; ``utilization-detector`` uses it for scrape-lag compensation when present).
-:func:`build_detector` turns the config's :class:`~epp.flowcontrol.config.DetectorChoice` into a
-detector, and :func:`build_admission` makes the admitter the director awaits.
+:func:`build_admission` makes the admitter the director awaits; the detector it reads is built by
+the scheduling config through the registry (:func:`epp.scheduling.config`), like every plugin.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from epp.flowcontrol.config import FCFS, GLOBAL_STRICT, ROUND_ROBIN, AdmissionConfig, DetectorChoice
+from epp.flowcontrol.config import FCFS, GLOBAL_STRICT, ROUND_ROBIN, AdmissionConfig
 from epp.flowcontrol.controller import FlowController, LegacyAdmission
 from epp.flowcontrol.metrics import FlowControlMetrics
 from epp.flowcontrol.saturation import (
     CONCURRENCY_DETECTOR,
     UTILIZATION_DETECTOR,
-    InFlight,
     SaturationDetector,
     UtilizationDetector,
     from_config,
@@ -32,7 +31,6 @@ __all__ = [
     "PLUGIN_FACTORIES",
     "PolicyPlugin",
     "build_admission",
-    "build_detector",
     "concurrency_detector",
     "fcfs_ordering_policy",
     "global_strict_fairness_policy",
@@ -95,22 +93,6 @@ def register(registry: _Registering, *, source: str = "epp.flowcontrol") -> None
     """Register every type of :data:`PLUGIN_FACTORIES` (for registries not built from entry points)."""
     for type_name, factory in PLUGIN_FACTORIES.items():
         registry.register(type_name, factory, source=source)
-
-
-def build_detector(
-    choice: DetectorChoice, plugins: Mapping[str, object] | None = None, *, in_flight: InFlight | None = None
-) -> SaturationDetector:
-    """The configured plugin ``choice.plugin_ref`` names, or a new detector of ``choice.type``."""
-    if choice.plugin_ref is not None:
-        plugin = (plugins or {}).get(choice.plugin_ref)
-        if plugin is None:
-            raise ValueError(f"saturation detector plugin {choice.plugin_ref!r} is not among the configured plugins")
-        if not isinstance(plugin, SaturationDetector):
-            raise ValueError(f"plugin {choice.plugin_ref!r} is not a saturation detector")
-        return plugin
-    if choice.type not in (UTILIZATION_DETECTOR, CONCURRENCY_DETECTOR):
-        raise ValueError(f"unknown saturation detector type {choice.type!r}")
-    return from_config(choice.type, choice.parameters, in_flight=in_flight)
 
 
 def build_admission(

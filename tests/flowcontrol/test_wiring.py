@@ -20,11 +20,10 @@ from epp.flowcontrol import (
     FlowControlMetrics,
     LegacyAdmission,
     build_admission,
-    build_detector,
     decode_admission,
     register,
 )
-from epp.flowcontrol.saturation import ConcurrencyDetector, UtilizationDetector
+from epp.flowcontrol.saturation import ConcurrencyDetector, UtilizationDetector, from_config
 from epp.flowcontrol.wiring import PolicyPlugin
 from epp.framework import Endpoint, Metrics
 from epp.scheduling.registry import Registry
@@ -61,7 +60,6 @@ def test_the_public_api() -> None:
             "LegacyAdmission",
             "Outcome",
             "build_admission",
-            "build_detector",
             "decode_admission",
             "decode_feature_gates",
             "decode_flow_control",
@@ -157,7 +155,7 @@ def fresh(name: str, *, queue: int = 0, kv: float = 0.0) -> Endpoint:
 async def test_scale_from_zero_with_the_real_detector_and_datastore() -> None:
     datastore = Datastore()
     config = decode_admission({"featureGates": ["flowControl"], "flowControl": {"noEndpointRequestTTL": "10s"}})
-    detector = build_detector(config.detector)
+    detector = from_config(config.detector.type, config.detector.parameters)
     admission = build_admission(config, detector, datastore.endpoints, safety_interval=3600)
     assert isinstance(admission, FlowController) and isinstance(detector, UtilizationDetector)
 
@@ -176,7 +174,7 @@ async def test_scale_from_zero_with_the_real_detector_and_datastore() -> None:
 async def test_gate_off_builds_the_legacy_path() -> None:
     datastore = Datastore([fresh("10.0.0.1", queue=50)])  # far over the queue threshold
     config = decode_admission({})
-    admission = build_admission(config, build_detector(config.detector), datastore.endpoints)
+    admission = build_admission(config, from_config(config.detector.type, config.detector.parameters), datastore.endpoints)
     assert isinstance(admission, LegacyAdmission)
     assert await admission.admit(AdmissionRequest(priority=0)) == 0.0
     with pytest.raises(FlowControlError) as excinfo:
@@ -212,16 +210,3 @@ def test_plugin_types_register_and_build() -> None:
     assert isinstance(policy, PolicyPlugin) and policy.type_name == "round-robin-fairness-policy"
     with pytest.raises(ValueError, match="takes no parameters"):
         registry.create("fcfs-ordering-policy", "f", {"x": 1}, FakeHandle())
-
-
-def test_build_detector_uses_the_configured_plugin_or_builds_one() -> None:
-    registry = Registry()
-    register(registry)
-    sat = registry.create("concurrency-detector", "sat", {}, FakeHandle(in_flight=lambda e: (0, 0)))
-    config = decode_admission({"saturationDetector": {"pluginRef": "sat"}}, plugin_types={"sat": "concurrency-detector"})
-    assert build_detector(config.detector, {"sat": sat}) is sat
-    with pytest.raises(ValueError, match="not among the configured plugins"):
-        build_detector(config.detector, {})
-    legacy = decode_admission({"saturationDetector": {"queueDepthThreshold": 9}})
-    built = build_detector(legacy.detector)
-    assert isinstance(built, UtilizationDetector) and built.config.queue_depth_threshold == 9
