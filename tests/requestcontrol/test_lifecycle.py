@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -27,7 +26,6 @@ from epp.framework import (
     PluginMetrics,
     Profile,
     SchedulingResult,
-    ScoredEndpoint,
 )
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
@@ -35,6 +33,7 @@ from epp.scheduling.config import load_config
 from epp.scheduling.registry import default_registry
 from epp.scheduling.runner import Scheduler
 from epp.server.metrics import Metrics as PickerMetrics
+from tests.doubles import Hooks, OnlyPicker
 
 ENDPOINTS = tuple(
     Endpoint(e.name, e.address, e.port, metrics=Metrics(stale=False))
@@ -47,34 +46,6 @@ E1, E2, E3 = ENDPOINTS
 
 def request(prompt: str = "", **headers: str) -> InferenceRequest:
     return InferenceRequest(request_id="r", method="POST", path="/v1/completions", headers=headers, model="m", prompt=prompt)
-
-
-class OnlyPicker:
-    """Picks one fixed endpoint (by hostport) when it is a candidate."""
-
-    def __init__(self, name: str, hostport: str) -> None:
-        self.name, self.hostport = name, hostport
-
-    def pick(self, req: InferenceRequest, scored: Sequence[ScoredEndpoint]) -> list[Endpoint]:
-        return [s.endpoint for s in scored if s.endpoint.hostport == self.hostport]
-
-
-class Hooks:
-    name = "hooks"
-
-    def __init__(self) -> None:
-        self.events: list[tuple[Any, ...]] = []
-
-    def pre_request(self, req: InferenceRequest, result: SchedulingResult) -> None:
-        # In-flight accounting is already counting this request when plugins hear of the pick.
-        self.events.append(("pre", result.endpoints[0].name, result.endpoints[0].inflight.requests))
-
-    def response_received(self, req: InferenceRequest, endpoint: Endpoint, headers: Mapping[str, str]) -> dict[str, str]:
-        self.events.append(("headers", endpoint.name, headers.get(":status")))
-        return {"x-served-by": endpoint.name}
-
-    def response_complete(self, req: InferenceRequest, endpoint: Endpoint, outcome: str) -> None:
-        self.events.append(("complete", endpoint.name, outcome, endpoint.inflight.requests))
 
 
 class Broken:

@@ -22,7 +22,6 @@ from epp.framework import (
     Metrics,
     Picker,
     Profile,
-    SchedulingResult,
     ScoredEndpoint,
     Scorer,
     StateKey,
@@ -35,6 +34,7 @@ from epp.scheduling.config import API_VERSIONS, DEFAULT_CONFIG, ConfigError, loa
 from epp.scheduling.metrics import PluginCallMetrics
 from epp.scheduling.registry import Registry, default_registry, load_registry
 from epp.scheduling.runner import Scheduler
+from tests.doubles import Hooks, OnlyPicker
 
 ENDPOINTS = tuple(parse_endpoint(f"10.0.0.{i}:8000") for i in range(1, 5))
 REQUEST = InferenceRequest(request_id="r", method="POST", path="/v1/completions", headers={})
@@ -742,34 +742,6 @@ class TwoStepHandler:
 
     def process_results(self, req: InferenceRequest, results: Mapping[str, list[Endpoint]]) -> str:
         return "b"
-
-
-class OnlyPicker:
-    """Picks one fixed endpoint (by hostport) when it is a candidate."""
-
-    def __init__(self, name: str, hostport: str) -> None:
-        self.name, self.hostport = name, hostport
-
-    def pick(self, req: InferenceRequest, scored: Sequence[ScoredEndpoint]) -> list[Endpoint]:
-        return [s.endpoint for s in scored if s.endpoint.hostport == self.hostport]
-
-
-class Hooks:
-    name = "hooks"
-
-    def __init__(self) -> None:
-        self.events: list[tuple[Any, ...]] = []
-
-    def pre_request(self, req: InferenceRequest, result: SchedulingResult) -> None:
-        # In-flight accounting is already counting this request when plugins hear of the pick.
-        self.events.append(("pre", result.endpoints[0].name, result.endpoints[0].inflight.requests))
-
-    def response_received(self, req: InferenceRequest, endpoint: Endpoint, headers: Mapping[str, str]) -> dict[str, str]:
-        self.events.append(("headers", endpoint.name, headers.get(":status")))
-        return {"x-served-by": endpoint.name}
-
-    def response_complete(self, req: InferenceRequest, endpoint: Endpoint, outcome: str) -> None:
-        self.events.append(("complete", endpoint.name, outcome, endpoint.inflight.requests))
 
 
 def registry_with(**factories: Any) -> Registry:
