@@ -35,7 +35,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import aiohttp
 
@@ -305,7 +304,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if envoy is not None:
             envoy.stop()
         if picker is not None:
-            picker.stop()
-            Path(picker.log_path).unlink(missing_ok=True)
+            picker.stop()  # removes its log file
         sim.terminate()
         sim.wait(10)

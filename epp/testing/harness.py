@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -59,6 +60,14 @@ def cpu_seconds(pid: int, *, children: bool = True) -> float:
     return total
 
 
+# How much of a stopped picker's log is kept in memory for log_tail() once its file is removed.
+_KEPT_LOG_CHARS = 256 * 1024
+
+
+def _new_log() -> IO[bytes]:
+    return tempfile.NamedTemporaryFile(prefix="epp-picker-", suffix=".log", delete=False)  # closed in stop()
+
+
 class PickerProcess:
     """``python -m epp serve`` on 127.0.0.1 with free ports, plaintext unless ``tls``."""
 
@@ -76,7 +85,8 @@ class PickerProcess:
             "--endpoints", ",".join(endpoints),
             *extra_args,
         ]  # fmt: skip
-        self._log = tempfile.NamedTemporaryFile(prefix="epp-picker-", suffix=".log", delete=False)  # noqa: SIM115
+        self._log = _new_log()
+        self._last_log = ""  # what the log held when stop() removed its file
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -89,6 +99,8 @@ class PickerProcess:
         return self._log.name
 
     def start(self, timeout: float = 20.0) -> None:
+        if self._log.closed:  # started again after stop(): a new log
+            self._log = _new_log()
         self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while self.health("readiness") != health_pb2.HealthCheckResponse.SERVING:
@@ -120,18 +132,28 @@ class PickerProcess:
         return self.process.wait(timeout)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        """Stop the picker (SIGTERM, then SIGKILL after 10 s) and remove its log file; what the log
+        held stays readable through :meth:`log_tail`."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if not self._log.closed:
+            self._log.close()
+            path = Path(self._log.name)
+            self._last_log = path.read_text(errors="replace")[-_KEPT_LOG_CHARS:]
+            path.unlink(missing_ok=True)
 
     def log_tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-lines:])
+        if self._log.closed:
+            text = self._last_log
+        else:
+            self._log.flush()
+            text = Path(self._log.name).read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
 
     def __enter__(self) -> PickerProcess:
         self.start()
