@@ -22,6 +22,7 @@ from ._pages import (
     SGLANG,
     SGLANG_NEW_PAGE,
     SGLANG_OLD_PAGE,
+    SGLANG_PRIORITY_PAGE,
     TRITON,
     TRITON_PAGE,
     TRTLLM,
@@ -64,6 +65,12 @@ def test_public_api_is_locked() -> None:
         ),
         pytest.param(
             SGLANG, SGLANG_NEW_PAGE, engine_metrics(0, 2, 0.0, block_size=1, num_gpu_blocks=200000), id="sglang-0.5.11"
+        ),
+        pytest.param(
+            # The per-priority series are not added to the totals (7+2 waiting, 5+1 running, not twice
+            # that); geometry from the gauges (0.5.23 has no cache_config_info).
+            SGLANG, SGLANG_PRIORITY_PAGE, engine_metrics(9, 6, 0.5, block_size=64, num_gpu_blocks=3000),
+            id="sglang-0.5.23-priority",
         ),
         pytest.param(
             TRTLLM, TRTLLM_PAGE, engine_metrics(6, 9, 0.125, block_size=32, num_gpu_blocks=19958), id="trtllm"
