@@ -15,6 +15,8 @@ Endpoints
   page restricted to the names asked, as prometheus_client's app does), and vLLM's runtime adapter
   endpoints ``POST /v1/load_lora_adapter`` and
   ``POST /v1/unload_lora_adapter`` (``{"lora_name": ..., "lora_path": ...}``; need LoRA enabled).
+* ``GET /kv_event_sources`` (the KV-event publisher per data-parallel rank, ``{}`` when off), ``POST
+  /tokenize`` and the scale-out render endpoints (403 unless ``enable_scale_out``): :mod:`epp.sim.render`.
 * Errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed body or an
   invalid request, 404 for an unknown model, 503 when the pod shuts down mid-request.
 
@@ -47,6 +49,7 @@ from epp.sim.openai import (
     error_response,
     json_response,
 )
+from epp.sim.render import add_token_routes
 from epp.sim.request import SimRequest, Sink
 
 __all__ = ["build_app"]
@@ -234,6 +237,17 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response()
 
 
+async def _kv_event_sources(request: web.Request) -> web.Response:
+    # vLLM 0.32 (serve/instrumentator/basic.py): the KV-event publisher config per data-parallel rank,
+    # the fields of its KVEventsConfig; {} when KV events are off.
+    endpoint = request.app[_ENGINE].config.kv_events_endpoint
+    if endpoint is None:
+        return json_response({})
+    return json_response({"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                                "replay_endpoint": None, "buffer_steps": 10_000, "hwm": 100_000,
+                                "max_queue_size": 100_000, "topic": ""}})
+
+
 async def _metrics(request: web.Request) -> web.Response:
     # vLLM 0.32's /metrics is prometheus-fastapi-instrumentator's handler: it ignores ?name[]=.
     return web.Response(body=request.app[_PAGE].render(), headers={"Content-Type": CONTENT_TYPE})
@@ -327,8 +341,10 @@ def build_app(engine: Engine, pod_name: str) -> web.Application:
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/kv_event_sources", _kv_event_sources)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/metrics/", _metrics_app)
     app.router.add_post("/v1/load_lora_adapter", _load_adapter)
     app.router.add_post("/v1/unload_lora_adapter", _unload_adapter)
+    add_token_routes(app, engine)
     return app
