@@ -249,3 +249,16 @@ def test_a_page_without_the_cache_size_label_misses_nothing_for_it() -> None:
     got = VLLM.parse(page)
     assert (got.block_size, got.num_gpu_blocks, got.kv_cache_size_tokens) == (128, 23, None)
     assert not [m for m in got.missing if "cache_config_info" in m]
+
+
+def test_vllm_waiting_by_reason_is_not_read_as_the_queue() -> None:
+    # vLLM 0.32 also serves vllm:num_requests_waiting_by_reason (capacity + deferred = waiting): a name that
+    # starts with the queue's; only vllm:num_requests_waiting itself is the queue.
+    page = (
+        b'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 5.0\n'
+        b'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 7.0\n'
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 12.0\n'
+        b'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
+    )
+    assert VLLM.parse(page).waiting_queue_size == 12
+
