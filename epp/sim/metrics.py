@@ -19,6 +19,8 @@ scraper written for vLLM reads it unchanged; where vLLM 0.32 differs from earlie
   exact; 0.32 no longer serves the ``vllm:gpu_prefix_cache_*`` pair), each with its ``_created`` twin, and
   its request histograms (TTFT, inter-token latency, e2e/queue/inference/prefill/decode time, token
   counts): :mod:`epp.sim.stats`;
+* ``vllm:engine_sleep_state`` (awake) and the external and multi-modal cache counters (0), as 0.32 serves them
+  on an awake text-only pod without a KV connector;
 * the HTTP metrics of prometheus-fastapi-instrumentator that vLLM's API server exposes (``/metrics`` itself is
   not counted; :class:`HttpStats`), and the process/python collectors of prometheus_client (real values of
   this process).
@@ -174,6 +176,31 @@ _COUNTERS = (
 )
 
 
+# Families vLLM 0.32 always serves that stay constant on a pod like the simulated one (awake, no KV connector,
+# text only): vllm:engine_sleep_state and the external (KV-connector) and multi-modal cache counters at 0.
+_SLEEP_DOC = ("Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+              "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.")
+_ZERO_COUNTERS = (
+    ("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache "
+     "sharing, in terms of number of queried tokens."),
+    ("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache "
+     "sharing, in terms of number of cached tokens."),
+    ("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items."),
+    ("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."),
+)
+
+
+def _constant_families(base_labels: dict[str, str], created: str) -> str:
+    out = [header("vllm:engine_sleep_state", _SLEEP_DOC, "gauge")]
+    out += [f"vllm:engine_sleep_state{{{label_set(sleep_state=state, **base_labels)}}} {value}\n"
+            for state, value in (("awake", "1.0"), ("weights_offloaded", "0.0"), ("discard_all", "0.0"))]
+    base = label_set(**base_labels)
+    for name, doc in _ZERO_COUNTERS:
+        out += (header(f"{name}_total", doc, "counter"), f"{name}_total{{{base}}} 0.0\n",
+                header(f"{name}_created", doc, "gauge"), f"{name}_created{{{base}}} {created}\n")
+    return "".join(out)
+
+
 def _cache_config_labels(cfg: EngineConfig) -> dict[str, str]:
     """``vllm:cache_config_info``'s labels: every field of vLLM 0.32's CacheConfig as ``str()`` gives it
     (vllm/config/cache.py ``metrics_info``: 36 fields, a private one included), plus ``engine``.
@@ -239,6 +266,7 @@ class MetricsPage:
             f"vllm:request_success_created{{{lab}}} {created}\n" for lab in success_labels
         )
         self._lora_head = header("vllm:lora_requests_info", "Running stats on lora requests.", "gauge")
+        self._constant = _constant_families(base_labels, created)
         self._cache_config = (header("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge")
                               + f"vllm:cache_config_info{{{label_set(**_cache_config_labels(cfg))}}} 1.0\n")
         self._cache_key = (-1, -1, -1)
@@ -260,6 +288,7 @@ class MetricsPage:
             f"{self._kv_usage}{usage}\n",
             f"{self._by_reason[0]}{self._by_reason[1]}{engine.num_waiting - engine.num_deferred}.0\n"
             f"{self._by_reason[2]}{engine.num_deferred}.0\n",
+            self._constant,
         ]
         for head, value, created in self._counters:
             parts += (head, str(value(stats)), ".0", created)

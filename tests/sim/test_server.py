@@ -372,6 +372,12 @@ async def test_vllm_032_surface(make_pool, session) -> None:
     assert (info.labels["block_size"], info.labels["num_gpu_blocks"], info.labels["kv_cache_size_tokens"]) == (
         "128", "512", str(128 * 512))
     assert float(info.labels["kv_cache_max_concurrency"]) == 128 * 512 / 8192 and info.labels["engine"] == "0"
+    # families 0.32 always serves, constant on an awake text-only pod without a KV connector
+    labels = {"engine": "0", "model_name": MODEL}
+    sleep = {s.labels["sleep_state"]: s.value for s in families["vllm:engine_sleep_state"]}
+    assert sleep == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    for name in ("external_prefix_cache_queries", "external_prefix_cache_hits", "mm_cache_queries", "mm_cache_hits"):
+        assert _value(families, f"vllm:{name}_total", **labels) == 0
     # waiting by reason: capacity + deferred (passed over for the LoRA budget) = waiting
     engine = pool[0].engine
     tasks = [asyncio.create_task(session.post(url + "/v1/completions", json={
