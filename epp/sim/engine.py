@@ -383,6 +383,7 @@ class Engine:
                 req.first_token_t = now
                 stats.ttft.observe(now - req.arrival_t)
                 stats.prompt_tokens += req.prompt_len
+                stats.prompt_tokens_cached += req.prefix_hit_tokens or 0
             elif req.last_token_t == prev_end:
                 in_step_itl += 1
             else:

@@ -169,6 +169,7 @@ def _process_section() -> tuple[int, str]:
 _COUNTERS = (
     ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "preemptions"),
     ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+    ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", "prompt_tokens_cached"),
     ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
     ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
      "prefix_cache_queries"),
@@ -267,6 +268,14 @@ class MetricsPage:
         )
         self._lora_head = header("vllm:lora_requests_info", "Running stats on lora requests.", "gauge")
         self._constant = _constant_families(base_labels, created)
+        source_doc = "Number of prompt tokens by source."
+        self._by_source = [
+            (f"vllm:prompt_tokens_by_source_total{{{label_set(source=src, **base_labels)}}} ",
+             f"vllm:prompt_tokens_by_source_created{{{label_set(source=src, **base_labels)}}} {created}\n")
+            for src in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        ]
+        self._by_source_heads = (header("vllm:prompt_tokens_by_source_total", source_doc, "counter"),
+                                 header("vllm:prompt_tokens_by_source_created", source_doc, "gauge"))
         self._cache_config = (header("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge")
                               + f"vllm:cache_config_info{{{label_set(**_cache_config_labels(cfg))}}} 1.0\n")
         self._cache_key = (-1, -1, -1)
@@ -292,6 +301,12 @@ class MetricsPage:
         ]
         for head, value, created in self._counters:
             parts += (head, str(value(stats)), ".0", created)
+        # vLLM 0.32's PromptTokenStats: computed = prompt - cached, cached from the local prefix cache only
+        by_source = (stats.prompt_tokens - stats.prompt_tokens_cached, stats.prompt_tokens_cached, 0)
+        parts.append(self._by_source_heads[0])
+        parts += [f"{line}{n}.0\n" for (line, _), n in zip(self._by_source, by_source, strict=True)]
+        parts.append(self._by_source_heads[1])
+        parts += [created for _, created in self._by_source]
         parts.append(self._success_head)
         parts += [f"{line}{stats.request_success[r]}.0\n"
                   for line, r in zip(self._success_lines, EngineStats.FINISH_REASONS, strict=True)]

@@ -65,6 +65,9 @@ class EngineStats:
 
         self.created = created
         self.prompt_tokens = 0
+        self.prompt_tokens_cached = 0
+        """Prompt tokens found in the prefix cache, per request at its first admission (counted at its first
+        token, like ``prompt_tokens``): ``vllm:prompt_tokens_cached`` and ``source="local_cache_hit"``."""
         self.generation_tokens = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0

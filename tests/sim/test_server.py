@@ -229,6 +229,12 @@ async def test_prefix_hit_header_sums_to_the_counter(make_pool, session) -> None
     families = await _metrics(session, pool.url(0))
     assert _value(families, "vllm:prefix_cache_hits_total") == total_hits > 0
     assert _value(families, "vllm:prefix_cache_queries_total") == total_prompt
+    # vLLM 0.32's per-request view of the same hits: cached prompt tokens, and prompt tokens by source
+    assert _value(families, "vllm:prompt_tokens_cached_total") == total_hits
+    by_source = {s.labels["source"]: s.value for s in families["vllm:prompt_tokens_by_source"]
+                 if s.name.endswith("_total")}
+    assert by_source == {"local_compute": total_prompt - total_hits, "local_cache_hit": total_hits,
+                         "external_kv_transfer": 0}
 
 
 async def test_lru_eviction_of_prefix_blocks_under_pressure(make_pool, session) -> None:
