@@ -234,13 +234,18 @@ _BUILTINS = (
     ),
     EngineMapping(
         "sglang",
-        queued_requests=_sels("sglang:num_queue_reqs"),
-        running_requests=_sels("sglang:num_running_reqs"),
+        # With --enable-priority-scheduling, SGLang (0.5.23: observability/metrics_collector.py,
+        # _log_gauge_queue_count) writes each queue twice: the total under priority="" and one series
+        # per priority under priority="<n>"; summing every series would double the queue. priority=""
+        # also matches a page without the label (PromQL's rule), so it reads both set-ups.
+        queued_requests=_sels('sglang:num_queue_reqs{priority=""}'),
+        running_requests=_sels('sglang:num_running_reqs{priority=""}'),
         kv_usage=_sels("sglang:token_usage"),
+        # Before 0.5.11 the geometry was labels of cache_config_info; 0.5.11 on (0.5.23 included)
+        # serves no cache_config_info, only the page_size and num_pages gauges read below.
         cache_info=parse_selector("sglang:cache_config_info"),
         cache_block_size_label="page_size",
         cache_num_blocks_label="num_pages",
-        # SGLang 0.5.11 replaced the labels of cache_config_info with these two gauges.
         cache_block_size=_sels("sglang:page_size"),
         cache_num_blocks=_sels("sglang:num_pages"),
     ),

@@ -29,13 +29,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=_DEFAULTS.model, help="served (base) model name")
     p.add_argument("--lora-adapters", default="", help="comma-separated adapter names served by every pod")
     p.add_argument("--enable-lora", action="store_true", help="allow /v1/load_lora_adapter without adapters")
+    p.add_argument("--enable-scale-out", action="store_true",
+                   help="serve the render endpoints (/v1/completions/render, ...) instead of answering 403")
     p.add_argument("--max-loras", type=int, default=_DEFAULTS.max_loras, help="LoRA adapters in a batch / GPU slots")
     p.add_argument("--lora-load-time", type=float, default=_DEFAULTS.lora_load_s, help="seconds to load an adapter")
     p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, help="running requests per pod")
     p.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens,
                    help="tokens per engine step")
     p.add_argument("--num-gpu-blocks", type=int, default=_DEFAULTS.num_gpu_blocks, help="KV blocks per pod")
-    p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV block")
+    p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size,
+                   help="tokens per KV block (16: vLLM on GPU; 128: vLLM on CPU)")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="context length")
     p.add_argument("--mean-output-tokens", type=int, default=_DEFAULTS.mean_output_tokens,
                    help="mean output length when max_tokens allows (end-of-sequence probability 1/this)")
@@ -47,6 +50,7 @@ def _config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         lora_adapters=tuple(a for a in args.lora_adapters.split(",") if a),
         enable_lora=args.enable_lora,
+        enable_scale_out=args.enable_scale_out,
         max_loras=args.max_loras,
         lora_load_s=args.lora_load_time,
         max_num_seqs=args.max_num_seqs,

@@ -61,6 +61,10 @@ class EngineConfig:
     mean_output_tokens: int = 256  # mean length until end-of-sequence when max_tokens allows it
     default_max_tokens: int = 16  # OpenAI's default for completions; used for chat too
     enable_lora: bool = False  # implied by lora_adapters; alone it allows adapters loaded at runtime only
+    enable_scale_out: bool = False  # vLLM's --enable-scale-out: the render endpoints answer instead of 403
+    kv_events_endpoint: str | None = None
+    """Where the pod's KV-event publisher binds (vLLM's ``--kv-events-config`` ``endpoint``, e.g.
+    ``tcp://*:5557``); ``/kv_event_sources`` reports it. None: KV events off, ``/kv_event_sources`` is ``{}``."""
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "block_size",

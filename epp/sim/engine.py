@@ -81,6 +81,9 @@ class Engine:
         self._seeds = {m: model_seed(m) for m in (config.model, *config.lora_adapters)}
         self._waiting: deque[SimRequest] = deque()
         self._running: list[SimRequest] = []
+        # Waiting requests once passed over for the LoRA budget, until admitted: vLLM's deferred_waiting
+        # (v1/core/sched/scheduler.py), the reason="deferred" of vllm:num_requests_waiting_by_reason.
+        self._deferred: set[SimRequest] = set()
         self._lora_counts: dict[RequestState, Counter[str]] = {RequestState.WAITING: Counter(),
                                                                 RequestState.RUNNING: Counter()}
         self._resident_loras: OrderedDict[str, None] = OrderedDict()
@@ -102,6 +105,11 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_deferred(self) -> int:
+        """Waiting requests that were skipped for the LoRA budget and are not admitted yet."""
+        return len(self._deferred)
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -208,6 +216,7 @@ class Engine:
         """Drop an unfinished request (client went away); counts as ``finished_reason="abort"``."""
         if req.state is RequestState.WAITING:
             self._waiting.remove(req)
+            self._deferred.discard(req)
             self._count_lora(req, RequestState.WAITING, -1)
         elif req.state is RequestState.RUNNING:
             self._running.remove(req)
@@ -288,6 +297,7 @@ class Engine:
                 req = waiting[0]
                 if req.lora is not None and req.lora not in loras and len(loras) >= cfg.max_loras:
                     skipped.append(waiting.popleft())
+                    self._deferred.add(req)
                     continue
                 if not self._admit(req, now):
                     break
@@ -321,6 +331,7 @@ class Engine:
         n_total = -(-known // bs)
         if not self.kv.admit(req.hashes, n_hit, n_total - n_hit):
             return False
+        self._deferred.discard(req)
         self._count_lora(req, RequestState.WAITING, -1)
         self._count_lora(req, RequestState.RUNNING, 1)
         req.state = RequestState.RUNNING
@@ -372,12 +383,12 @@ class Engine:
                 req.first_token_t = now
                 stats.ttft.observe(now - req.arrival_t)
                 stats.prompt_tokens += req.prompt_len
+                stats.prompt_tokens_cached += req.prefix_hit_tokens or 0
             elif req.last_token_t == prev_end:
                 in_step_itl += 1
             else:
                 gap = now - req.last_token_t
                 stats.itl.observe(gap)
-                stats.tpot.observe(gap)
             req.last_token_t = now
             if req.num_output >= len(req.plan.words):
                 self._count_lora(req, RequestState.RUNNING, -1)
@@ -388,7 +399,6 @@ class Engine:
                 req.sink.notify()
         if in_step_itl:
             stats.itl.observe(now - prev_end, in_step_itl)
-            stats.tpot.observe(now - prev_end, in_step_itl)
         stats.generation_tokens += sampled
         stats.iteration_tokens.observe(step.tokens)
         if finished:

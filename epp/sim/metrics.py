@@ -6,14 +6,21 @@ scraper written for vLLM reads it unchanged; where vLLM 0.32 differs from earlie
 
 * scheduler gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
   (the blocks held by running requests: 0 when idle, however full the prefix cache; 0.32 no longer serves
-  the deprecated ``vllm:gpu_cache_usage_perc``), labelled ``engine`` and ``model_name``;
+  the deprecated ``vllm:gpu_cache_usage_perc``), labelled ``engine`` and ``model_name``, and
+  ``vllm:num_requests_waiting_by_reason`` (``reason`` ``capacity``, or ``deferred``: passed over for the LoRA
+  budget; the two add up to the waiting gauge);
 * ``vllm:lora_requests_info`` (only when LoRA is enabled): labels ``max_lora``, ``running_lora_adapters``,
   ``waiting_lora_adapters`` (comma-separated), value = wall-clock time of the engine step that last saw that
   label combination (the history is :class:`epp.sim.stats.LoraInfoHistory`);
-* ``vllm:cache_config_info``: an info-style gauge (value 1) whose labels describe the cache (``block_size``,
-  ``num_gpu_blocks``, ``kv_cache_size_tokens`` = their product, ...);
-* the engine's counters in tokens/requests, each with its ``_created`` twin, and its request histograms
-  (TTFT, inter-token latency, e2e/queue/inference/prefill/decode time, token counts): :mod:`epp.sim.stats`;
+* ``vllm:cache_config_info``: an info-style gauge (value 1) whose labels are the 36 fields of vLLM 0.32's
+  CacheConfig plus ``engine`` (``block_size``, ``num_gpu_blocks``, ``kv_cache_size_tokens`` = their
+  product, ...);
+* the engine's counters in tokens/requests (``vllm:prefix_cache_queries_total`` / ``_hits_total`` in tokens,
+  exact; 0.32 no longer serves the ``vllm:gpu_prefix_cache_*`` pair), each with its ``_created`` twin, and
+  its request histograms (TTFT, inter-token latency, e2e/queue/inference/prefill/decode time, token
+  counts): :mod:`epp.sim.stats`;
+* ``vllm:engine_sleep_state`` (awake) and the external and multi-modal cache counters (0), as 0.32 serves them
+  on an awake text-only pod without a KV connector;
 * the HTTP metrics of prometheus-fastapi-instrumentator that vLLM's API server exposes (``/metrics`` itself is
   not counted; :class:`HttpStats`), and the process/python collectors of prometheus_client (real values of
   this process).
@@ -34,9 +41,10 @@ from operator import attrgetter
 
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, generate_latest
 
+from epp.sim.config import EngineConfig
 from epp.sim.engine import Engine
 from epp.sim.exposition import Histogram, header, label_set
-from epp.sim.stats import DEPRECATED, EngineStats
+from epp.sim.stats import EngineStats
 
 __all__ = ["HttpStats", "MetricsPage"]
 
@@ -161,15 +169,65 @@ def _process_section() -> tuple[int, str]:
 _COUNTERS = (
     ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "preemptions"),
     ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+    ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", "prompt_tokens_cached"),
     ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
-    ("vllm:gpu_prefix_cache_queries", "GPU prefix cache queries, in terms of number of queried tokens."
-     + DEPRECATED.format("vllm:prefix_cache_queries"), "prefix_cache_queries"),
-    ("vllm:gpu_prefix_cache_hits", "GPU prefix cache hits, in terms of number of cached tokens."
-     + DEPRECATED.format("vllm:prefix_cache_hits"), "prefix_cache_hits"),
     ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
      "prefix_cache_queries"),
     ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
 )
+
+
+# Families vLLM 0.32 always serves that stay constant on a pod like the simulated one (awake, no KV connector,
+# text only): vllm:engine_sleep_state and the external (KV-connector) and multi-modal cache counters at 0.
+_SLEEP_DOC = ("Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+              "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.")
+_ZERO_COUNTERS = (
+    ("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache "
+     "sharing, in terms of number of queried tokens."),
+    ("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache "
+     "sharing, in terms of number of cached tokens."),
+    ("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items."),
+    ("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."),
+)
+
+
+def _constant_families(base_labels: dict[str, str], created: str) -> str:
+    out = [header("vllm:engine_sleep_state", _SLEEP_DOC, "gauge")]
+    out += [f"vllm:engine_sleep_state{{{label_set(sleep_state=state, **base_labels)}}} {value}\n"
+            for state, value in (("awake", "1.0"), ("weights_offloaded", "0.0"), ("discard_all", "0.0"))]
+    base = label_set(**base_labels)
+    for name, doc in _ZERO_COUNTERS:
+        out += (header(f"{name}_total", doc, "counter"), f"{name}_total{{{base}}} 0.0\n",
+                header(f"{name}_created", doc, "gauge"), f"{name}_created{{{base}}} {created}\n")
+    return "".join(out)
+
+
+def _cache_config_labels(cfg: EngineConfig) -> dict[str, str]:
+    """``vllm:cache_config_info``'s labels: every field of vLLM 0.32's CacheConfig as ``str()`` gives it
+    (vllm/config/cache.py ``metrics_info``: 36 fields, a private one included), plus ``engine``.
+
+    The fields the simulator models come from its configuration (``kv_cache_size_tokens`` is blocks x
+    block size, ``kv_cache_max_concurrency`` that over ``max_model_len``, as vLLM computes them for a
+    full-attention model); the others have the values a vLLM 0.32 server started with defaults shows.
+    """
+    bs = str(cfg.block_size)
+    tokens = cfg.num_gpu_blocks * cfg.block_size
+    return {
+        "block_size": bs, "user_specified_block_size": "False", "kv_cache_layout": "None",
+        "prefix_match_unit": "None", "gpu_memory_utilization": "0.92", "cache_dtype": "auto",
+        "is_attention_free": "False", "num_gpu_blocks_override": "None", "sliding_window": "None",
+        "enable_prefix_caching": "True", "prefix_caching_hash_algo": "sha256",
+        "prefix_cache_retention_interval": "0", "kv_cache_dtype_skip_layers": "[]",
+        "mamba_page_size_padded": "None", "skip_page_size_padded": "None", "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", "mamba_cache_mode": "none",
+        "enable_mamba_shared_prefix_checkpoint": "False", "replayssm_buffer_len": "16", "use_replayssm": "False",
+        "use_kda_recoverssm": "False", "num_gpu_blocks": str(cfg.num_gpu_blocks), "num_cpu_blocks": "None",
+        "effective_attention_block_size": bs, "kv_cache_size_tokens": str(tokens),
+        "kv_cache_max_concurrency": repr(tokens / cfg.max_model_len), "hash_block_size": bs,
+        "cache_hit_alignment_tokens": bs, "kv_sharing_fast_prefill": "False", "swa_bounded_replay": "True",
+        "kv_cache_memory_bytes": "None", "kv_offloading_size": "None", "kv_offloading_backend": "native",
+        "_block_size_resolved": "True", "engine": "0",
+    }
 
 
 class MetricsPage:
@@ -189,6 +247,12 @@ class MetricsPage:
         self._running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self._waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self._kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        reason_doc = ("Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+                      "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
+                      "status). Sum of all reasons equals vllm:num_requests_waiting.")
+        self._by_reason = (header("vllm:num_requests_waiting_by_reason", reason_doc, "gauge"),
+                           *(f"vllm:num_requests_waiting_by_reason{{{label_set(reason=r, **base_labels)}}} "
+                             for r in ("capacity", "deferred")))
         self._counters = [
             (header(f"{name}_total", doc, "counter") + f"{name}_total{{{base}}} ",
              attrgetter(attr),
@@ -203,16 +267,17 @@ class MetricsPage:
             f"vllm:request_success_created{{{lab}}} {created}\n" for lab in success_labels
         )
         self._lora_head = header("vllm:lora_requests_info", "Running stats on lora requests.", "gauge")
-        # CacheConfig fields as vLLM lists them; the ones the simulator does not model have vLLM's defaults.
-        cache_config = label_set(
-            block_size=str(cfg.block_size), cache_dtype="auto", calculate_kv_scales="False", cpu_offload_gb="0",
-            enable_prefix_caching="True", engine="0", gpu_memory_utilization="0.9", is_attention_free="False",
-            kv_cache_size_tokens=str(cfg.num_gpu_blocks * cfg.block_size), num_cpu_blocks="None",
-            num_gpu_blocks=str(cfg.num_gpu_blocks), num_gpu_blocks_override="None",
-            prefix_caching_hash_algo="sha256", sliding_window="None", swap_space="4", swap_space_bytes=str(4 << 30),
-        )
+        self._constant = _constant_families(base_labels, created)
+        source_doc = "Number of prompt tokens by source."
+        self._by_source = [
+            (f"vllm:prompt_tokens_by_source_total{{{label_set(source=src, **base_labels)}}} ",
+             f"vllm:prompt_tokens_by_source_created{{{label_set(source=src, **base_labels)}}} {created}\n")
+            for src in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        ]
+        self._by_source_heads = (header("vllm:prompt_tokens_by_source_total", source_doc, "counter"),
+                                 header("vllm:prompt_tokens_by_source_created", source_doc, "gauge"))
         self._cache_config = (header("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge")
-                              + f"vllm:cache_config_info{{{cache_config}}} 1.0\n")
+                              + f"vllm:cache_config_info{{{label_set(**_cache_config_labels(cfg))}}} 1.0\n")
         self._cache_key = (-1, -1, -1)
         self._cache = b""
 
@@ -230,9 +295,18 @@ class MetricsPage:
             self._http.render(),
             f"{self._running}{engine.num_running}.0\n{self._waiting}{engine.num_waiting}.0\n",
             f"{self._kv_usage}{usage}\n",
+            f"{self._by_reason[0]}{self._by_reason[1]}{engine.num_waiting - engine.num_deferred}.0\n"
+            f"{self._by_reason[2]}{engine.num_deferred}.0\n",
+            self._constant,
         ]
         for head, value, created in self._counters:
             parts += (head, str(value(stats)), ".0", created)
+        # vLLM 0.32's PromptTokenStats: computed = prompt - cached, cached from the local prefix cache only
+        by_source = (stats.prompt_tokens - stats.prompt_tokens_cached, stats.prompt_tokens_cached, 0)
+        parts.append(self._by_source_heads[0])
+        parts += [f"{line}{n}.0\n" for (line, _), n in zip(self._by_source, by_source, strict=True)]
+        parts.append(self._by_source_heads[1])
+        parts += [created for _, created in self._by_source]
         parts.append(self._success_head)
         parts += [f"{line}{stats.request_success[r]}.0\n"
                   for line, r in zip(self._success_lines, EngineStats.FINISH_REASONS, strict=True)]

@@ -15,6 +15,8 @@ Endpoints
   page restricted to the names asked, as prometheus_client's app does), and vLLM's runtime adapter
   endpoints ``POST /v1/load_lora_adapter`` and
   ``POST /v1/unload_lora_adapter`` (``{"lora_name": ..., "lora_path": ...}``; need LoRA enabled).
+* ``GET /kv_event_sources`` (the KV-event publisher per data-parallel rank, ``{}`` when off), ``POST
+  /tokenize`` and the scale-out render endpoints (403 unless ``enable_scale_out``): :mod:`epp.sim.render`.
 * Errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed body or an
   invalid request, 404 for an unknown model, 503 when the pod shuts down mid-request.
 
@@ -33,14 +35,22 @@ import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
-import numpy as np
 from aiohttp import web
 
 from epp.sim.engine import Engine
 from epp.sim.exposition import CONTENT_TYPE, restrict_page
 from epp.sim.metrics import HttpStats, MetricsPage
+from epp.sim.openai import (
+    BadRequest,
+    ChatBody,
+    CompletionBody,
+    chat_prompt,
+    completion_prompts,
+    error_response,
+    json_response,
+)
+from epp.sim.render import add_token_routes
 from epp.sim.request import SimRequest, Sink
-from epp.sim.tokens import render_chat, render_completion
 
 __all__ = ["build_app"]
 
@@ -48,45 +58,9 @@ _MAX_BODY = 16 << 20  # bytes; prompts of a few hundred KB are expected, keep he
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
-class _StreamOptions(msgspec.Struct):
-    include_usage: bool = False
-
-
-class _GenerationBody(msgspec.Struct, kw_only=True):
-    model: str
-    max_tokens: int | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: _StreamOptions | None = None
-    ignore_eos: bool = False
-
-
-class _CompletionBody(_GenerationBody):
-    prompt: str | list[str | int]
-
-
-class _Part(msgspec.Struct):
-    type: str
-    text: str | None = None
-
-
-class _Message(msgspec.Struct):
-    role: str
-    content: str | list[_Part] | None = None
-
-
-class _ChatBody(_GenerationBody):
-    messages: list[_Message]
-    max_completion_tokens: int | None = None
-
-
 class _AdapterBody(msgspec.Struct):
     lora_name: str
     lora_path: str = ""
-
-
-class _BadRequest(Exception):
-    pass
 
 
 _ENGINE = web.AppKey("engine", Engine)
@@ -99,47 +73,10 @@ _HITS = web.RequestKey("prefix_hits", int)
 _encode = msgspec.json.encode
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.Response(status=status, body=_encode(body), content_type="application/json")
-
-
-def _json(obj: object) -> web.Response:
-    return web.Response(body=_encode(obj), content_type="application/json")
-
-
 async def _read_body(request: web.Request) -> bytes:
     body = await request.read()
     request[_SHA] = hashlib.sha256(body).hexdigest()
     return body
-
-
-def _completion_prompts(body: _CompletionBody) -> list[np.ndarray]:
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        return [render_completion(prompt)]
-    if prompt and all(isinstance(p, str) for p in prompt):
-        return [render_completion(p) for p in prompt if isinstance(p, str)]
-    if prompt and all(isinstance(p, int) and 0 <= p < 2**32 for p in prompt):
-        return [np.array(prompt, dtype=np.uint32)]
-    raise _BadRequest("prompt must be a string, a non-empty list of strings or a list of token ids")
-
-
-def _chat_prompt(body: _ChatBody) -> np.ndarray:
-    if not body.messages:
-        raise _BadRequest("messages must not be empty")
-    rendered: list[tuple[str, str]] = []
-    for m in body.messages:
-        if m.content is None or isinstance(m.content, str):
-            rendered.append((m.role, m.content or ""))
-            continue
-        texts = []
-        for part in m.content:
-            if part.type != "text" or part.text is None:
-                raise _BadRequest(f"unsupported content part type {part.type!r}: the simulator takes text only")
-            texts.append(part.text)
-        rendered.append((m.role, "\n".join(texts)))
-    return render_chat(rendered)
 
 
 def _usage(reqs: list[SimRequest]) -> dict[str, int]:
@@ -164,28 +101,28 @@ class _Generation:
     async def handle(self) -> web.StreamResponse:
         body = await _read_body(self.request)
         try:
-            parsed = msgspec.json.decode(body, type=_ChatBody if self.chat else _CompletionBody)
+            parsed = msgspec.json.decode(body, type=ChatBody if self.chat else CompletionBody)
         except msgspec.DecodeError as exc:
-            return _error(400, f"invalid request body: {exc}", "BadRequestError")
+            return error_response(400, f"invalid request body: {exc}", "BadRequestError")
         if not self.engine.serves(parsed.model):
-            return _error(404, f"The model `{parsed.model}` does not exist.", "NotFoundError", "model")
+            return error_response(404, f"The model `{parsed.model}` does not exist.", "NotFoundError", "model")
         max_tokens = parsed.max_tokens
         try:
             if parsed.n != 1:
-                raise _BadRequest("the simulator supports n=1 only")
-            if isinstance(parsed, _ChatBody):
-                prompts = [_chat_prompt(parsed)]
+                raise BadRequest("the simulator supports n=1 only")
+            if isinstance(parsed, ChatBody):
+                prompts = [chat_prompt(parsed.messages)]
                 if parsed.max_completion_tokens is not None:
                     max_tokens = parsed.max_completion_tokens
             else:
-                prompts = _completion_prompts(parsed)
+                prompts = completion_prompts(parsed.prompt)
             self.reqs = [
                 self.engine.new_request(parsed.model, ids, max_tokens=max_tokens, ignore_eos=parsed.ignore_eos,
                                         sink=self.sink)
                 for ids in prompts
             ]
-        except (_BadRequest, ValueError) as exc:
-            return _error(400, str(exc), "BadRequestError")
+        except (BadRequest, ValueError) as exc:
+            return error_response(400, str(exc), "BadRequestError")
         self.model = parsed.model
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{self.request.app[_POD]}-{self.reqs[0].request_id}"
         for req in self.reqs:
@@ -208,7 +145,8 @@ class _Generation:
             await self.sink.wait()
         self._record_hits()
         if any(r.finish_reason == "abort" for r in self.reqs):
-            return _error(503, "the simulated pod shut down before the request finished", "ServiceUnavailableError")
+            return error_response(503, "the simulated pod shut down before the request finished",
+                                  "ServiceUnavailableError")
         if self.chat:
             choices: list[dict[str, object]] = [
                 {"index": i, "message": {"role": "assistant", "content": r.text()}, "logprobs": None,
@@ -221,7 +159,7 @@ class _Generation:
                 for i, r in enumerate(self.reqs)
             ]
         obj = "chat.completion" if self.chat else "text_completion"
-        return _json({"id": self.id, "object": obj, "created": self.created, "model": self.model,
+        return json_response({"id": self.id, "object": obj, "created": self.created, "model": self.model,
                       "choices": choices, "usage": _usage(self.reqs)})
 
     def _chunk(self, choices: list[dict[str, object]], **extra: object) -> bytes:
@@ -292,11 +230,22 @@ async def _models(request: web.Request) -> web.Response:
                 "parent": parent, "max_model_len": cfg.max_model_len}
 
     data = [card(cfg.model, None)] + [card(a, cfg.model) for a in engine.adapters]
-    return _json({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 async def _health(request: web.Request) -> web.Response:
     return web.Response()
+
+
+async def _kv_event_sources(request: web.Request) -> web.Response:
+    # vLLM 0.32 (serve/instrumentator/basic.py): the KV-event publisher config per data-parallel rank,
+    # the fields of its KVEventsConfig; {} when KV events are off.
+    endpoint = request.app[_ENGINE].config.kv_events_endpoint
+    if endpoint is None:
+        return json_response({})
+    return json_response({"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                                "replay_endpoint": None, "buffer_steps": 10_000, "hwm": 100_000,
+                                "max_queue_size": 100_000, "topic": ""}})
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -318,30 +267,30 @@ async def _adapter_body(request: web.Request) -> _AdapterBody:
     try:
         return msgspec.json.decode(await _read_body(request), type=_AdapterBody)
     except msgspec.DecodeError as exc:
-        raise _BadRequest(f"invalid request body: {exc}") from exc
+        raise BadRequest(f"invalid request body: {exc}") from exc
 
 
 async def _load_adapter(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
     try:
         body = await _adapter_body(request)
-    except _BadRequest as exc:
-        return _error(400, str(exc), "BadRequestError")
+    except BadRequest as exc:
+        return error_response(400, str(exc), "BadRequestError")
     if not engine.config.lora_enabled:
-        return _error(400, "LoRA is not enabled on this pod (start it with LoRA adapters or enable_lora)",
+        return error_response(400, "LoRA is not enabled on this pod (start it with LoRA adapters or enable_lora)",
                       "BadRequestError")
     if not engine.load_adapter(body.lora_name):
-        return _error(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "InvalidUserInput")
+        return error_response(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "InvalidUserInput")
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
 async def _unload_adapter(request: web.Request) -> web.Response:
     try:
         body = await _adapter_body(request)
-    except _BadRequest as exc:
-        return _error(400, str(exc), "BadRequestError")
+    except BadRequest as exc:
+        return error_response(400, str(exc), "BadRequestError")
     if not request.app[_ENGINE].unload_adapter(body.lora_name):
-        return _error(404, f"The lora adapter '{body.lora_name}' cannot be found.", "NotFoundError")
+        return error_response(404, f"The lora adapter '{body.lora_name}' cannot be found.", "NotFoundError")
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
@@ -392,8 +341,10 @@ def build_app(engine: Engine, pod_name: str) -> web.Application:
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/kv_event_sources", _kv_event_sources)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/metrics/", _metrics_app)
     app.router.add_post("/v1/load_lora_adapter", _load_adapter)
     app.router.add_post("/v1/unload_lora_adapter", _unload_adapter)
+    add_token_routes(app, engine)
     return app

@@ -1,9 +1,11 @@
 """What one simulated engine counts: vLLM's counters and request histograms, and the LoRA label history.
 
 The engine (:mod:`epp.sim.engine`) updates these as it runs; the ``/metrics`` page (:mod:`epp.sim.metrics`)
-reads them. Names, help texts and bucket boundaries are vLLM v1's (0.10/0.11 era), so dashboards and
-scrapers built for vLLM read the page unchanged. Everything here is plain numbers that tests may read
-directly; none of it knows about the engine, which keeps the engine and the page free of a mutual import.
+reads them. Names, help texts and bucket boundaries are vLLM 0.32's (vllm/v1/metrics/loggers.py; the
+deprecated ``vllm:time_per_output_token_seconds`` and ``vllm:gpu_prefix_cache_*`` it no longer serves are
+gone here too), so dashboards and scrapers built for vLLM read the page unchanged. Everything here is
+plain numbers that tests may read directly; none of it knows about the engine, which keeps the engine
+and the page free of a mutual import.
 
 ``prefix_cache_queries`` / ``prefix_cache_hits`` count prompt tokens looked up / found in the prefix cache at
 each admission and are exact: they are the ground truth of routing benchmarks. All durations are *simulated*
@@ -18,10 +20,7 @@ from collections.abc import Sequence
 
 from epp.sim.exposition import Histogram
 
-__all__ = ["DEPRECATED", "EngineStats", "LoraInfoHistory"]
-
-DEPRECATED = "DEPRECATED: Use {} instead."
-"""What vLLM appends, without a space, to the help text of a deprecated metric (format with its successor)."""
+__all__ = ["EngineStats", "LoraInfoHistory"]
 
 # Bucket boundaries are vLLM v1's (vllm/v1/metrics): facts that dashboards built for vLLM depend on.
 _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
@@ -33,7 +32,9 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
-_LORA_HISTORY = 16  # label combinations of vllm:lora_requests_info kept on the page
+# vLLM keeps every label combination of vllm:lora_requests_info ever seen; this bound only keeps a
+# simulator that runs for days with many adapters from growing without end (no test or bench gets near it).
+_LORA_HISTORY = 4096
 
 
 def _one_two_five(max_value: int) -> tuple[int, ...]:
@@ -64,6 +65,9 @@ class EngineStats:
 
         self.created = created
         self.prompt_tokens = 0
+        self.prompt_tokens_cached = 0
+        """Prompt tokens found in the prefix cache, per request at its first admission (counted at its first
+        token, like ``prompt_tokens``): ``vllm:prompt_tokens_cached`` and ``source="local_cache_hit"``."""
         self.generation_tokens = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -80,8 +84,6 @@ class EngineStats:
                                       "Histogram of the max_tokens request parameter.", tokens)
         self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          _TTFT_BUCKETS)
-        self.tpot = hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."
-                         + DEPRECATED.format("vllm:inter_token_latency_seconds"), _ITL_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", itl_doc, _ITL_BUCKETS)
         self.request_tpot = hist("vllm:request_time_per_output_token_seconds",
                                  "Histogram of time_per_output_token_seconds per request.", _ITL_BUCKETS)
@@ -96,7 +98,7 @@ class EngineStats:
         self.generation_len = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", tokens)
         self.histograms = [
             self.iteration_tokens, self.max_generation_len, self.params_n, self.params_max_tokens, self.ttft,
-            self.tpot, self.itl, self.request_tpot, self.e2e, self.queue, self.inference, self.prefill, self.decode,
+            self.itl, self.request_tpot, self.e2e, self.queue, self.inference, self.prefill, self.decode,
             self.prompt_len, self.generation_len,
         ]
         """Every histogram, in page order."""
@@ -105,8 +107,8 @@ class EngineStats:
 class LoraInfoHistory(OrderedDict[tuple[str, str], float]):
     """Label combinations of ``vllm:lora_requests_info`` -> wall time last seen, most recent last (bounded).
 
-    Like vLLM (a prometheus_client gauge that is never cleared) old combinations stay on the page and
-    scrapers must take the series with the newest timestamp; the simulator keeps the 16 most recent.
+    Like vLLM (a prometheus_client gauge that is never cleared) every combination seen stays on the page and
+    scrapers must take the series with the newest timestamp (the simulator forgets the oldest past 4,096).
     """
 
     def touch(self, running: str, waiting: str) -> None:

