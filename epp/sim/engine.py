@@ -93,8 +93,8 @@ class Engine:
         self._timeline = 0.0  # real (loop) time at which the last step ended on the ideal timeline
         self._prev_step_end = -1.0
         self._next_id = 0
-        if config.lora_enabled:
-            self.lora_info.touch("", "")
+        # No lora_requests_info series until the first engine step: vLLM 0.32 sets it when it records a step,
+        # so an idle server with --enable-lora shows the family's HELP/TYPE lines and no sample.
 
     # -- state, for metrics and tests -----------------------------------------------------------------------
 

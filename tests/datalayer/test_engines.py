@@ -109,6 +109,14 @@ def test_simulated_vllm_page() -> None:
 
     engine = Engine(EngineConfig(lora_adapters=("sql-lora",), max_loras=2, num_gpu_blocks=20000, block_size=32))
     got = VLLM.parse(MetricsPage(engine, HttpStats()).render())
+    # An engine that has run no step shows vllm:lora_requests_info without a sample, as vLLM 0.32 does
+    # (seen on a real server started with --enable-lora): max_lora is unknown until the first step.
+    assert got == engine_metrics(
+        0, 0, 0.0, max_adapters=None, block_size=32, num_gpu_blocks=20000, kv_cache_size_tokens=20000 * 32
+    )
+    engine.lora_info.touch("", "")  # what the engine records at each step
+    engine.version += 1
+    got = VLLM.parse(MetricsPage(engine, HttpStats()).render())
     assert got == engine_metrics(
         0, 0, 0.0, max_adapters=2, block_size=32, num_gpu_blocks=20000, kv_cache_size_tokens=20000 * 32
     )

@@ -372,6 +372,10 @@ async def test_vllm_032_surface(make_pool, session) -> None:
     pool = await make_pool(block_size=128, num_gpu_blocks=512, max_model_len=8192, lora_adapters=("a", "b"),
                            max_loras=1)
     url = pool.url(0)
+    async with session.get(url + "/metrics") as r:
+        idle = await r.text()
+    # Idle with LoRA on: the family's HELP/TYPE lines and no sample, as a real 0.32 server before any step
+    assert "# TYPE vllm:lora_requests_info gauge\n" in idle and "\nvllm:lora_requests_info{" not in idle
     families = await _metrics(session, url)
     (info,) = families["vllm:cache_config_info"]
     assert set(info.labels) == _VLLM_032_CACHE_CONFIG_LABELS and len(info.labels) == 37
