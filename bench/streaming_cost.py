@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     envoys: list[EnvoyProcess] = []
     runs: list[Run] = []
     try:
-        picker.start()
+        picker.start(timeout=120)  # a shared, loaded machine can take more than the default 20 s
         base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
         direct = EnvoyProcess(render_round_robin(base), concurrency=1)
         via_epp = EnvoyProcess(render(replace(base, picker_port=picker.grpc_port)), concurrency=1)
