@@ -37,6 +37,8 @@ from epp.envoy.bootstrap import BootstrapOptions, render
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
 
+# Off by default up to Envoy 1.40 at least: Envoy then ends each ext_proc stream with a half-close and a reset.
+_GRACEFUL_CLOSE = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
 _MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served model
 
 
@@ -167,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pods", type=int, default=2)
     parser.add_argument("--plot", default="soak.png", help="PNG file to write ('' for none)")
     parser.add_argument("--picker-arg", action="append", default=[], help="an extra flag for the picker")
+    parser.add_argument(
+        "--envoy-graceful-close",
+        action="store_true",
+        help="Envoy half-closes ext_proc streams and waits for the picker's status instead of resetting them",
+    )
     args = parser.parse_args(argv)
 
     sim = subprocess.Popen(
@@ -181,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         picker.start()
         base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
-        envoy = EnvoyProcess(render(replace(base, picker_port=picker.grpc_port)), concurrency=1)
+        config = render(replace(base, picker_port=picker.grpc_port))
+        if args.envoy_graceful_close:
+            config["layered_runtime"] = {"layers": [{"name": "soak", "static_layer": {_GRACEFUL_CLOSE: True}}]}
+        envoy = EnvoyProcess(config, concurrency=1)
         envoy.start()
         wait_for_picker(envoy)
         cpu_before = cpu_seconds(picker.pid, children=False)
