@@ -18,6 +18,13 @@ sample) tell allocator fragmentation apart from memory still referenced.
     python bench/grpc_aio_leak.py [--streams 20000] [--endings halfclose,server-first,cancel]
                                   [--loop asyncio|uvloop] [--trim]
 
+Measured here (grpcio 1.85.3, the only version the index offers; B per stream after a warm-up,
+10,000-30,000 streams, noisy to ~+-20 B): ``halfclose`` 17-35 (8 with MALLOC_ARENA_MAX=2 and
+``--trim``), ``server-first`` 17-38, ``cancel`` 143-173 (143 with ``--trim``: memory still referenced,
+not fragmentation), ``envoy`` 89-136 (uvloop the same: 136), ``server-first-cancel`` 79. A stream the
+client resets while the server waits in a read leaks; grpc/grpc#43360 names the cause (a batch
+cancelled or failed never frees its native op array).
+
 Talks only to 127.0.0.1; stops by itself.
 """
 
