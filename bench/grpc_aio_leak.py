@@ -8,7 +8,9 @@ many short streams on one HTTP/2 connection, each a few messages each way, then 
 
 * ``halfclose``: the client half-closes after its last message, the server's handler returns;
 * ``server-first``: the server's handler returns after its last answer, the client half-closes later;
-* ``cancel``: the client cancels the stream after its last answer (Envoy's reset of a finished stream).
+* ``cancel``: the client cancels the stream after its last answer, without a half-close;
+* ``envoy``: the client half-closes and at once cancels (what Envoy's close of a finished stream does);
+* ``server-first-cancel``: the server returns after its last answer, the client cancels on reading it.
 
 For each ending the server's RSS (from /proc) is sampled after a warm-up and again after
 ``--streams`` more streams; the growth is printed as bytes per stream. ``--loop uvloop`` runs the
