@@ -197,9 +197,26 @@ async def test_response_phase_passes_headers_and_each_chunk_through(stub: pb_grp
         end = i == 2
         await talk.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=end)))
         assert streamed(await talk.read(), "response_body") == (chunk, end)  # answered before the next chunk
+    # Nothing follows a body's end_of_stream in Envoy (trailers come after a body that has not ended): the
+    # picker ends the stream itself with OK rather than wait for Envoy's half-close and reset.
+    assert await talk.call.read() is grpc.aio.EOF
+    assert await talk.call.code() == grpc.StatusCode.OK
+
+
+async def test_response_trailers_are_answered_and_end_the_stream(stub: pb_grpc.ExternalProcessorStub) -> None:
+    talk = Conversation(stub)
+    await talk.send(headers(POST))
+    await talk.send(body(COMPLETION, end_of_stream=True))
+    await talk.read()
+    await talk.read()
+    await talk.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]))))
+    await talk.read()
+    await talk.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: 1\n\n", end_of_stream=False)))
+    assert streamed(await talk.read(), "response_body") == (b"data: 1\n\n", False)
     await talk.send(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
     assert (await talk.read()).WhichOneof("response") == "response_trailers"
-    assert await talk.finish() == []
+    assert await talk.call.read() is grpc.aio.EOF  # the trailers are always the last message
+    assert await talk.call.code() == grpc.StatusCode.OK
 
 
 @pytest.mark.parametrize("streamed_answer", [True, False])

@@ -1,0 +1,236 @@
+"""Soak: does the picker's memory stay flat over a long run of mixed traffic?
+
+A real Envoy with the reference ext_proc configuration, the picker (``python -m epp serve``) and
+simulated vLLM pods (``python -m epp.sim``), all on 127.0.0.1. ``--workers`` clients send, for
+``--minutes`` (default 30), a fixed mix in turn: chat completions non-streamed and streamed,
+completions non-streamed and streamed, a body that is not JSON (the picker's 400) and
+``GET /v1/models``. Every ``--interval`` seconds the picker's RSS and open file descriptors (from
+/proc, the main process only: the scrape worker is a separate process with its own heap) are sampled
+with the number of requests answered so far.
+
+The result is the slope of RSS against requests, a least-squares line over the samples after the
+first ``--warmup`` fraction of the run (caches, pools and the allocator's arenas fill first), in
+bytes per request, and the same for fds; the target is <= 1 byte per request over 30 minutes. A
+PNG plot (``--plot``, default soak.png) shows RSS and fds against requests with the fitted line.
+
+    python bench/soak.py [--minutes 30] [--workers 4] [--interval 5] [--plot soak.png]
+                         [--picker-arg=--flag=value ...]
+
+Talks only to 127.0.0.1; stops by itself. Bounded: ``--workers`` requests in flight at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import aiohttp
+
+from epp.envoy.bootstrap import BootstrapOptions, render
+from epp.testing.envoy import EnvoyProcess
+from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
+
+# Off by default up to Envoy 1.40 at least: Envoy then ends each ext_proc stream with a half-close and a reset.
+_GRACEFUL_CLOSE = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
+_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served model
+
+
+@dataclass
+class Sample:
+    seconds: float
+    requests: int
+    rss: int
+    fds: int
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _mix() -> list[tuple[str, str, bytes | None, int]]:
+    """(method, path, body, expected status) of one round of the mix."""
+    messages = [{"role": "user", "content": "tell me about the quick brown fox " * 8}]
+    chat = {"model": _MODEL, "messages": messages, "max_tokens": 16}
+    completion = {"model": _MODEL, "prompt": "the quick brown fox jumps over the lazy dog " * 8, "max_tokens": 16}
+    return [
+        ("POST", "/v1/chat/completions", json.dumps(chat).encode(), 200),
+        ("POST", "/v1/chat/completions", json.dumps({**chat, "stream": True}).encode(), 200),
+        ("POST", "/v1/completions", json.dumps(completion).encode(), 200),
+        ("POST", "/v1/completions", json.dumps({**completion, "stream": True, "max_tokens": 64}).encode(), 200),
+        ("POST", "/v1/chat/completions", b"{not json", 400),
+        ("GET", "/v1/models", None, 200),
+    ]
+
+
+class _Load:
+    """The clients: ``workers`` loops over the mix until ``deadline``; counts answers and surprises."""
+
+    def __init__(self, base_url: str, workers: int, deadline: float) -> None:
+        self.base_url = base_url
+        self.workers = workers
+        self.deadline = deadline
+        self.answered = 0
+        self.unexpected: dict[str, int] = {}
+
+    async def run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await asyncio.gather(*(self._worker(session, i) for i in range(self.workers)))
+
+    async def _worker(self, session: aiohttp.ClientSession, offset: int) -> None:
+        mix = _mix()
+        i = offset
+        while time.monotonic() < self.deadline:
+            method, path, body, expected = mix[i % len(mix)]
+            i += 1
+            headers = {"content-type": "application/json"} if body is not None else {}
+            try:
+                async with session.request(method, self.base_url + path, data=body, headers=headers) as response:
+                    await response.read()
+                    status = response.status
+            except (TimeoutError, aiohttp.ClientError) as error:
+                key = type(error).__name__
+                self.unexpected[key] = self.unexpected.get(key, 0) + 1
+                continue
+            self.answered += 1
+            if status != expected:
+                key = f"{method} {path} {status}"
+                self.unexpected[key] = self.unexpected.get(key, 0) + 1
+
+
+async def _sample(load: _Load, pid: int, interval: float, samples: list[Sample]) -> None:
+    start = time.monotonic()
+    while time.monotonic() < load.deadline:
+        samples.append(Sample(time.monotonic() - start, load.answered, _rss(pid), _fds(pid)))
+        await asyncio.sleep(interval)
+    samples.append(Sample(time.monotonic() - start, load.answered, _rss(pid), _fds(pid)))
+
+
+async def _soak(base_url: str, pid: int, args: argparse.Namespace) -> tuple[list[Sample], _Load]:
+    load = _Load(base_url, args.workers, time.monotonic() + args.minutes * 60)
+    samples: list[Sample] = []
+    await asyncio.gather(load.run(), _sample(load, pid, args.interval, samples))
+    return samples, load
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope and intercept of ys against xs."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return 0.0, my
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return slope, my - slope * mx
+
+
+def _plot(samples: list[Sample], kept: list[Sample], rss_fit: tuple[float, float], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display here
+    import matplotlib.pyplot as plt
+
+    figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
+    xs = [s.requests for s in samples]
+    top.plot(xs, [s.rss / 2**20 for s in samples], ".", label="picker RSS")
+    slope, intercept = rss_fit
+    fit_x = [kept[0].requests, kept[-1].requests]
+    top.plot(fit_x, [(intercept + slope * x) / 2**20 for x in fit_x], "-", label=f"fit: {slope:.2f} B/request")
+    top.set_ylabel("RSS (MiB)")
+    top.legend()
+    top.set_title(title)
+    bottom.plot(xs, [s.fds for s in samples], ".", color="tab:orange")
+    bottom.set_ylabel("open fds")
+    bottom.set_xlabel("requests answered")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--workers", type=int, default=4, help="requests in flight at a time")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
+    parser.add_argument("--warmup", type=float, default=0.2, help="fraction of the run left out of the fit")
+    parser.add_argument("--pods", type=int, default=2)
+    parser.add_argument("--plot", default="soak.png", help="PNG file to write ('' for none)")
+    parser.add_argument("--picker-arg", action="append", default=[], help="an extra flag for the picker")
+    parser.add_argument(
+        "--envoy-graceful-close",
+        action="store_true",
+        help="Envoy half-closes ext_proc streams and waits for the picker's status instead of resetting them",
+    )
+    args = parser.parse_args(argv)
+
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "epp.sim", "--pods", str(args.pods), "--time-scale", "0.01"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert sim.stdout is not None
+    pool = [sim.stdout.readline().split()[1].removeprefix("http://") for _ in range(args.pods)]
+    picker = PickerProcess(pool, extra_args=args.picker_arg)
+    envoy: EnvoyProcess | None = None
+    try:
+        picker.start()
+        base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
+        config = render(replace(base, picker_port=picker.grpc_port))
+        if args.envoy_graceful_close:
+            config["layered_runtime"] = {"layers": [{"name": "soak", "static_layer": {_GRACEFUL_CLOSE: True}}]}
+        envoy = EnvoyProcess(config, concurrency=1)
+        envoy.start()
+        wait_for_picker(envoy)
+        cpu_before = cpu_seconds(picker.pid, children=False)
+        samples, load = asyncio.run(_soak(f"http://127.0.0.1:{envoy.listen_port}", picker.pid, args))
+        cpu = cpu_seconds(picker.pid, children=False) - cpu_before
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        picker.stop()
+        sim.terminate()
+        sim.wait(10)
+
+    kept = [s for s in samples if s.seconds >= args.warmup * args.minutes * 60]
+    if len(kept) < 3:
+        print("too few samples after the warm-up: run longer or sample more often")
+        return 1
+    rss_fit = _fit([float(s.requests) for s in kept], [float(s.rss) for s in kept])
+    fds_fit = _fit([float(s.requests) for s in kept], [float(s.fds) for s in kept])
+    grown = kept[-1].rss - kept[0].rss
+    print(
+        f"{args.minutes:g} min, {load.answered} requests ({load.answered / (args.minutes * 60):.0f}/s), "
+        f"picker CPU {cpu * 1000 / max(1, load.answered):.2f} ms/request"
+    )
+    print(
+        f"RSS {samples[0].rss / 2**20:.1f} MiB at start, {kept[0].rss / 2**20:.1f} after warm-up, "
+        f"{samples[-1].rss / 2**20:.1f} at end ({grown / 2**20:+.2f} MiB over "
+        f"{kept[-1].requests - kept[0].requests} requests after warm-up)"
+    )
+    print(
+        f"slope after warm-up: RSS {rss_fit[0]:.2f} bytes/request, fds {fds_fit[0] * 1e6:.3f} per million requests "
+        f"(fds {min(s.fds for s in samples)}..{max(s.fds for s in samples)})"
+    )
+    if load.unexpected:
+        print(f"unexpected answers: {load.unexpected}")
+    if args.plot:
+        _plot(samples, kept, rss_fit, args.plot, f"picker RSS over {args.minutes:g} min of mixed traffic")
+        print(f"plot: {args.plot}")
+    return 1 if load.unexpected else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
