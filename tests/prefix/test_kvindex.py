@@ -5,7 +5,9 @@ BS = 4
 
 
 def _stored(hashes, parent, tokens, medium="GPU", extra=None):
-    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, medium=medium, extra_keys=extra)
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, medium=medium, extra_keys=extra
+    )
 
 
 def test_a_request_matches_the_blocks_a_pod_stored_across_batches():
@@ -18,7 +20,7 @@ def test_a_request_matches_the_blocks_a_pod_stored_across_batches():
     assert len(keys) == 4
     assert index.match(keys) == {"a:1": (3, 3.0), "b:1": (1, 1.0)}
     # A different first block matches nothing even where later blocks' tokens agree.
-    assert index.match(chain_keys([0] + tokens[1:], BS)) == {}
+    assert index.match(chain_keys([0, *tokens[1:]], BS)) == {}
 
 
 def test_removed_blocks_break_the_run_and_cpu_weighs_less():

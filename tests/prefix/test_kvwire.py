@@ -37,7 +37,14 @@ def test_map_events_with_unknown_fields_decode():
 
 def test_old_array_events_decode_to_the_same_types():
     payload = msgspec.msgpack.encode(
-        [1.0, [["BlockStored", [5, 6], 4, list(range(32)), 16, None, "GPU"], ["BlockRemoved", [5], "GPU"], ["AllBlocksCleared"]]]
+        [
+            1.0,
+            [
+                ["BlockStored", [5, 6], 4, list(range(32)), 16, None, "GPU"],
+                ["BlockRemoved", [5], "GPU"],
+                ["AllBlocksCleared"],
+            ],
+        ]
     )
     batch = decode_batch(payload)
     stored, removed, cleared = batch.events
@@ -49,7 +56,12 @@ def test_old_array_events_decode_to_the_same_types():
 
 @pytest.mark.parametrize(
     "payload",
-    [b"\xc1", msgspec.msgpack.encode([1.0, [{"type": "Nope"}], 0]), msgspec.msgpack.encode({"ts": 1}), msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}], 0])],
+    [
+        b"\xc1",
+        msgspec.msgpack.encode([1.0, [{"type": "Nope"}], 0]),
+        msgspec.msgpack.encode({"ts": 1}),
+        msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}], 0]),
+    ],
 )
 def test_bad_batches_are_wire_errors(payload):
     with pytest.raises(WireError, match="not a KV-event batch"):
