@@ -3,7 +3,8 @@
 It writes what vLLM's ``ZmqEventPublisher`` writes, from its own code: a PUB socket sending
 ``[topic, seq (8-byte big-endian, from 0 per process), msgpack [ts, events, data_parallel_rank]]``, events
 as maps tagged by ``"type"`` with vLLM's field names (``array_events=True``: the old arrays, tag first);
-``endpoint`` is bound when it has ``*`` (vLLM's rule) and connected to otherwise. An optional ROUTER
+``endpoint`` is bound when it has ``*`` (vLLM's rule) and connected to otherwise (``bind=True``: bound
+anyway, so that a test can bind a loopback address). An optional ROUTER
 ``replay_endpoint`` answers ``[b"", start seq]`` with every buffered batch from that seq
 (``[b"", topic, seq, payload]``) and the end marker ``[b"", b"", -1 as 8 bytes, b""]``; the last
 ``buffer_batches`` batches are kept for it. Events are queued by :meth:`stored`, :meth:`removed` and
@@ -39,6 +40,7 @@ class KVEventPublisher:
         data_parallel_rank: int = 0,
         array_events: bool = False,
         buffer_batches: int = 10_000,
+        bind: bool | None = None,
     ) -> None:
         self.topic = topic.encode()
         self.rank = data_parallel_rank
@@ -47,7 +49,7 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        if "*" in endpoint or "::" in endpoint:
+        if bind if bind is not None else ("*" in endpoint or "::" in endpoint):
             self._pub.bind(endpoint)
         else:
             self._pub.connect(endpoint)
