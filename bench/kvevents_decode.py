@@ -47,7 +47,7 @@ def main() -> None:
     import msgpack
 
     def with_msgpack(payload: bytes) -> int:
-        ts, events, rank = msgpack.unpackb(payload)
+        _ts, events, _rank = msgpack.unpackb(payload)
         total = 0
         for e in events:
             kind = e["type"]

@@ -61,9 +61,8 @@ async def main() -> None:
     cpu = time.process_time() - cpu0  # publisher thread included: an upper bound for the subscriber
     events = sub.stats.events - events0
     q = statistics.quantiles(lags, n=100)
-    print(
-        f"events {events} in {args.seconds:.0f} s ({events / args.seconds:.0f}/s), batches {len(lags)}, gaps {sub.stats.gaps}"
-    )
+    rate = events / args.seconds
+    print(f"events {events} in {args.seconds:.0f} s ({rate:.0f}/s), batches {len(lags)}, gaps {sub.stats.gaps}")
     print(f"lag ms: P50 {q[49] * 1e3:.2f}  P99 {q[98] * 1e3:.2f}  max {max(lags) * 1e3:.2f}")
     print(f"process CPU per event (publisher + subscriber): {cpu / max(1, events) * 1e6:.1f} µs")
     await sub.close()
