@@ -98,7 +98,8 @@ class PickerProcess:
     def log_path(self) -> str:
         return self._log.name
 
-    def start(self, timeout: float = 20.0) -> None:
+    def start(self, timeout: float = 60.0) -> None:
+        # A deadline, not a measurement: generous, since a loaded 2-core machine starts it slowly.
         if self._log.closed:  # started again after stop(): a new log
             self._log = _new_log()
         self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)

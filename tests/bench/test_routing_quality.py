@@ -139,9 +139,11 @@ def test_smoke_run_through_envoy_the_picker_and_the_simulator() -> None:
         assert r.req_per_s > 0 and r.tokens_per_s == pytest.approx(r.req_per_s * opts.max_tokens)
         expected = {"simulator", "envoy", "client"} | ({"picker"} if r.policy != "rr" else set())
         assert set(r.cpu_cores) == expected
-    # Prefix affinity: each group's requests after the first stay on one pod (nothing else is loaded).
+    # Prefix affinity: a group's requests after the first mostly stay on one pod. Not always: the
+    # default profile also weighs queues, and on a loaded machine a pod's scraped queue can outweigh
+    # a prefix (seen: 6 of 7 stayed, under a load average of 13 on 2 cores).
     default = next(r for r in results if r.workload == "a" and r.policy == "default")
-    assert default.stickiness == 1.0 and default.hit_rate > 0
+    assert default.stickiness is not None and default.stickiness >= 0.75 and default.hit_rate > 0
 
     table = rq.format_table(results).splitlines()
     assert table[0].split()[:4] == ["workload", "policy", "hit", "rate"]
