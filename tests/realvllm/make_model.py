@@ -42,11 +42,50 @@ _CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
-_WORDS = (
-    "the a pod model cache token request prompt answer server route pick queue prefix "
-    "adapter lora envoy picker score filter weight load time first last stream chunk "
-    "one two three four five six seven eight nine ten hello world system user assistant"
-).split()
+_WORDS = [
+    "the",
+    "a",
+    "pod",
+    "model",
+    "cache",
+    "token",
+    "request",
+    "prompt",
+    "answer",
+    "server",
+    "route",
+    "pick",
+    "queue",
+    "prefix",
+    "adapter",
+    "lora",
+    "envoy",
+    "picker",
+    "score",
+    "filter",
+    "weight",
+    "load",
+    "time",
+    "first",
+    "last",
+    "stream",
+    "chunk",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "hello",
+    "world",
+    "system",
+    "user",
+    "assistant",
+]
 
 
 def _corpus(rng: random.Random) -> list[str]:
