@@ -1,0 +1,117 @@
+"""Through a real Envoy and the picker, against two real vLLM 0.32 servers (see conftest.py).
+
+The stopped-server test runs last (it stops server ``b``); the others leave the servers as they
+found them. Counters are read from the servers' own metrics pages, so what is asserted is what
+vLLM itself saw.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+
+import pytest
+
+from tests.realvllm.conftest import ADAPTER, BASE, Tier, get, post
+
+_WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
+
+
+def _prompt(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def _queries(tier: Tier) -> dict[str, float]:
+    return {name: s.counter("vllm:prefix_cache_queries_total") for name, s in tier.servers.items()}
+
+
+def test_json_and_sse_route_through_envoy(tier: Tier) -> None:
+    status, body = post(f"{tier.url}/v1/completions", {"model": BASE, "prompt": "hello there", "max_tokens": 4})
+    assert status == 200, body
+    reply = json.loads(body)
+    assert reply["model"] == BASE and len(reply["choices"]) == 1 and reply["usage"]["completion_tokens"] >= 1
+
+    chat = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True}}
+    status, body = post(f"{tier.url}/v1/chat/completions", chat)
+    assert status == 200, body
+    events = [line for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] >= 1
+
+
+def test_real_pages_are_scraped_filtered_and_without_errors(tier: Tier) -> None:
+    page = get(f"http://127.0.0.1:{tier.picker.metrics_port}/metrics")[1].decode()
+    errors = [line for line in page.splitlines() if line.startswith("epp_endpoint_scrape_errors_total{")]
+    assert all(float(line.rsplit(" ", 1)[1]) == 0 for line in errors), errors
+    ignored = [line for line in page.splitlines() if line.startswith("epp_endpoint_scrape_filter_ignored_total{")]
+    assert all(float(line.rsplit(" ", 1)[1]) == 0 for line in ignored), ignored  # /metrics/ honours ?name[]=
+    scrapes = re.search(r"^epp_endpoint_scrapes_total (\S+)", page, re.M)
+    assert scrapes and float(scrapes.group(1)) > 0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": BASE, "prompt": "x", "max_tokens": "3"},
+        {"model": BASE, "prompt": "x", "max_tokens": 3.0},
+        {"model": BASE, "prompt": "x", "max_tokens": 3, "stream": "false"},
+        {"prompt": "x", "max_tokens": 3},
+    ],
+    ids=["max_tokens-string", "max_tokens-float", "stream-string", "no-model"],
+)
+def test_what_vllm_serves_is_routed(tier: Tier, body: dict) -> None:
+    direct = post(f"{tier.servers['b'].url}/v1/completions", body)[0]
+    through = post(f"{tier.url}/v1/completions", body)[0]
+    assert through == direct, (through, direct)
+
+
+def test_a_body_vllm_refuses_gets_the_pickers_own_400(tier: Tier) -> None:
+    status, body = post(f"{tier.url}/v1/completions", b'{"model": "tiny", "prompt": ')
+    assert status == 400
+    assert b"JSON" in body or b"json" in body, body  # says what was wrong
+    assert post(f"{tier.servers['b'].url}/v1/completions", b'{"model": "tiny", "prompt": ')[0] == 400
+
+
+def test_a_repeated_long_prompt_stays_on_one_server_and_its_real_hits_rise(tier: Tier) -> None:
+    prompt = _prompt(7, 500)  # several of vLLM's 128-token blocks
+    before = _queries(tier)
+    hits_before = {name: s.counter("vllm:prefix_cache_hits_total") for name, s in tier.servers.items()}
+    for _ in range(4):
+        status, body = post(f"{tier.url}/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 2})
+        assert status == 200, body
+    after = _queries(tier)
+    served = [name for name in tier.servers if after[name] > before[name]]
+    assert len(served) == 1, (before, after)  # all four went to one server
+    (name,) = served
+    assert tier.servers[name].counter("vllm:prefix_cache_hits_total") > hits_before[name]
+
+
+def test_adapter_requests_never_404_while_a_server_serves_the_adapter(tier: Tier) -> None:
+    statuses = [
+        post(f"{tier.url}/v1/completions", {"model": ADAPTER, "prompt": _prompt(100 + i, 8), "max_tokens": 2})[0]
+        for i in range(8)
+    ]
+    assert statuses == [200] * 8
+
+
+def test_base_model_requests_spread_over_the_servers(tier: Tier) -> None:
+    before = _queries(tier)
+    for i in range(10):
+        status, _ = post(f"{tier.url}/v1/completions", {"model": BASE, "prompt": _prompt(200 + i, 20), "max_tokens": 2})
+        assert status == 200
+    after = _queries(tier)
+    assert all(after[name] > before[name] for name in tier.servers), (before, after)
+
+
+def test_zz_a_stopped_server_goes_stale_and_is_avoided(tier: Tier) -> None:
+    tier.servers["b"].stop()
+    deadline = time.monotonic() + 30
+    ok_in_a_row = 0
+    while ok_in_a_row < 8:
+        assert time.monotonic() < deadline, "requests still went to the stopped server after 30 s"
+        status, _ = post(f"{tier.url}/v1/completions", {"model": BASE, "prompt": "after b stopped", "max_tokens": 2})
+        ok_in_a_row = ok_in_a_row + 1 if status == 200 else 0
