@@ -99,10 +99,12 @@ class ModelPoller:
                 await task
 
     def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
+        kept = {endpoint.name for endpoint in added}  # a re-labelled endpoint is removed and added
         for endpoint in removed:
-            self._due.pop(endpoint.name, None)
+            if endpoint.name not in kept:
+                self._due.pop(endpoint.name, None)
         for endpoint in added:
-            if endpoint.name not in self._due or endpoint.served.updated_at == 0.0:
+            if endpoint.name not in self._due or not endpoint.served.listed:
                 self._due[endpoint.name] = 0.0
         self._wake.set()
 
@@ -125,7 +127,8 @@ class ModelPoller:
                 self._wake.clear()
                 wait = min(self._due.values(), default=now + self.interval) - now
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(wait, 0.0))
+                    async with asyncio.timeout(max(wait, 0.0)):
+                        await self._wake.wait()
 
     async def _poll(self, session: aiohttp.ClientSession, name: str) -> None:
         self._due[name] = time.monotonic() + self.interval
