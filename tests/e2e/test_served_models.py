@@ -37,7 +37,9 @@ async def _stack(config_text: str | None = None) -> tuple[SimPicker, RecordingSc
     return stack, recorders[0]
 
 
-async def send(stack: SimPicker, recorder: RecordingScheduler, model: str, count: int) -> tuple[Counter[int], Counter[str]]:
+async def send(
+    stack: SimPicker, recorder: RecordingScheduler, model: str, count: int
+) -> tuple[Counter[int], Counter[str]]:
     """``count`` completions for ``model`` through Envoy, 3 at a time: (statuses, picks by endpoint)."""
     url = f"http://127.0.0.1:{stack.envoy.listen_port}/v1/completions"
     statuses: Counter[int] = Counter()
