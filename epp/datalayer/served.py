@@ -39,7 +39,9 @@ import msgspec
 from epp.datalayer.datastore import Datastore
 from epp.framework import Endpoint, ServedModels
 
-__all__ = ["ModelPoller", "parse_model_list"]
+__all__ = ["USER_AGENT", "ModelPoller", "parse_model_list"]
+
+USER_AGENT = "epp-model-poller"  # tells the poller's GETs from client traffic in a server's logs
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ class ModelPoller:
 
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, headers={"User-Agent": USER_AGENT}) as session:
             while True:
                 now = time.monotonic()
                 due = [name for name, when in self._due.items() if when <= now]
