@@ -14,8 +14,9 @@ Each HTTP request is one bidirectional gRPC stream. With the reference Envoy con
     response_body ... (each chunk)     response_body: streamed_response, the chunk unchanged
     response_trailers (if any)         response_trailers: continue
 
-Body-less requests (``request_headers`` with end_of_stream, e.g. ``GET /v1/models``) are routed
-at once. Envoy announces its body modes in the first message (``protocol_config``); with BUFFERED
+Body-less requests (``request_headers`` with end_of_stream) are routed at once, except
+``GET /v1/models``, which the picker answers with the pool's union when it has read a model list
+(:mod:`epp.extproc.models`). Envoy announces its body modes in the first message (``protocol_config``); with BUFFERED
 request bodies it waits for the headers answer before sending the body, so the picker answers the
 headers with "continue" and sets the destination on the (single, whole) body message instead.
 Response bodies are answered per chunk as they come, never buffered, so SSE streams token by token.
@@ -87,6 +88,7 @@ from epp.extproc.answers import (
     streamed_body,
     subset_hint,
 )
+from epp.extproc.models import is_models_request, models_answer
 from epp.extproc.parsing import parse_request
 from epp.extproc.usage import TAIL_CHUNKS, Usage, usage_of
 from epp.framework import Outcome
@@ -152,6 +154,10 @@ class _Stream:
         self.subset = subset_hint(message)
         mode = self.request_mode
         if message.request_headers.end_of_stream or mode == NONE:
+            if is_models_request(self.headers):  # the pool's union, from the picker (epp.extproc.models)
+                union = models_answer(self._director.datastore.endpoints())
+                if union is not None:
+                    return [union]
             routed = await self._route(b"")
             return [routing_answer(routed, self.headers, "request_headers")]
         if mode == BUFFERED:

@@ -49,11 +49,13 @@ from epp.framework.roles import (
     default_producer_of,
     roles,
 )
+from epp.framework.served import NOT_LISTED, ServedModels
 
 __all__ = [
     "DEFAULT_PICKER",
     "DEFAULT_SATURATION_DETECTOR",
     "NEVER_SCRAPED",
+    "NOT_LISTED",
     "NO_IN_FLIGHT",
     "PREFIX_MATCH",
     "ROLES",
@@ -83,6 +85,7 @@ __all__ = [
     "ScoredCandidates",
     "ScoredEndpoint",
     "Scorer",
+    "ServedModels",
     "StateKey",
     "WeightedScorer",
     "bool_parameter",

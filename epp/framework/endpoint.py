@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
+from epp.framework.served import NOT_LISTED, ServedModels
+
 __all__ = ["NEVER_SCRAPED", "NO_IN_FLIGHT", "Endpoint", "InFlightView", "Metrics"]
 
 
@@ -150,10 +152,17 @@ class Endpoint:
     labels: Mapping[str, str] = field(default_factory=lambda: _NO_LABELS, hash=False)
     metrics: Metrics = field(default=NEVER_SCRAPED, compare=False, hash=False, repr=False)
     inflight: InFlightView = field(default=NO_IN_FLIGHT, compare=False, hash=False, repr=False)
+    served: ServedModels = field(default=NOT_LISTED, compare=False, hash=False, repr=False)
 
     @property
     def hostport(self) -> str:
         return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+
+    def serves(self, model: str) -> bool:
+        """Whether the endpoint is known to serve ``model``: listed at ``/v1/models``, or an adapter its
+        metrics page reports running or waiting (the second source, between polls)."""
+        metrics = self.metrics
+        return self.served.lists(model) or model in metrics.running_adapters or model in metrics.waiting_adapters
 
     @property
     def queue_depth(self) -> int:

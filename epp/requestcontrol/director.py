@@ -91,10 +91,17 @@ class Director:
         self.datastore = datastore
         self.scheduler = scheduler
         self.metrics = metrics if metrics is not None else RequestMetrics()
-        self.base_models = base_models
+        self._base_models = base_models  # configured; the pool's lists add theirs (see base_models)
         self.admission = admission  # None: every request passes at once
         self.objectives = objectives if objectives is not None else Objectives()
         self._wake = admission.wake if admission is not None else _nothing
+
+    @property
+    def base_models(self) -> frozenset[str]:
+        """The models that are not adapters: those given, and every base model a pod lists at
+        ``/v1/models`` (so a base-model request is never scored by adapter slots)."""
+        configured, listed = self._base_models, self.datastore.base_models()
+        return listed if not configured else configured | listed
 
     async def route(self, request: InferenceRequest, subset: Collection[str] | None = None) -> RoutedRequest:
         """Admit ``request``, then pick its endpoints; raises EppError when refused or when no
@@ -161,7 +168,9 @@ class Director:
         if request.body_size:
             per_model.sizes.observe(request.body_size)
         metrics.picked(endpoints[0].name)
-        routed = RoutedRequest(request, result, scheduler, in_flight, per_model, wake=self._wake)
+        routed = RoutedRequest(
+            request, result, scheduler, in_flight, per_model, wake=self._wake, not_found=self.datastore.not_found
+        )
         scheduler.pre_request(request, result)
         return routed
 
@@ -171,5 +180,5 @@ def _nothing() -> None:
 
 
 def _adapter_of(model: str, endpoints: Sequence[Endpoint]) -> bool:
-    """Whether a pod reports ``model`` as a LoRA adapter it runs or queues (it serves it)."""
-    return any(model in e.metrics.running_adapters or model in e.metrics.waiting_adapters for e in endpoints)
+    """Whether a pod serves ``model``: lists it at ``/v1/models`` or reports it running or queued."""
+    return any(e.serves(model) for e in endpoints)

@@ -8,7 +8,8 @@ endpoint's in-flight record and the request's ticket in it, the model's metric s
 callable that wakes admission when a slot frees. From then on the edge (:mod:`epp.extproc`) calls
 only this object, in the order the response arrives:
 
-* :meth:`RoutedRequest.response_headers` when the response headers arrive (the status is kept; the
+* :meth:`RoutedRequest.response_headers` when the response headers arrive (the status is kept; a
+  404 is reported to ``not_found`` with the endpoint's name, so its model list is re-read; the
   plugins' ``response_received`` hooks may add response headers);
 * :meth:`RoutedRequest.response_body_started` on the first response body bytes (the pod has finished
   queueing and prefill: the request stops counting as unanswered);
@@ -40,12 +41,16 @@ def _nothing() -> None:
     pass
 
 
+def _ignore(name: str) -> None:
+    pass
+
+
 class RoutedRequest:
     """A routed request: its pick, and the calls made while its response streams back."""
 
     __slots__ = (
-        "_answering", "_finished", "_first_byte", "_in_flight", "_metrics", "_response_bytes", "_scheduler",
-        "_sent", "_ticket", "_usage", "_wake", "endpoints", "request", "result", "status",
+        "_answering", "_finished", "_first_byte", "_in_flight", "_metrics", "_not_found", "_response_bytes",
+        "_scheduler", "_sent", "_ticket", "_usage", "_wake", "endpoints", "request", "result", "status",
     )  # fmt: skip
 
     def __init__(
@@ -57,6 +62,7 @@ class RoutedRequest:
         metrics: ModelMetrics,
         *,
         wake: Callable[[], None] = _nothing,
+        not_found: Callable[[str], None] = _ignore,
     ) -> None:
         self.request = request
         self.result = result
@@ -66,6 +72,7 @@ class RoutedRequest:
         self._in_flight = in_flight
         self._metrics = metrics
         self._wake = wake
+        self._not_found = not_found
         self._finished = False
         self._answering = False
         self._sent = time.monotonic()
@@ -89,6 +96,8 @@ class RoutedRequest:
         """The response headers arrived; returns the headers plugins ask to set on the response."""
         status = headers.get(":status", "")
         self.status = int(status) if status.isdigit() else 0
+        if self.status == 404:  # the pod may not serve the model (any more): its list is re-read soon
+            self._not_found(self.endpoints[0].name)
         return self._scheduler.response_received(self.request, self.endpoints[0], headers)
 
     def response_body_started(self) -> None:

@@ -5,7 +5,8 @@ Off by default (``--enable-debug-endpoints``); when on, served on the metrics po
 Both answer JSON:
 
 * ``/debug/pool``: every endpoint of the pool with its labels, what it last reported (the scraped
-  numbers, when, staleness and the scrape error if any) and what this picker has in flight there
+  numbers, when, staleness and the scrape error if any), what it serves (its ``/v1/models`` base
+  models and adapters, and how long ago they were read) and what this picker has in flight there
   (requests, estimated prompt tokens, unanswered, the learned prefill time per token), plus the
   derived loads scheduling reads (``queue_depth``, ``kv_usage``);
 * ``/debug/config``: the effective configuration: every plugin by name with its type, the scheduling
@@ -46,6 +47,12 @@ def _endpoint(endpoint: Endpoint, now: float) -> dict[str, Any]:
             "tokens": inflight.tokens,
             "unanswered": inflight.unanswered,
             "seconds_per_prompt_token": inflight.seconds_per_token,
+        },
+        "served": {
+            "listed": endpoint.served.listed,
+            "base_models": sorted(endpoint.served.base_models),
+            "adapters": dict(sorted(endpoint.served.adapters.items())),
+            "listed_seconds_ago": round(now - endpoint.served.updated_at, 3) if endpoint.served.updated_at else None,
         },
         "queue_depth": endpoint.queue_depth,
         "kv_usage": round(endpoint.kv_usage, 4),

@@ -48,6 +48,7 @@ from epp.datalayer.engines import ENGINE_TYPE_LABEL, EngineMapping, builtin_engi
 from epp.datalayer.metrics import ScrapeMetrics
 from epp.datalayer.poolmetrics import PoolCollector
 from epp.datalayer.scraper import Scraper, ScrapeSettings
+from epp.datalayer.served import ModelPoller
 from epp.extproc.processor import ExternalProcessor
 from epp.flowcontrol import FlowControlMetrics, build_admission
 from epp.flowcontrol.objectives import Objectives
@@ -199,6 +200,8 @@ class EndpointPicker:
         self.scraper: Scraper | None = None
         if settings.scrape_metrics:
             self.scraper = _scraper(settings, config, self.datastore, scrape_metrics)
+        # What each pod serves (GET /v1/models every 30 s): the served-model filter, base models, GET /v1/models.
+        self.models: ModelPoller | None = ModelPoller(self.datastore) if settings.scrape_metrics else None
         # Kubernetes discovery fills the datastore; None for a static pool.
         self.discovery = _discovery(settings, self.datastore, self.objectives) if settings.kube_discovery else None
         # Capacity may have changed: a queued request may go (cheap when nothing is queued).
@@ -260,6 +263,8 @@ class EndpointPicker:
 
         if self.scraper is not None:
             await self.scraper.start()
+        if self.models is not None:
+            self.models.start()
         await self.health.set("liveness", _SERVING)
         self.datastore.subscribe(self._pool_changed)
         await self._update_readiness()
@@ -307,6 +312,8 @@ class EndpointPicker:
             await self.discovery.stop()
         if self.scraper is not None:
             await self.scraper.stop()
+        if self.models is not None:
+            await self.models.stop()
         log.info("stopped")
 
     def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:

@@ -66,6 +66,9 @@ class EchoServer:
         if request.path in ("/metrics", "/metrics/") and request.method == "GET":  # vLLM serves both
             # Enough of a vLLM page for the picker's scraper; not recorded as a received request.
             return web.Response(body=_METRICS_PAGE, content_type="text/plain")
+        if request.headers.get("User-Agent") == "epp-model-poller":
+            # The picker's model poller: no model list (the pod stays "unknown"), not a received request.
+            return web.Response(status=404)
         try:
             body = await request.read()
         except ConnectionResetError:  # the client left mid-upload (a load generator stopping)

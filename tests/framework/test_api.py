@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Adding a name is fine (add it here); removing or renaming one breaks third-party plugins.
 EXPORTED = {
-    "DEFAULT_PICKER", "DEFAULT_SATURATION_DETECTOR", "NEVER_SCRAPED", "NO_IN_FLIGHT", "PREFIX_MATCH", "ROLES",
+    "DEFAULT_PICKER", "DEFAULT_SATURATION_DETECTOR", "NEVER_SCRAPED", "NOT_LISTED", "NO_IN_FLIGHT", "PREFIX_MATCH", "ROLES",
     "Api", "CountedPicker", "DataProducer", "Duration", "Endpoint", "Filter", "Handle", "InFlightView",
     "InferenceRequest", "Metrics", "Outcome", "Picker", "PluginMetrics", "Pool", "PoolListener", "PreRequest",
     "PrefixMatch", "Profile", "ProfileHandler", "RequestState", "ResponseComplete", "ResponseReceived",
-    "ScoredCandidates", "ScoredEndpoint", "SchedulingResult", "Scorer", "StateKey", "WeightedScorer",
+    "ScoredCandidates", "ScoredEndpoint", "SchedulingResult", "Scorer", "ServedModels", "StateKey", "WeightedScorer",
     "bool_parameter", "check_parameters", "declared_keys", "default_producer_of", "duration_parameter",
     "endpoint_in_flight", "float_parameter", "format_duration", "int_parameter", "lower_is_better",
     "max_num_of_endpoints", "parse_duration", "roles", "str_parameter",

@@ -14,9 +14,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.inflight import InFlight
+from epp.datalayer.static import parse_endpoint
 from epp.errors import EppError
 from epp.flowcontrol import FlowControlMetrics, build_admission
-from epp.datalayer.static import parse_endpoint
 from epp.framework import (
     Endpoint,
     Handle,
@@ -26,6 +26,7 @@ from epp.framework import (
     PluginMetrics,
     Profile,
     SchedulingResult,
+    ServedModels,
 )
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
@@ -347,3 +348,23 @@ def test_a_response_that_did_not_complete_records_no_latency(outcome: str) -> No
     model = {"model_name": "m", "target_model_name": "m"}
     assert _sample(metrics, "inference_objective_request_duration_seconds_count", **model) == 0
     assert _sample(metrics, "inference_objective_output_tokens_count", **model) == 0
+
+
+@pytest.mark.parametrize(("status", "reported"), [("404", [E2.name]), ("200", []), ("500", [])])
+def test_a_404_is_reported_so_the_pods_model_list_is_re_read(status: str, reported: list[str]) -> None:
+    director, datastore = _director()
+    heard: list[str] = []
+    datastore.on_not_found(heard.append)
+    routing = asyncio.run(director.route(request()))
+    routing.response_headers({":status": status})
+    routing.finish()
+    assert heard == reported
+
+
+def test_base_models_are_learnt_from_the_pools_lists() -> None:
+    director, datastore = _director()
+    assert director.base_models == frozenset()
+    datastore.update_served(E2.name, ServedModels.from_entries([{"id": "b"}, {"id": "lora", "parent": "b"}]))
+    assert director.base_models == {"b"}
+    configured = Director(datastore, director.scheduler, base_models=frozenset({"given"}))
+    assert configured.base_models == {"given", "b"}

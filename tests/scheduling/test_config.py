@@ -124,7 +124,9 @@ def test_default_config_is_upstreams() -> None:
         assert profile.name == "default"
         assert isinstance(profile.picker, MaxScorePicker)
         assert profile.picker.max_num_of_endpoints == 1
-        assert profile.filters == ()
+        # Upstream's scorers and picker, behind llm-d's served-model-filter (which never empties the list).
+        assert [f.name for f in profile.filters] == ["served-model-filter"]
+        assert profile.filters[0].fallback_on_empty and profile.filters[0].pass_on_missing
         assert [(w.scorer.name, w.weight) for w in profile.scorers] == [
             ("queue-scorer", 2.0),
             ("kv-cache-utilization-scorer", 2.0),
