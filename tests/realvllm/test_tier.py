@@ -77,7 +77,7 @@ def test_a_body_vllm_refuses_gets_the_pickers_own_400(tier: Tier) -> None:
 
 
 def test_a_repeated_long_prompt_stays_on_one_server_and_its_real_hits_rise(tier: Tier) -> None:
-    prompt = _prompt(7, 500)  # several of vLLM's 128-token blocks
+    prompt = _prompt(7, 150)  # several of vLLM's 128-token blocks (~4 tokens a word), under max-model-len
     before = _queries(tier)
     hits_before = {name: s.counter("vllm:prefix_cache_hits_total") for name, s in tier.servers.items()}
     for _ in range(4):
