@@ -135,3 +135,49 @@ async def test_spans_reach_the_collector_and_the_model_server_continues_the_trac
     assert _attributes(refused[0])["http.response.status_code"] == 400
     assert refused[0].status.code == refused[0].status.STATUS_CODE_ERROR
     assert {span.name for span in others} == {"gateway.request", "epp.parse"}
+
+
+async def test_a_streamed_responses_usage_and_first_byte_are_on_the_response_span() -> None:
+    # The simulated vLLM reports usage in the stream's last event when the client asks for it.
+    import aiohttp
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from epp.sim import EngineConfig
+    from tests.e2e.conftest import start_sim_picker
+
+    tracing = Tracing({"OTEL_TRACES_EXPORTER": "none", "OTEL_TRACES_SAMPLER": "always_on"})
+    exporter = InMemorySpanExporter()
+    tracing.provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    def traced(picker) -> None:  # type: ignore[no-untyped-def]
+        picker.director.tracing = tracing
+
+    parts = await start_sim_picker([EngineConfig(seed=1), EngineConfig(seed=2)], before_start=traced)
+    try:
+        body = {
+            "model": EngineConfig().model,
+            "prompt": "tell me a story " * 8,
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        url = f"http://127.0.0.1:{parts.envoy.listen_port}/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+            assert response.status == 200
+            text = await response.text()
+    finally:
+        await parts.stop()
+        tracing.shutdown()
+    usage = json.loads([line for line in text.splitlines() if '"usage"' in line and "null" not in line][-1][6:])[
+        "usage"
+    ]
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    response_span = spans["epp.response"].attributes
+    assert response_span["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert response_span["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 40
+    assert 0 < response_span["epp.response.first_byte_ms"] < (spans["epp.response"].end_time - spans[
+        "epp.response"
+    ].start_time) / 1e6
+    assert spans["epp.scheduling"].attributes["epp.scheduling.candidates"] == 2
