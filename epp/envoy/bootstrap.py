@@ -105,6 +105,7 @@ __all__ = [
     "EPP_CLUSTER",
     "FALLBACK_CLUSTER",
     "ORIGINAL_DST_CLUSTER",
+    "PICKER_UNAVAILABLE_BODY",
     "BootstrapOptions",
     "main",
     "render",
@@ -349,7 +350,39 @@ def _listener(options: BootstrapOptions) -> dict[str, Any]:
         # Runs before route selection and before any HTTP filter; see the module docstring.
         early_header_mutation_extensions=[_strip_client_destination()],
         http_filters=_http_filters(options),
+        local_reply_config=_picker_failure_reply(),
     )
+
+
+# The body of ext_proc's own 500 when the picker cannot be asked (down, not SERVING, a TLS mismatch),
+# OpenAI-style like the picker's own refusals; Envoy's is empty.
+PICKER_UNAVAILABLE_BODY = (
+    '{"error":{"message":"the endpoint picker could not be reached (down, not serving, or a TLS mismatch '
+    'between Envoy and the picker)","type":"InternalServerError","code":500}}\n'
+)
+
+
+def _picker_failure_reply() -> dict[str, Any]:
+    """A body for the local reply Envoy makes when the ext_proc call itself fails.
+
+    Only those replies match (their response code details start with ``ext_proc``, e.g.
+    ``ext_proc_error_gRPC_error_14{no_healthy_upstream}``): the picker's own immediate responses
+    carry ``epp_<reason>`` details and keep their bodies.
+    """
+    cel = _typed(
+        "envoy.access_loggers.extension_filters.cel",
+        "extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+        expression="response.code_details.startsWith('ext_proc')",
+    )
+    return {
+        "mappers": [
+            {
+                "filter": {"extension_filter": cel},
+                "body": {"inline_string": PICKER_UNAVAILABLE_BODY},
+                "body_format_override": {"text_format": "%LOCAL_REPLY_BODY%", "content_type": "application/json"},
+            }
+        ]
+    }
 
 
 def _epp_cluster(options: BootstrapOptions) -> dict[str, Any]:

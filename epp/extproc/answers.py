@@ -120,17 +120,21 @@ def immediate(error: EppError) -> pb.ProcessingResponse:
     )
 
 
-def routing_answer(routed: RoutedRequest, client_headers: Iterable[str], phase: str) -> pb.ProcessingResponse:
+def routing_answer(
+    routed: RoutedRequest, client_headers: Iterable[str], phase: str, propagate: Mapping[str, str] | None = None
+) -> pb.ProcessingResponse:
     """The answer (to ``phase``: request_headers, or request_body in BUFFERED mode) that sends the
     request to ``routed``'s pick: the destination header, the same value as ``envoy.lb`` metadata,
-    clear_route_cache, and the removal of forged control headers.
+    clear_route_cache, and the removal of forged control headers. ``propagate``: headers to set on
+    the request too (a traced request's ``traceparent``); such an answer is never cached.
 
     Without forged headers the answer depends only on the destination, and a pool has few of those:
     such answers are built once and reused.
     """
     forged = [name for name in client_headers if name.startswith(DESTINATION_HEADER) and name != DESTINATION_HEADER]
     destination = routed.destination
-    if not forged:
+    cacheable = not forged and not propagate
+    if cacheable:
         cached = _ANSWERS.get((phase, destination))
         if cached is not None:
             return cached
@@ -139,7 +143,8 @@ def routing_answer(routed: RoutedRequest, client_headers: Iterable[str], phase: 
             base_pb2.HeaderValueOption(
                 header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=destination.encode()),
                 append_action=_OVERWRITE,
-            )
+            ),
+            *map(_header_option, propagate.items() if propagate else ()),
         ],
         # Forged control headers (…-subset, …-served, …-fallback): only the picker speaks them.
         remove_headers=forged,
@@ -149,7 +154,7 @@ def routing_answer(routed: RoutedRequest, client_headers: Iterable[str], phase: 
     answer.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[
         DESTINATION_HEADER
     ].string_value = destination
-    if not forged:
+    if cacheable:
         if len(_ANSWERS) >= _MAX_CACHED_ANSWERS:
             _ANSWERS.clear()
         _ANSWERS[(phase, destination)] = answer

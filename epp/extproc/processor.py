@@ -95,6 +95,7 @@ from epp.framework import Outcome
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
 from epp.requestcontrol.metrics import RequestMetrics
+from epp.requestcontrol.tracing import RequestTrace
 
 __all__ = ["ExternalProcessor"]
 
@@ -122,6 +123,7 @@ class _Stream:
         "sse",
         "subset",
         "tail",
+        "trace",
     )  # fmt: skip
 
     def __init__(self, director: Director, max_body: int) -> None:
@@ -141,6 +143,7 @@ class _Stream:
         self.response_bytes = 0
         self.sse = False
         self.tail: list[bytes] = []
+        self.trace: RequestTrace | None = None  # only with --tracing (epp.requestcontrol.tracing)
 
     # -- the request phase ---------------------------------------------------------------------
 
@@ -152,6 +155,9 @@ class _Stream:
             self.response_mode = message.protocol_config.response_body_mode
         self.headers = headers_of(message.request_headers)
         self.subset = subset_hint(message)
+        tracing = getattr(self._director, "tracing", None)  # a director stand-in (tests) may have none
+        if tracing is not None:
+            self.trace = tracing.start(self.headers)
         mode = self.request_mode
         if message.request_headers.end_of_stream or mode == NONE:
             if is_models_request(self.headers):  # the pool's union, from the picker (epp.extproc.models)
@@ -159,7 +165,7 @@ class _Stream:
                 if union is not None:
                     return [union]
             routed = await self._route(b"")
-            return [routing_answer(routed, self.headers, "request_headers")]
+            return [routing_answer(routed, self.headers, "request_headers", self._propagated())]
         if mode == BUFFERED:
             return [CONTINUE_REQUEST_HEADERS]
         if mode != FULL_DUPLEX:
@@ -199,8 +205,8 @@ class _Stream:
         if self.request_mode == BUFFERED:
             # Envoy already has its headers answer; in BUFFERED mode the body answer may still
             # mutate the request headers, and the body itself goes on unchanged.
-            return [routing_answer(routed, self.headers, "request_body")]
-        answers = [routing_answer(routed, self.headers, "request_headers")]
+            return [routing_answer(routed, self.headers, "request_body", self._propagated())]
+        answers = [routing_answer(routed, self.headers, "request_headers", self._propagated())]
         size = len(whole)
         if size <= MAX_STREAMED_CHUNK:
             if size:
@@ -216,11 +222,24 @@ class _Stream:
 
     async def _route(self, body: bytes) -> RoutedRequest:
         director = self._director
-        request = parse_request(self.headers, body, base_models=director.base_models)
-        self.model = request.model  # a refusal after parsing is counted under it
-        self.routed = await director.route(request, self.subset)
+        trace = self.trace
+        if trace is None:
+            request = parse_request(self.headers, body, base_models=director.base_models)
+            self.model = request.model  # a refusal after parsing is counted under it
+            self.routed = await director.route(request, self.subset)
+        else:
+            trace.parse_started()
+            request = parse_request(self.headers, body, base_models=director.base_models)
+            self.model = request.model
+            trace.parsed(request)
+            self.routed = await director.route(request, self.subset, trace)
+            trace.routed()
         self.done = True
         return self.routed
+
+    def _propagated(self) -> dict[str, str] | None:
+        """The trace context the model server gets (``traceparent``), when the request is traced."""
+        return self.trace.headers if self.trace is not None else None
 
     # -- the response phase --------------------------------------------------------------------
 
@@ -316,6 +335,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if stream.done:
                 raise  # too late for an HTTP answer: fail the stream
             self._metrics.refused(error, stream.model)
+            if stream.trace is not None:
+                stream.trace.failed(error)
             yield immediate(error)
         except Exception:
             stream.outcome = "error"
@@ -324,7 +345,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             log.exception("unexpected error while processing request %s", stream.headers.get("x-request-id", "?"))
             internal = EppError(Reason.INTERNAL, "internal error in the endpoint picker")
             self._metrics.refused(internal, stream.model)
+            if stream.trace is not None:
+                stream.trace.failed(None)
             yield immediate(internal)
         finally:
             if stream.routed is not None:
                 stream.routed.finish(stream.outcome)
+            if stream.trace is not None:
+                stream.trace.end(stream.outcome, stream.routed)

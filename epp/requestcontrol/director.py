@@ -56,6 +56,8 @@ from epp.flowcontrol.outcomes import DEFAULT_FLOW_ID, AdmissionRequest, FlowCont
 from epp.framework import Endpoint, InferenceRequest
 from epp.requestcontrol.lifecycle import RoutedRequest
 from epp.requestcontrol.metrics import RequestMetrics
+from epp.requestcontrol.tracing import RequestTrace, Tracing
+from epp.scheduling.decisions import DecisionRecord
 from epp.scheduling.runner import Scheduler
 
 __all__ = ["FAIRNESS_HEADERS", "Director", "admission_error"]
@@ -87,6 +89,7 @@ class Director:
         base_models: frozenset[str] = frozenset(),
         admission: Admission | None = None,
         objectives: Objectives | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
@@ -95,6 +98,7 @@ class Director:
         self.admission = admission  # None: every request passes at once
         self.objectives = objectives if objectives is not None else Objectives()
         self._wake = admission.wake if admission is not None else _nothing
+        self.tracing = tracing  # None (--tracing=false): no request is traced
 
     @property
     def base_models(self) -> frozenset[str]:
@@ -103,12 +107,14 @@ class Director:
         configured, listed = self._base_models, self.datastore.base_models()
         return listed if not configured else configured | listed
 
-    async def route(self, request: InferenceRequest, subset: Collection[str] | None = None) -> RoutedRequest:
+    async def route(
+        self, request: InferenceRequest, subset: Collection[str] | None = None, trace: RequestTrace | None = None
+    ) -> RoutedRequest:
         """Admit ``request``, then pick its endpoints; raises EppError when refused or when no
         endpoint can take it (NO_ENDPOINT).
 
         ``subset``: the gateway's hint (``ip:port`` strings); when given, only those pool members
-        are candidates.
+        are candidates. ``trace``: the request's trace, given admission's and the pick's spans.
         """
         objective, priority = self.objectives.resolve(request.headers)
         if objective or priority:
@@ -117,6 +123,7 @@ class Director:
         check_prompt_fits(tokens, self.datastore.endpoints())
         admission = self.admission
         if admission is not None:
+            admitting = time.time_ns() if trace is not None else 0
             try:
                 await admission.admit(
                     AdmissionRequest(
@@ -127,7 +134,11 @@ class Director:
                     )
                 )
             except FlowControlError as exc:
+                if trace is not None:
+                    trace.admission(admitting, request.priority, _flow_id(request.headers), admission_error(exc))
                 raise admission_error(exc) from None
+            if trace is not None:
+                trace.admission(admitting, request.priority, _flow_id(request.headers))
         # No await from here to the in-flight add (see the module docstring).
         metrics = self.metrics
         started = time.perf_counter()
@@ -147,11 +158,19 @@ class Director:
             raise EppError(Reason.NO_ENDPOINT, "the inference pool has no ready endpoint")
         candidates = place_by_free_kv(tokens, candidates)
         scheduler = self.scheduler
+        records: list[DecisionRecord] | None = [] if trace is not None and trace.recording else None
+        scheduling = time.time_ns() if records is not None else 0
         try:
-            result = scheduler.run(request, candidates)
+            # The records only for a traced request: a scheduler stand-in (tests) may take two arguments.
+            if records is None:
+                result = scheduler.run(request, candidates)
+            else:
+                result = scheduler.run(request, candidates, records)
         except Exception:  # plugins are isolated by the runner: this is a bug in the runner itself
             metrics.unscheduled.inc()
             raise
+        if trace is not None and records is not None:
+            trace.scheduled(scheduling, request, result, records)
         endpoints = result.endpoints
         in_flight = self.datastore.in_flight(endpoints[0].name) if endpoints else None
         if in_flight is None:

@@ -92,6 +92,21 @@ class RoutedRequest:
         """The ``x-gateway-destination-endpoint`` value: primary first, then fallbacks."""
         return ",".join(endpoint.hostport for endpoint in self.endpoints)
 
+    @property
+    def response_bytes(self) -> int:
+        """The response body's size, once it has ended."""
+        return self._response_bytes
+
+    @property
+    def usage(self) -> tuple[int, int] | None:
+        """The (prompt, output) tokens the model server reported, once the response has ended."""
+        return self._usage
+
+    @property
+    def first_byte_after(self) -> float | None:
+        """Seconds from the pick to the first response body byte, once it arrived."""
+        return self._first_byte - self._sent if self._first_byte else None
+
     def response_headers(self, headers: Mapping[str, str]) -> dict[str, str] | None:
         """The response headers arrived; returns the headers plugins ask to set on the response."""
         status = headers.get(":status", "")

@@ -183,8 +183,14 @@ class Scheduler:
         """The endpoints to try, primary first; empty when no candidate survives."""
         return self.run(request, candidates).endpoints
 
-    def run(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> SchedulingResult:
-        """Producers, then the profile handler's profiles; every profile's result."""
+    def run(
+        self, request: InferenceRequest, candidates: Sequence[Endpoint], records: list[DecisionRecord] | None = None
+    ) -> SchedulingResult:
+        """Producers, then the profile handler's profiles; every profile's result.
+
+        ``records``: a list the runner fills with each profile's :class:`DecisionRecord` (a traced
+        request's scores); they are also made, and logged, while decision records are on.
+        """
         clock = time.perf_counter
         for site in self._producers:
             started = clock()
@@ -194,13 +200,15 @@ class Scheduler:
                 site.failed(request, "exception", "raised", exc_info=True)
             site.observe(clock() - started)
         single = self._single
-        records: list[DecisionRecord] | None = [] if decisions.isEnabledFor(logging.INFO) else None
+        logged = decisions.isEnabledFor(logging.INFO)
+        if records is None and logged:
+            records = []
         if single is not None:
             name = single.profile.name
             result = SchedulingResult({name: self._run_profile(single, request, candidates, records)}, name)
         else:
             result = self._run_handler(request, candidates, records)
-        if records is not None:
+        if logged and records is not None:
             log_decision(request, records, result.primary_profile)
         return result
 

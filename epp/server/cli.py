@@ -89,8 +89,12 @@ SERVE_FLAGS = FlagSet(
         make_flag("max-request-body-bytes", DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413"),
         make_flag("bind-address", "0.0.0.0", "address the gRPC, health and metrics servers listen on"),
         make_flag("shutdown-grace-period", Duration(20.0), "how long in-flight streams get to finish after SIGTERM"),
+        make_flag(
+            "tracing",
+            False,
+            "export OpenTelemetry traces over OTLP (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER[_ARG], ...)",
+        ),
         # Accepted for drop-in compatibility with the upstream chart; no effect yet.
-        make_flag("tracing", False, "export OpenTelemetry traces", implemented=False),
         make_flag("log-level", "info", "older charts' log level (use -v)", implemented=False),
         make_flag("ha-enable-leader-election", False, "leader election between replicas", implemented=False),
         make_flag("health-checking", False, "upstream flag: enable health checking", implemented=False),
@@ -182,6 +186,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         endpoint_target_ports=target_ports,
         kubeconfig=values["kubeconfig"],
         verbosity=values["v"],
+        tracing=values["tracing"],
         log_format=values["zap-encoder"],
         shutdown_grace_seconds=float(values["shutdown-grace-period"]),
         scrape_metrics=values["scrape-metrics"],

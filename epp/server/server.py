@@ -56,6 +56,7 @@ from epp.framework import Endpoint, Handle, PluginMetrics
 from epp.kube.discovery import Discovery
 from epp.kube.pods import PoolSpec
 from epp.requestcontrol.director import Director
+from epp.requestcontrol.tracing import Tracing
 from epp.scheduling.config import PickerConfig, load_config
 from epp.scheduling.registry import load_registry
 from epp.server.debug import DebugViews
@@ -189,8 +190,14 @@ class EndpointPicker:
             getattr(self.detector, "type_name", type(self.detector).__name__),
             f", {len(config.objectives)} configured objective(s)" if config.objectives else "",
         )
+        self.tracing = _tracing(settings)
         self.director = Director(
-            self.datastore, self.scheduler, self.metrics.requests, admission=self.admission, objectives=self.objectives
+            self.datastore,
+            self.scheduler,
+            self.metrics.requests,
+            admission=self.admission,
+            objectives=self.objectives,
+            tracing=self.tracing,
         )
         self.processor = ExternalProcessor(
             self.director, self.metrics.requests, max_request_body_bytes=settings.max_request_body_bytes
@@ -314,6 +321,8 @@ class EndpointPicker:
             await self.scraper.stop()
         if self.models is not None:
             await self.models.stop()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the last spans exported
         log.info("stopped")
 
     def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
@@ -341,6 +350,17 @@ class EndpointPicker:
         self.metrics.ready_pods.labels(self.settings.pool_label).set(len(endpoints))
         for service in _READINESS_SERVICES:
             await self.health.set(service, _SERVING if ready else _NOT_SERVING)
+
+
+def _tracing(settings: Settings) -> Tracing | None:
+    """The process's tracer with ``--tracing=true``; None (nothing of OpenTelemetry loaded) without."""
+    if not settings.tracing:
+        return None
+    tracing = Tracing()
+    log.info(
+        "tracing on: %s exporter, service %s (OTEL_* environment variables)", tracing.exporter, tracing.service_name
+    )
+    return tracing
 
 
 async def serve(settings: Settings, *, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> None:

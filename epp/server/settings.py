@@ -38,6 +38,8 @@ class Settings:
     endpoint_target_ports: tuple[int, ...] = ()
     kubeconfig: str = ""
     verbosity: int = 1
+    # OpenTelemetry traces (epp.requestcontrol.tracing), configured by the standard OTEL_* variables.
+    tracing: bool = False
     log_format: str = "console"  # or json (--zap-encoder)
     shutdown_grace_seconds: float = 20.0
     # Model-server telemetry (epp.datalayer.scraper).

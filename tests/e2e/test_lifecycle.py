@@ -76,8 +76,9 @@ async def test_upstream_chart_arguments_are_accepted_and_metrics_are_served() ->
     try:
         await asyncio.to_thread(picker.start)
         log = picker.log_tail(100)
-        for flag in ("pool-group", "ha-enable-leader-election", "tracing"):
+        for flag in ("pool-group", "ha-enable-leader-election"):
             assert f"flag --{flag} is accepted for compatibility" in log
+        assert "flag --tracing is accepted for compatibility" not in log  # implemented (issue 16 item 6)
         assert json.loads(log.splitlines()[-1])["level"] in ("info", "warning")  # --zap-encoder json
         text = await asyncio.to_thread(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{picker.metrics_port}/metrics", timeout=5).read().decode()

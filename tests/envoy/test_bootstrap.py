@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +32,7 @@ from epp.envoy.bootstrap import (
     DESTINATION_HEADER,
     FALLBACK_CLUSTER,
     ORIGINAL_DST_CLUSTER,
+    PICKER_UNAVAILABLE_BODY,
     BootstrapOptions,
     main,
     render,
@@ -387,6 +389,22 @@ async def test_fail_closed_with_the_picker_down_is_a_500_as_deploy_envoy_readme_
 
 @needs_envoy
 @pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_the_picker_down_500_says_so_in_an_openai_style_body(
+    backend: BackendFactory, envoy: EnvoyFactory, method: str
+) -> None:
+    # Issue 16 item 4: Envoy's own 500 for a failed ext_proc call had an empty body.
+    target = await backend()
+    process = await envoy(_local_options())
+    url = f"http://127.0.0.1:{process.listen_port}/v1/completions"
+    async with ClientSession() as session, session.request(method, url, json={"model": "m"}) as response:
+        status, content_type, body = response.status, response.headers.get("content-type"), await response.text()
+    assert (status, content_type, body) == (500, "application/json", PICKER_UNAVAILABLE_BODY)
+    assert json.loads(body)["error"]["code"] == 500
+    assert target.seen == []
+
+
+@needs_envoy
+@pytest.mark.parametrize("method", ["GET", "POST"])
 async def test_picked_endpoint_wins_and_only_the_first_of_a_list_is_used(
     backend: BackendFactory, picker: PickerFactory, envoy: EnvoyFactory, method: str
 ) -> None:
@@ -440,8 +458,9 @@ async def test_a_tls_mismatch_between_envoy_and_the_picker_is_a_500_as_deploy_en
     try:
         process = await envoy(_local_options(picker_port=picker.grpc_port, picker_tls=envoy_tls))
         await asyncio.sleep(1.5)  # a health-check round or two
-        status, _ = await _send(process, forged_target.address)
+        status, body = await _send(process, forged_target.address)
         assert status == 500
+        assert body == PICKER_UNAVAILABLE_BODY  # says what to check (issue 16 item 4)
         assert forged_target.seen == [] and all(seen is None for seen in pool_member.seen)  # scrapes only
     finally:
         await asyncio.to_thread(picker.stop)

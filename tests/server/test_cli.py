@@ -82,10 +82,11 @@ def test_the_upstream_chart_arguments_are_accepted(tmp_path: Path) -> None:
     assert settings.kube_discovery and settings.pool_namespace == "llm" and settings.pool_name == "vllm-qwen3-32b"
     assert settings.log_format == "json" and settings.grpc_health_port == 9003
     # each accepted-but-unimplemented flag is named (the CLI logs a warning for each)
-    assert {"pool-group", "ha-enable-leader-election", "tracing"} <= set(not_yet)
+    assert {"pool-group", "ha-enable-leader-election"} <= set(not_yet)
     assert "pool-name" not in not_yet and "pool-namespace" not in not_yet
     # implemented since issue 16 (item 8): taken, not listed as having no effect
     assert settings.metrics_endpoint_auth is False and "metrics-endpoint-auth" not in not_yet
+    assert settings.tracing is False and "tracing" not in not_yet  # implemented since issue 16 (item 6)
 
 
 def test_the_upstream_chart_no_crd_arguments_are_accepted(tmp_path: Path) -> None:
