@@ -161,7 +161,10 @@ class Director:
         if request.body_size:
             per_model.sizes.observe(request.body_size)
         metrics.picked(endpoints[0].name)
-        routed = RoutedRequest(request, result, scheduler, in_flight, per_model, wake=self._wake)
+        routed = RoutedRequest(
+            request, result, scheduler, in_flight, per_model,
+            wake=self._wake, unreachable=self.datastore.mark_unreachable,
+        )  # fmt: skip
         scheduler.pre_request(request, result)
         return routed
 

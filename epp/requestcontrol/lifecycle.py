@@ -9,7 +9,13 @@ callable that wakes admission when a slot frees. From then on the edge (:mod:`ep
 only this object, in the order the response arrives:
 
 * :meth:`RoutedRequest.response_headers` when the response headers arrive (the status is kept; the
-  plugins' ``response_received`` hooks may add response headers);
+  plugins' ``response_received`` hooks may add response headers). A 503 that Envoy made itself
+  (no ``x-envoy-upstream-service-time``, which Envoy adds to every answer a pod sent, and no
+  ``x-envoy-overloaded``, its circuit breaker) means Envoy could not connect to the primary or lost
+  it before its headers (observed with Envoy 1.40: ``:status`` 503, ``content-type: text/plain``,
+  body "upstream connect error or disconnect/reset before headers. reset reason: remote connection
+  failure"): the primary is reported ``unreachable``, so the next requests avoid it at once
+  instead of after the scrape notices (the datastore clears the mark at its next good scrape);
 * :meth:`RoutedRequest.response_body_started` on the first response body bytes (the pod has finished
   queueing and prefill: the request stops counting as unanswered);
 * :meth:`RoutedRequest.response_ended` when the response body has ended, with its size and the token
@@ -40,12 +46,21 @@ def _nothing() -> None:
     pass
 
 
+def _nobody(name: str, why: str) -> None:
+    pass
+
+
+# Envoy adds the first to every answer a pod sent, the second to its circuit breaker's 503.
+_FROM_POD = frozenset({"x-envoy-upstream-service-time", "x-envoy-overloaded"})
+_UNREACHABLE = "Envoy could not reach it (its own 503 on the response path)"
+
+
 class RoutedRequest:
     """A routed request: its pick, and the calls made while its response streams back."""
 
     __slots__ = (
         "_answering", "_finished", "_first_byte", "_in_flight", "_metrics", "_response_bytes", "_scheduler",
-        "_sent", "_ticket", "_usage", "_wake", "endpoints", "request", "result", "status",
+        "_sent", "_ticket", "_unreachable", "_usage", "_wake", "endpoints", "request", "result", "status",
     )  # fmt: skip
 
     def __init__(
@@ -57,6 +72,7 @@ class RoutedRequest:
         metrics: ModelMetrics,
         *,
         wake: Callable[[], None] = _nothing,
+        unreachable: Callable[[str, str], object] = _nobody,
     ) -> None:
         self.request = request
         self.result = result
@@ -66,6 +82,7 @@ class RoutedRequest:
         self._in_flight = in_flight
         self._metrics = metrics
         self._wake = wake
+        self._unreachable = unreachable
         self._finished = False
         self._answering = False
         self._sent = time.monotonic()
@@ -89,6 +106,8 @@ class RoutedRequest:
         """The response headers arrived; returns the headers plugins ask to set on the response."""
         status = headers.get(":status", "")
         self.status = int(status) if status.isdigit() else 0
+        if self.status == 503 and not _FROM_POD.intersection(headers):
+            self._unreachable(self.endpoints[0].name, _UNREACHABLE)
         return self._scheduler.response_received(self.request, self.endpoints[0], headers)
 
     def response_body_started(self) -> None:
