@@ -188,8 +188,9 @@ class Director:
             per_model.sizes.observe(request.body_size)
         metrics.picked(endpoints[0].name)
         routed = RoutedRequest(
-            request, result, scheduler, in_flight, per_model, wake=self._wake, not_found=self.datastore.not_found
-        )
+            request, result, scheduler, in_flight, per_model,
+            wake=self._wake, not_found=self.datastore.not_found, unreachable=self.datastore.mark_unreachable,
+        )  # fmt: skip
         scheduler.pre_request(request, result)
         return routed
 

@@ -10,7 +10,13 @@ only this object, in the order the response arrives:
 
 * :meth:`RoutedRequest.response_headers` when the response headers arrive (the status is kept; a
   404 is reported to ``not_found`` with the endpoint's name, so its model list is re-read; the
-  plugins' ``response_received`` hooks may add response headers);
+  plugins' ``response_received`` hooks may add response headers). A 503 that Envoy made itself
+  (no ``x-envoy-upstream-service-time``, which Envoy adds to every answer a pod sent, and no
+  ``x-envoy-overloaded``, its circuit breaker) means Envoy could not connect to the primary or lost
+  it before its headers (observed with Envoy 1.40: ``:status`` 503, ``content-type: text/plain``,
+  body "upstream connect error or disconnect/reset before headers. reset reason: remote connection
+  failure"): the primary is reported ``unreachable``, so the next requests avoid it at once
+  instead of after the scrape notices (the datastore clears the mark at its next good scrape);
 * :meth:`RoutedRequest.response_body_started` on the first response body bytes (the pod has finished
   queueing and prefill: the request stops counting as unanswered);
 * :meth:`RoutedRequest.response_ended` when the response body has ended, with its size and the token
@@ -45,12 +51,22 @@ def _ignore(name: str) -> None:
     pass
 
 
+def _nobody(name: str, why: str) -> None:
+    pass
+
+
+# Envoy adds the first to every answer a pod sent, the second to its circuit breaker's 503.
+_FROM_POD = frozenset({"x-envoy-upstream-service-time", "x-envoy-overloaded"})
+_UNREACHABLE = "Envoy could not reach it (its own 503 on the response path)"
+
+
 class RoutedRequest:
     """A routed request: its pick, and the calls made while its response streams back."""
 
     __slots__ = (
         "_answering", "_finished", "_first_byte", "_in_flight", "_metrics", "_not_found", "_response_bytes",
-        "_scheduler", "_sent", "_ticket", "_usage", "_wake", "endpoints", "request", "result", "status",
+        "_scheduler", "_sent", "_ticket", "_unreachable", "_usage", "_wake", "endpoints", "request", "result",
+        "status",
     )  # fmt: skip
 
     def __init__(
@@ -63,6 +79,7 @@ class RoutedRequest:
         *,
         wake: Callable[[], None] = _nothing,
         not_found: Callable[[str], None] = _ignore,
+        unreachable: Callable[[str, str], object] = _nobody,
     ) -> None:
         self.request = request
         self.result = result
@@ -73,6 +90,7 @@ class RoutedRequest:
         self._metrics = metrics
         self._wake = wake
         self._not_found = not_found
+        self._unreachable = unreachable
         self._finished = False
         self._answering = False
         self._sent = time.monotonic()
@@ -113,6 +131,8 @@ class RoutedRequest:
         self.status = int(status) if status.isdigit() else 0
         if self.status == 404:  # the pod may not serve the model (any more): its list is re-read soon
             self._not_found(self.endpoints[0].name)
+        if self.status == 503 and not _FROM_POD.intersection(headers):
+            self._unreachable(self.endpoints[0].name, _UNREACHABLE)
         return self._scheduler.response_received(self.request, self.endpoints[0], headers)
 
     def response_body_started(self) -> None:

@@ -383,3 +383,17 @@ def test_queue_ahead_ranks_busy_pods_by_prefill_progress_and_idle_ones_first() -
     # The scraped view still wins when it is larger.
     queued = replace(nearly_done, metrics=replace(scraped, waiting_queue_size=3))
     assert queued.queue_ahead == queued.queue_depth == 3
+
+
+def test_an_unreachable_endpoint_stays_stale_until_a_scrape_succeeds_after_the_mark() -> None:
+    store = Datastore([Endpoint("a", "10.0.0.1", 8000)])
+    before = time.monotonic()
+    store.update_metrics("a", Metrics(updated_at=before, stale=False))
+    assert store.mark_unreachable("a", "Envoy could not connect")
+    assert store.get("a").metrics.stale and store.get("a").metrics.error == "Envoy could not connect"
+    # A failed scrape whose last success is recent still says "fresh": the mark holds.
+    store.update_metrics("a", Metrics(updated_at=before, stale=False, error="timeout"))
+    assert store.get("a").metrics.stale
+    store.update_metrics("a", Metrics(updated_at=time.monotonic(), stale=False))
+    assert not store.get("a").metrics.stale and store.get("a").metrics.error is None
+    assert not store.mark_unreachable("gone", "x")

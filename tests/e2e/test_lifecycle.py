@@ -7,6 +7,7 @@ import json
 import urllib.request
 
 import aiohttp
+import pytest
 from grpc_health.v1 import health_pb2
 
 from epp.envoy.bootstrap import BootstrapOptions, render
@@ -94,3 +95,36 @@ async def test_upstream_chart_arguments_are_accepted_and_metrics_are_served() ->
         picker.stop()
         for backend in backends:
             await backend.stop()
+
+
+async def test_a_pod_envoy_cannot_connect_to_is_avoided_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Scrapes 5 s apart: the scrape cannot notice the dead pod within the 3 s measured, so only the
+    # response path's signal (Envoy's own 503 for the pick) can keep requests away from it.
+    import functools
+
+    import tests.e2e.conftest as e2e
+    from epp.server.settings import Settings
+    from epp.sim import EngineConfig
+
+    monkeypatch.setattr(e2e, "Settings", functools.partial(Settings, refresh_metrics_interval=5.0))
+    parts = await e2e.start_sim_picker([EngineConfig(time_scale=0.05, seed=i) for i in range(3)])
+    try:
+        url = f"http://127.0.0.1:{parts.envoy.listen_port}/v1/completions"
+        async with aiohttp.ClientSession() as session:
+
+            async def one(i: int) -> int:
+                body = {"model": EngineConfig().model, "prompt": f"request {i}", "max_tokens": 4}
+                async with session.post(url, json=body) as response:
+                    await response.read()
+                    return response.status
+
+            assert [await one(i) for i in range(6)] == [200] * 6
+            await parts.pool[0].stop()
+            statuses = []
+            for i in range(28):  # 28 requests in ~3 s, one at a time
+                statuses.append(await one(100 + i))
+                await asyncio.sleep(0.1)
+        assert statuses.count(503) <= 1, statuses  # the first request sent there, no more
+        assert statuses.count(200) == len(statuses) - statuses.count(503)
+    finally:
+        await parts.stop()

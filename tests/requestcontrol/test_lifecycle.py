@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -136,6 +137,29 @@ def test_a_request_counts_as_unanswered_until_its_response_body_starts() -> None
     first.finish()
     second.finish("cancelled")  # never answered: released from both counts
     assert (endpoint.inflight.requests, endpoint.inflight.unanswered) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("headers", "marked"),
+    [
+        ({":status": "503", "content-type": "text/plain"}, True),  # Envoy's own: could not connect
+        ({":status": "503", "x-envoy-upstream-service-time": "3"}, False),  # the pod's own 503
+        ({":status": "503", "x-envoy-overloaded": "true"}, False),  # Envoy's circuit breaker
+        ({":status": "200"}, False),
+    ],
+)
+def test_envoys_own_503_marks_the_primary_unreachable_until_its_next_good_scrape(
+    headers: dict[str, str], marked: bool
+) -> None:
+    director, datastore = _director()
+    routed = asyncio.run(director.route(request()))
+    name = routed.primary.name
+    datastore.update_metrics(name, Metrics(updated_at=time.monotonic(), stale=False))
+    routed.response_headers(headers)
+    routed.finish()
+    assert datastore.get(name).metrics.stale is marked
+    datastore.update_metrics(name, Metrics(updated_at=time.monotonic() + 1, stale=False))
+    assert not datastore.get(name).metrics.stale
 
 
 # -- a stateful test (issue 15): datastore + in-flight accounting + admission + routed requests ------
