@@ -53,8 +53,10 @@ def test_demo_routes_requests_through_envoy_and_reports_where_they_went() -> Non
     rows = [line.split() for line in result.stdout.splitlines() if re.match(r"^  \S.*\s(200|400)\s", line)]
     served = [row for row in rows if "200" in row]
     assert len(served) == 6
-    assert all(any(cell.startswith("pod-") for cell in row) for row in served)
-    assert any("400" in row and "`model`" in " ".join(row) for row in rows)
+    # The model list is the picker's own answer (the pool's union); every other request reached a pod.
+    assert [row[:2] for row in served if "picker" in row] == [["list", "models"]]
+    assert all(any(cell.startswith("pod-") for cell in row) for row in served if row[:2] != ["list", "models"])
+    assert any("400" in row and "picker" in row and "JSON" in " ".join(row) for row in rows)
     # The prefix effect: each prompt family's later requests follow its first to the same pod and
     # find their prefix cached there.
     summary = re.findall(r"^  (.+): first request (\d+)ms on (pod-\d+); (\d+) of the next (\d+) on", result.stdout, re.M)

@@ -53,7 +53,7 @@ _LEGEND = """\
 _SYSTEM = "You are a concise assistant for a bicycle repair shop. " * 12
 
 
-def _requests() -> list[tuple[str, str, str, dict | None]]:
+def _requests() -> list[tuple[str, str, str, dict | bytes | None]]:
     """(label, method, path, body) of the demo requests."""
     chat = lambda question: {  # noqa: E731
         "model": _MODEL,
@@ -72,19 +72,20 @@ def _requests() -> list[tuple[str, str, str, dict | None]]:
         ("chat, same system prompt", "POST", "/v1/chat/completions", chat("How tight should brake cables be?")),
         ("chat, streamed", "POST", "/v1/chat/completions", {**chat("What oil for a chain?"), "stream": True}),
         ("completion", "POST", "/v1/completions", {"model": _MODEL, "prompt": "Once upon a time", "max_tokens": 16}),
-        ("bad request: no model", "POST", "/v1/completions", {"prompt": "who am I talking to?"}),
+        ("bad request: not JSON", "POST", "/v1/completions", b'{"model": "' + _MODEL.encode() + b'", "prompt": '),
     ]
 
 
 async def _send(
-    session: aiohttp.ClientSession, url: str, method: str, path: str, body: dict | None
+    session: aiohttp.ClientSession, url: str, method: str, path: str, body: dict | bytes | None
 ) -> tuple[int, str, float, str]:
     started = time.perf_counter()
-    data = json.dumps(body).encode() if body is not None else None
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
     async with session.request(method, url + path, data=data, headers={"content-type": "application/json"}) as response:
         text = await response.text()
         elapsed = time.perf_counter() - started
-        pod = response.headers.get("x-sim-pod", "-")
+        # No pod answered: the picker did (the pool's model list, its own 400s).
+        pod = response.headers.get("x-sim-pod", "picker")
         detail = ""
         if response.status >= 400:
             try:
@@ -154,7 +155,8 @@ async def _first_token(
     async with session.post(url + "/v1/chat/completions", json=body) as response:
         if response.status != 200:
             return f"status {response.status}", math.nan, "-", "-"
-        pod = response.headers.get("x-sim-pod", "-")
+        # No pod answered: the picker did (the pool's model list, its own 400s).
+        pod = response.headers.get("x-sim-pod", "picker")
         cached = response.headers.get("x-sim-prefix-hit-tokens", "?")
         async for line in response.content:
             if not line.startswith(b"data: {"):

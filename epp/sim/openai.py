@@ -41,7 +41,7 @@ class StreamOptions(msgspec.Struct):
 class GenerationBody(msgspec.Struct, kw_only=True):
     """The fields every generation request shares."""
 
-    model: str
+    model: str = ""  # vLLM serves a request without a model with its (first) served model
     max_tokens: int | None = None
     n: int = 1
     stream: bool = False

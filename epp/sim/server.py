@@ -101,9 +101,12 @@ class _Generation:
     async def handle(self) -> web.StreamResponse:
         body = await _read_body(self.request)
         try:
-            parsed = msgspec.json.decode(body, type=ChatBody if self.chat else CompletionBody)
+            # Lax like vLLM's pydantic models: "3" and 3.0 are 3, "false" is False.
+            parsed = msgspec.json.decode(body, type=ChatBody if self.chat else CompletionBody, strict=False)
         except msgspec.DecodeError as exc:
             return error_response(400, f"invalid request body: {exc}", "BadRequestError")
+        if not parsed.model:
+            parsed.model = self.engine.config.model
         if not self.engine.serves(parsed.model):
             return error_response(404, f"The model `{parsed.model}` does not exist.", "NotFoundError", "model")
         max_tokens = parsed.max_tokens

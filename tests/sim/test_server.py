@@ -421,3 +421,23 @@ async def test_kv_event_sources_names_the_publisher(make_pool, session) -> None:
     assert list(sources) == ["0"]
     assert sources["0"]["endpoint"] == "tcp://127.0.0.1:5557" and sources["0"]["publisher"] == "zmq"
     assert sources["0"]["enable_kv_cache_events"] is True
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "hi", "max_tokens": 2},  # no model: vLLM serves its (first) served model
+        {"model": MODEL, "prompt": "hi", "max_tokens": "2"},
+        {"model": MODEL, "prompt": "hi", "max_tokens": 2.0},
+        {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": "false"},
+    ],
+)
+async def test_bodies_vllm_0_32_serves_are_served(make_pool, session, body: dict) -> None:
+    # Checked against real vLLM 0.32 by tests/realvllm/test_tier.py::test_what_vllm_serves_is_routed.
+    pool = await make_pool()
+    async with session.post(pool.url(0) + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        reply = await r.json()
+    assert reply["model"] == MODEL and reply["usage"]["completion_tokens"] == 2
+    async with session.post(pool.url(0) + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": "x"}) as r:
+        assert r.status == 400
