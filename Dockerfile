@@ -17,7 +17,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin epp
 # The wheels are bind-mounted from the build stage, so they never become a layer of this image.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links=/wheels epp
+    pip install --no-cache-dir --no-index --find-links=/wheels epp && \
+    # xds-protos' old copy of opentelemetry/proto may have replaced opentelemetry-proto's (--tracing needs it).
+    pip install --no-cache-dir --no-index --find-links=/wheels --no-deps --force-reinstall opentelemetry-proto
 USER 65532:65532
 # gRPC ext_proc, gRPC health, Prometheus /metrics (the upstream picker's ports).
 EXPOSE 9002 9003 9090

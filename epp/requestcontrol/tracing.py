@@ -62,6 +62,15 @@ SPAN_NAMES = (
 )
 
 
+# xds-protos (the ext_proc messages) ships an old copy of opentelemetry/proto in the same place as
+# opentelemetry-proto's; whichever pip installed last wins, and the old one breaks the exporter.
+_PROTO_CLASH = (
+    "--tracing: the OTLP exporter cannot be loaded ({}). xds-protos installs an old copy of "
+    "opentelemetry/proto over opentelemetry-proto's; put the right one back with "
+    "`pip install --no-deps --force-reinstall opentelemetry-proto` (the version installed)"
+)
+
+
 class Tracing:
     """The process's tracer (made only with ``--tracing=true``) and its exporter."""
 
@@ -80,7 +89,10 @@ class Tracing:
         self.provider = TracerProvider(resource=resource, sampler=_sampler(env))
         exporter_name = (env.get("OTEL_TRACES_EXPORTER") or "otlp").strip().lower()
         if exporter_name == "otlp":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            try:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            except ImportError as exc:
+                raise ValueError(_PROTO_CLASH.format(exc)) from None
 
             self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         elif exporter_name == "console":

@@ -73,3 +73,10 @@ def test_a_client_traceparent_is_continued_and_an_unsampled_request_records_noth
 def test_a_bad_environment_is_a_clear_error(environ: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         Tracing({"OTEL_TRACES_EXPORTER": "none", **environ})
+
+
+def test_an_exporter_that_cannot_load_is_a_clear_start_up_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What xds-protos' old copy of opentelemetry/proto does to the OTLP exporter's import.
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    with pytest.raises(ValueError, match="--force-reinstall opentelemetry-proto"):
+        Tracing({"OTEL_TRACES_EXPORTER": "otlp"})
