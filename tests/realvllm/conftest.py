@@ -108,6 +108,9 @@ def _start_server(python: str, models: Path, name: str, *, lora: bool) -> VllmSe
         "--host", "127.0.0.1", "--port", str(port),
         "--model", str(models / "llama"), "--served-model-name", BASE,
         "--max-model-len", "2048", "--max-num-seqs", "8",
+        # vLLM on CPU refuses to start unless this share of the node's memory is free (default 0.92):
+        # on a shared machine, with two servers, ask for little.
+        "--gpu-memory-utilization", "0.2",
         "--kv-events-config", json.dumps(
             {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"}
         ),
@@ -154,7 +157,7 @@ def tier() -> Iterator[Tier]:
         deadline = time.monotonic() + _START_TIMEOUT_S
         for server in servers.values():
             _wait_healthy(server, deadline)
-        picker = PickerProcess([s.hostport for s in servers.values()])
+        picker = PickerProcess([s.hostport for s in servers.values()], extra_args=["--enable-debug-endpoints"])
         picker.start()
         envoy = EnvoyProcess(
             render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,

@@ -107,6 +107,21 @@ def test_base_model_requests_spread_over_the_servers(tier: Tier) -> None:
     assert all(after[name] > before[name] for name in tier.servers), (before, after)
 
 
+def test_the_picker_knows_each_servers_cache_size_and_served_models(tier: Tier) -> None:
+    pool = {e["address"]: e for e in json.loads(get(f"http://127.0.0.1:{tier.picker.metrics_port}/debug/pool")[1])["endpoints"]}
+    for name, server in tier.servers.items():
+        page = get(f"{server.url}/metrics/")[1].decode()
+        real = int(float(re.search(r'vllm:cache_config_info\{[^}]*kv_cache_size_tokens="([^"]+)"', page).group(1)))
+        seen = pool[server.hostport]
+        # The prefix index sizes each pod from this: its capacity in tokens is the pod's own cache.
+        assert seen["metrics"]["kv_cache_size_tokens"] == real > 0, (name, seen["metrics"])
+        print(f"server {name}: kv_cache_size_tokens {real}, block_size {seen['metrics']['block_size']}, "
+              f"num_gpu_blocks {seen['metrics']['num_gpu_blocks']}")
+        served = seen["served"]
+        assert served["listed"] and served["base_models"] == [BASE]
+        assert served["adapters"] == ({ADAPTER: BASE} if name == "a" else {}), served
+
+
 def test_zz_a_stopped_server_goes_stale_and_is_avoided(tier: Tier) -> None:
     tier.servers["b"].stop()
     deadline = time.monotonic() + 30
