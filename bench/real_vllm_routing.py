@@ -44,7 +44,8 @@ class Result:
     workload: str
     policy: str
     requests: int
-    errors: int
+    errors: int  # not 200
+    no_text: int  # 200, but no chunk carried text (no TTFT to count)
     hit_rate: float
     ttft_p50_ms: float
     ttft_p90_ms: float
@@ -62,25 +63,26 @@ def make_prompts(kind: str, requests: int, groups: int, seed: int) -> list[str]:
     return [_text(rng, 300) for _ in range(requests)]
 
 
-async def _one(session: aiohttp.ClientSession, url: str, prompt: str) -> float | None:
+async def _one(session: aiohttp.ClientSession, url: str, prompt: str) -> tuple[int, float | None]:
+    """The status and the TTFT (None: no chunk carried text, e.g. a random model's empty tokens)."""
     body = {"model": BASE, "prompt": prompt, "max_tokens": 8, "stream": True}
     sent = time.perf_counter()
     async with session.post(f"{url}/v1/completions", json=body) as response:
         if response.status != 200:
             await response.read()
-            return None
+            return response.status, None
         ttft = None
         async for line in response.content:
             if ttft is None and line.startswith(b"data: {"):
                 choices = json.loads(line[6:]).get("choices") or [{}]
                 if choices[0].get("text"):
                     ttft = time.perf_counter() - sent
-        return ttft
+        return 200, ttft
 
 
-async def _drive(url: str, prompts: list[str], users: int) -> list[float | None]:
+async def _drive(url: str, prompts: list[str], users: int) -> list[tuple[int, float | None]]:
     queue = list(enumerate(prompts))
-    out: list[float | None] = [None] * len(prompts)
+    out: list[tuple[int, float | None]] = [(0, None)] * len(prompts)
 
     async def user(session: aiohttp.ClientSession) -> None:
         while queue:
@@ -123,7 +125,7 @@ def run_one(servers: list[VllmServer], kind: str, policy: str, prompts: list[str
             time.sleep(0.5)
         before = [(s.counter("vllm:prefix_cache_hits_total"), s.counter("vllm:prefix_cache_queries_total"))
                   for s in servers]
-        ttfts = asyncio.run(_drive(f"http://127.0.0.1:{envoy.listen_port}", prompts, users))
+        answers = asyncio.run(_drive(f"http://127.0.0.1:{envoy.listen_port}", prompts, users))
         after = [(s.counter("vllm:prefix_cache_hits_total"), s.counter("vllm:prefix_cache_queries_total"))
                  for s in servers]
     finally:
@@ -133,9 +135,12 @@ def run_one(servers: list[VllmServer], kind: str, policy: str, prompts: list[str
             picker.stop()
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    done = [t for t in ttfts if t is not None]
-    return Result(kind, policy, len(prompts), len(prompts) - len(done), hits / queries if queries else 0.0,
-                  _pct(done, 50), _pct(done, 90))
+    done = [t for status, t in answers if t is not None]
+    errors = sum(1 for status, _ in answers if status != 200)
+    if errors:
+        print(f"  statuses: {sorted({status for status, _ in answers})}", flush=True)
+    return Result(kind, policy, len(prompts), errors, len(prompts) - errors - len(done),
+                  hits / queries if queries else 0.0, _pct(done, 50), _pct(done, 90))
 
 
 def main() -> int:
@@ -166,7 +171,8 @@ def main() -> int:
                     results.append(run_one(servers, kind, policy, prompts, args.users))
                     r = results[-1]
                     print(f"  {r.workload} {r.policy:<8} hit {r.hit_rate:6.1%}  TTFT P50 {r.ttft_p50_ms:7.1f} ms"
-                          f"  P90 {r.ttft_p90_ms:7.1f} ms  errors {r.errors}/{r.requests}", flush=True)
+                          f"  P90 {r.ttft_p90_ms:7.1f} ms  errors {r.errors}/{r.requests}"
+                          f"  (no text: {r.no_text})", flush=True)
     finally:
         for server in servers:
             server.stop()
