@@ -7,6 +7,9 @@ round robin (``rr``) or with the picker and its default profile (``default``). W
 
 * **a, shared prefix**: ``--groups`` system prompts of ~1,000 tokens; each request is one group's
   prompt (uniformly chosen) plus a fresh short question;
+* **b, multi-turn chat**: sessions of 3 turns (chat completions through the model's chat template),
+  each with its own ~600-token system prompt; every turn sends the whole conversation so far,
+  including the answers the server gave;
 * **c, no sharing**: a unique prompt of the same length per request.
 
 Each (workload, policy) run starts from empty caches (``POST /reset_prefix_cache``, served with
@@ -28,6 +31,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -80,6 +84,49 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: str) -> tuple[i
         return 200, ttft
 
 
+async def _chat_turn(session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]
+                     ) -> tuple[int, float | None, str]:
+    body = {"model": BASE, "messages": messages, "max_tokens": 8, "stream": True}
+    sent = time.perf_counter()
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            await response.read()
+            return response.status, None, ""
+        ttft, parts = None, []
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                text = (choices[0].get("delta") or {}).get("content") or ""
+                if text and ttft is None:
+                    ttft = time.perf_counter() - sent
+                parts.append(text)
+        return 200, ttft, "".join(parts)
+
+
+async def _drive_chat(url: str, sessions: list[list[str]], users: int) -> list[tuple[int, float | None]]:
+    queue = list(sessions)
+    out: list[tuple[int, float | None]] = []
+
+    async def user(session: aiohttp.ClientSession) -> None:
+        while queue:
+            system, *questions = queue.pop(0)
+            messages = [{"role": "system", "content": system}]
+            for question in questions:
+                messages.append({"role": "user", "content": question})
+                status, ttft, answer = await _chat_turn(session, url, messages)
+                out.append((status, ttft))
+                messages.append({"role": "assistant", "content": answer})
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        await asyncio.gather(*(user(session) for _ in range(users)))
+    return out
+
+
+def make_sessions(requests: int, seed: int, turns: int = 3) -> list[list[str]]:
+    rng = random.Random(f"{seed}-b")
+    return [[_text(rng, 150), *(_text(rng, 8) for _ in range(turns))] for _ in range(max(1, requests // turns))]
+
+
 async def _drive(url: str, prompts: list[str], users: int) -> list[tuple[int, float | None]]:
     queue = list(enumerate(prompts))
     out: list[tuple[int, float | None]] = [(0, None)] * len(prompts)
@@ -101,7 +148,7 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] * 1000
 
 
-def run_one(servers: list[VllmServer], kind: str, policy: str, prompts: list[str], users: int) -> Result:
+def run_one(servers: list[VllmServer], kind: str, policy: str, prompts: list[Any], users: int) -> Result:
     for server in servers:
         status, body = http_post(f"{server.url}/reset_prefix_cache", b"")
         if status != 200:
@@ -125,7 +172,8 @@ def run_one(servers: list[VllmServer], kind: str, policy: str, prompts: list[str
             time.sleep(0.5)
         before = [(s.counter("vllm:prefix_cache_hits_total"), s.counter("vllm:prefix_cache_queries_total"))
                   for s in servers]
-        answers = asyncio.run(_drive(f"http://127.0.0.1:{envoy.listen_port}", prompts, users))
+        url = f"http://127.0.0.1:{envoy.listen_port}"
+        answers = asyncio.run(_drive_chat(url, prompts, users) if kind == "b" else _drive(url, prompts, users))
         after = [(s.counter("vllm:prefix_cache_hits_total"), s.counter("vllm:prefix_cache_queries_total"))
                  for s in servers]
     finally:
@@ -139,7 +187,7 @@ def run_one(servers: list[VllmServer], kind: str, policy: str, prompts: list[str
     errors = sum(1 for status, _ in answers if status != 200)
     if errors:
         print(f"  statuses: {sorted({status for status, _ in answers})}", flush=True)
-    return Result(kind, policy, len(prompts), errors, len(prompts) - errors - len(done),
+    return Result(kind, policy, len(answers), errors, len(answers) - errors - len(done),
                   hits / queries if queries else 0.0, _pct(done, 50), _pct(done, 90))
 
 
@@ -149,7 +197,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--groups", type=int, default=6)
-    parser.add_argument("--workloads", default="a,c")
+    parser.add_argument("--workloads", default="a,b,c")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each (workload, policy), alternating")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
@@ -165,7 +213,8 @@ def main() -> int:
         for server in servers:
             server.wait_healthy()
         for kind in args.workloads.split(","):
-            prompts = make_prompts(kind, args.requests, args.groups, args.seed)
+            prompts: list[Any] = (make_sessions(args.requests, args.seed) if kind == "b"
+                                  else make_prompts(kind, args.requests, args.groups, args.seed))
             for _ in range(args.rounds):
                 for policy in ("rr", "default"):
                     results.append(run_one(servers, kind, policy, prompts, args.users))
@@ -179,7 +228,7 @@ def main() -> int:
     print(f"\n{args.servers} real vLLM 0.32 servers, {args.requests} streamed requests per run, {args.users} users "
           f"(medians over {args.rounds} round(s))")
     print(f"{'workload':<18} {'policy':<12} {'hit rate':>9} {'TTFT P50':>10} {'TTFT P90':>10} {'errors':>7}")
-    names = {"a": "a shared prefix", "c": "c no sharing"}
+    names = {"a": "a shared prefix", "b": "b multi-turn", "c": "c no sharing"}
     for kind in args.workloads.split(","):
         for policy in ("rr", "default"):
             rs = [r for r in results if r.workload == kind and r.policy == policy]
