@@ -34,7 +34,7 @@ import yaml
 from epp.datalayer.static import parse_endpoints
 from epp.framework import Metrics
 from epp.server.server import EndpointPicker
-from epp.server.settings import Settings
+from tests.pickers import loopback_settings
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana-dashboard.json"
@@ -144,13 +144,9 @@ def _sample_names(family: Any) -> set[str]:
 
 
 async def _exported() -> dict[str, frozenset[str]]:
-    settings = Settings(
+    settings = loopback_settings(
         endpoints=tuple(parse_endpoints("127.0.0.1:1,127.0.0.1:2")),
-        grpc_port=0,
-        grpc_health_port=0,
         metrics_port=0,
-        bind_address="127.0.0.1",
-        secure_serving=False,
         scrape_metrics=False,
     )
     picker = EndpointPicker(settings)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -15,11 +15,11 @@ from epp.datalayer.static import parse_endpoints
 from epp.envoy.bootstrap import BootstrapOptions, render
 from epp.framework import Endpoint, InferenceRequest, SchedulingResult
 from epp.server.server import EndpointPicker
-from epp.server.settings import Settings
 from epp.sim import EngineConfig, SimulatedPool
 from epp.testing.backends import EchoServer, start_echo_servers
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import wait_for_picker
+from tests.pickers import loopback_settings
 
 
 class RecordingScheduler:
@@ -88,12 +88,9 @@ async def make_stack(backends: list[EchoServer]) -> AsyncIterator[StackFactory]:
         running = None
         port = picker_port or 0
         if picker:
-            settings = Settings(
+            settings = loopback_settings(
                 endpoints=tuple(parse_endpoints(",".join(b.hostport for b in pool))),
                 grpc_port=port,
-                grpc_health_port=0,
-                metrics_port=-1,
-                bind_address="127.0.0.1",
                 secure_serving=tls,
                 config_text=config_text,
                 shutdown_grace_seconds=1.0,
@@ -155,25 +152,23 @@ async def start_sim_picker(
     *,
     members: int | None = None,
     before_start: Callable[[EndpointPicker], None] | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> SimPicker:
     """Start one simulated pod per config, the picker (static pool: the first ``members`` pods, all
     by default; scraping in-process) and an Envoy in front; return once Envoy sees the picker
-    healthy and every pool member has been scraped. ``before_start`` may wrap the scheduler."""
+    healthy and every pool member has been scraped. ``before_start`` may wrap the scheduler;
+    ``settings`` overrides fields of the picker's :class:`Settings`."""
     pool = SimulatedPool(len(configs), list(configs))
     await pool.start()
     ports = pool.ports if members is None else pool.ports[:members]
-    settings = Settings(
+    picker_settings = loopback_settings(
         endpoints=tuple(Endpoint(f"127.0.0.1:{port}", "127.0.0.1", port) for port in ports),
-        grpc_port=0,
-        grpc_health_port=0,
-        metrics_port=-1,
-        bind_address="127.0.0.1",
-        secure_serving=False,
         config_text=config_text,
         shutdown_grace_seconds=1.0,
         metrics_scraper_process=False,
+        **(settings or {}),
     )
-    picker = EndpointPicker(settings)
+    picker = EndpointPicker(picker_settings)
     if before_start is not None:
         before_start(picker)
     await picker.start()

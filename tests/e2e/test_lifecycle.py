@@ -7,7 +7,6 @@ import json
 import urllib.request
 
 import aiohttp
-import pytest
 from grpc_health.v1 import health_pb2
 
 from epp.envoy.bootstrap import BootstrapOptions, render
@@ -97,17 +96,14 @@ async def test_upstream_chart_arguments_are_accepted_and_metrics_are_served() ->
             await backend.stop()
 
 
-async def test_a_pod_envoy_cannot_connect_to_is_avoided_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_pod_envoy_cannot_connect_to_is_avoided_at_once() -> None:
     # Scrapes 5 s apart: the scrape cannot notice the dead pod within the 3 s measured, so only the
     # response path's signal (Envoy's own 503 for the pick) can keep requests away from it.
-    import functools
-
     import tests.e2e.conftest as e2e
-    from epp.server.settings import Settings
     from epp.sim import EngineConfig
 
-    monkeypatch.setattr(e2e, "Settings", functools.partial(Settings, refresh_metrics_interval=5.0))
-    parts = await e2e.start_sim_picker([EngineConfig(time_scale=0.05, seed=i) for i in range(3)])
+    configs = [EngineConfig(time_scale=0.05, seed=i) for i in range(3)]
+    parts = await e2e.start_sim_picker(configs, settings={"refresh_metrics_interval": 5.0})
     try:
         url = f"http://127.0.0.1:{parts.envoy.listen_port}/v1/completions"
         async with aiohttp.ClientSession() as session:

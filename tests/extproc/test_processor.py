@@ -30,7 +30,7 @@ from epp.requestcontrol.metrics import RequestMetrics
 from epp.scheduling.config import load_config
 from epp.scheduling.registry import default_registry
 from epp.server.server import EXT_PROC_SERVICE, EndpointPicker
-from epp.server.settings import Settings
+from tests.pickers import loopback_settings
 
 Mode = processing_mode_pb2.ProcessingMode
 POOL = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000"
@@ -39,13 +39,8 @@ POOL = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000"
 @pytest.fixture
 async def picker() -> AsyncIterator[EndpointPicker]:
     running = EndpointPicker(
-        Settings(
+        loopback_settings(
             endpoints=tuple(parse_endpoints(POOL)),
-            grpc_port=0,
-            grpc_health_port=0,
-            metrics_port=-1,
-            bind_address="127.0.0.1",
-            secure_serving=False,
             max_request_body_bytes=1_000_000,
             # Nothing listens at POOL's addresses: with scraping on the pool would never be ready.
             scrape_metrics=False,
@@ -398,13 +393,8 @@ inferenceObjectives:
 async def _admission_picker(gate: bool) -> EndpointPicker:
     # The pool is never scraped (nothing listens there): stale metrics read as saturated.
     running = EndpointPicker(
-        Settings(
+        loopback_settings(
             endpoints=tuple(parse_endpoints(POOL)),
-            grpc_port=0,
-            grpc_health_port=0,
-            metrics_port=-1,
-            bind_address="127.0.0.1",
-            secure_serving=False,
             scrape_metrics=False,
             config_text=_ADMISSION_CONFIG.format(gate="true" if gate else "false"),
         )

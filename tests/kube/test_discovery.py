@@ -24,9 +24,9 @@ from epp.framework import Metrics
 from epp.kube.discovery import Discovery
 from epp.kube.pods import PoolSpec
 from epp.server.server import EndpointPicker
-from epp.server.settings import Settings
 from epp.testing.fake_apiserver import INFERENCE_POOLS, PODS, FakeApiServer, make_pod, make_pool, write_kubeconfig
 from tests.conftest import eventually
+from tests.pickers import loopback_settings
 
 NS = "default"
 POOL = "pool"
@@ -391,15 +391,10 @@ async def test_readiness_waits_for_the_first_full_sync(api: FakeApiServer, kubec
     api.apply(make_pool(POOL, APP, [8000]))
     api.apply(make_pod("a", "10.0.0.1", labels=APP))
     api.forbid(PODS)  # the pool can be read, its pods not yet
-    settings = Settings(
+    settings = loopback_settings(
         pool_name=POOL,
         pool_namespace=NS,
         kubeconfig=str(kubeconfig),
-        grpc_port=0,
-        grpc_health_port=0,
-        metrics_port=-1,
-        bind_address="127.0.0.1",
-        secure_serving=False,
         scrape_metrics=False,
     )
     picker = EndpointPicker(settings)

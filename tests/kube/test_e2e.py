@@ -23,13 +23,13 @@ from grpc_health.v1 import health_pb2
 
 from epp.envoy.bootstrap import BootstrapOptions, render
 from epp.server.server import EndpointPicker
-from epp.server.settings import Settings
 from epp.sim import EngineConfig
 from epp.sim.pool import SimulatedPod
 from epp.testing.envoy import EnvoyProcess, free_port
 from epp.testing.fake_apiserver import PODS, FakeApiServer, make_pod, make_pool
 from epp.testing.harness import PickerProcess, wait_for_picker
 from tests.conftest import eventually
+from tests.pickers import loopback_settings
 
 NS = "default"
 POOL = "sim-pool"
@@ -119,15 +119,10 @@ async def test_discovered_pods_get_traffic_and_deleted_ones_stop_without_losing_
     api.apply(make_pool(POOL, APP, [port]))
     api.apply(make_pod("sim-0", sim0.host, labels=APP))
     api.apply(make_pod("sim-1", sim1.host, labels=APP))
-    settings = Settings(
+    settings = loopback_settings(
         pool_name=POOL,
         pool_namespace=NS,
         kubeconfig=str(kubeconfig),
-        grpc_port=0,
-        grpc_health_port=0,
-        metrics_port=-1,
-        bind_address="127.0.0.1",
-        secure_serving=False,
         config_text=RANDOM_PICKER,
         shutdown_grace_seconds=1.0,
         metrics_scraper_process=False,

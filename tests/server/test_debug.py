@@ -12,6 +12,7 @@ import pytest
 from epp.datalayer.static import parse_endpoints
 from epp.server.server import EndpointPicker
 from epp.server.settings import Settings
+from tests.pickers import loopback_settings
 
 CONFIG = """
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -34,13 +35,9 @@ def _get(port: int, path: str) -> tuple[int, bytes]:
 
 
 async def _picker(debug: bool) -> EndpointPicker:
-    settings = Settings(
+    settings = loopback_settings(
         endpoints=tuple(parse_endpoints("127.0.0.1:1,127.0.0.1:2")),
-        grpc_port=0,
-        grpc_health_port=0,
         metrics_port=0,
-        bind_address="127.0.0.1",
-        secure_serving=False,
         scrape_metrics=False,
         config_text=CONFIG,
         enable_debug_endpoints=debug,

@@ -19,9 +19,9 @@ from epp.datalayer.static import parse_endpoints
 from epp.kube.auth import Access, ReviewUnavailable
 from epp.server.metrics_auth import MetricsAuth
 from epp.server.server import EndpointPicker
-from epp.server.settings import Settings
 from epp.testing.fake_apiserver import FakeApiServer, make_pool
 from epp.testing.fake_reviews import SUBJECT_ACCESS_REVIEWS, TOKEN_REVIEWS
+from tests.pickers import loopback_settings
 
 PROMETHEUS = "system:serviceaccount:monitoring:prometheus"
 
@@ -47,14 +47,10 @@ async def picker(api: FakeApiServer, kubeconfig: Path) -> AsyncIterator[Endpoint
     api.apply(make_pool("pool", {"app": "vllm"}, [8000]))
     api.reviews.tokens.update({"prom-token": PROMETHEUS, "nobody-token": "system:serviceaccount:default:nobody"})
     api.reviews.allow(PROMETHEUS, "/metrics")
-    settings = Settings(
+    settings = loopback_settings(
         pool_name="pool",
         kubeconfig=str(kubeconfig),
-        grpc_port=0,
-        grpc_health_port=0,
         metrics_port=0,
-        bind_address="127.0.0.1",
-        secure_serving=False,
         scrape_metrics=False,
         enable_debug_endpoints=True,
     )
@@ -136,13 +132,9 @@ async def test_an_unreachable_api_server_gives_503(api: FakeApiServer, picker: E
 
 
 async def test_static_mode_has_no_api_server_so_no_auth_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
-    settings = Settings(
+    settings = loopback_settings(
         endpoints=tuple(parse_endpoints("127.0.0.1:1")),
-        grpc_port=0,
-        grpc_health_port=0,
         metrics_port=0,
-        bind_address="127.0.0.1",
-        secure_serving=False,
         scrape_metrics=False,
     )
     assert settings.metrics_endpoint_auth  # upstream's default
@@ -158,14 +150,10 @@ async def test_static_mode_has_no_api_server_so_no_auth_and_says_so_once(caplog:
 
 
 async def test_auth_turned_off_with_discovery_serves_without_a_token(api: FakeApiServer, kubeconfig: Path) -> None:
-    settings = Settings(
+    settings = loopback_settings(
         pool_name="pool",
         kubeconfig=str(kubeconfig),
-        grpc_port=0,
-        grpc_health_port=0,
         metrics_port=0,
-        bind_address="127.0.0.1",
-        secure_serving=False,
         scrape_metrics=False,
         metrics_endpoint_auth=False,
     )

@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.datalayer.static import parse_endpoints
 from epp.server.server import EndpointPicker
-from epp.server.settings import Settings
 from epp.testing.envoy import free_port
+from tests.pickers import loopback_settings
 
 from ..datalayer._scraping import VLLM_PAGE, until
 
@@ -38,13 +38,8 @@ async def pod() -> AsyncIterator[int]:
 
 async def _picker(endpoints: str, *, scrape: bool = True) -> EndpointPicker:
     picker = EndpointPicker(
-        Settings(
+        loopback_settings(
             endpoints=tuple(parse_endpoints(endpoints)),
-            grpc_port=0,
-            grpc_health_port=0,
-            metrics_port=-1,
-            bind_address="127.0.0.1",
-            secure_serving=False,
             scrape_metrics=scrape,
             metrics_scraper_process=False,
             refresh_metrics_interval=0.02,
