@@ -5,7 +5,9 @@ FULL_DUPLEX_STREAMED, as upstream and the gateways that implement InferencePool 
 SSE event is one ext_proc message each way. This bench measures that cost through a real Envoy:
 
 * ``direct``: Envoy alone, round robin to echo backends (no ext_proc);
-* ``epp``:    Envoy with the reference ext_proc configuration calling the picker.
+* ``epp``:    Envoy with the reference ext_proc configuration calling the picker;
+* ``base``:   the same with another tree's picker (``--baseline-python``: that tree's virtualenv's
+  python), to compare two versions side by side in one run.
 
 The echo backends (:mod:`epp.testing.backends`) answer ``"stream": true`` with ``max_tokens`` SSE
 events, ``--token-interval`` seconds apart (default 2 ms, so that Envoy forwards events one by one, as a
@@ -17,6 +19,7 @@ ext_proc messages per request (Envoy's own ``ext_proc`` stream counters). A 1 KB
 ``--prompt-bytes 409600`` for the 400 KB case.
 
     python bench/streaming_cost.py [--events 16,256,1024] [--streams 1,16] [--requests 20] [--rounds 3]
+                                   [--prompt-bytes 1024] [--baseline-python /other/tree/.venv/bin/python]
 
 Talks only to 127.0.0.1; stops by itself.
 """
@@ -119,26 +122,27 @@ def _print(runs: list[Run], args: argparse.Namespace) -> None:
         f"{args.requests} requests per round, {args.rounds} rounds, medians\n"
     )
     header = (
-        f"{'events':>6} {'streams':>7} | {'picker ms/req':>13} {'µs/message':>10} {'messages/req':>12} | "
+        f"{'picker':>6} {'events':>6} {'streams':>7} | {'picker ms/req':>13} {'µs/message':>10} {'messages/req':>12} | "
         f"{'Envoy ms/req (epp)':>18} {'(direct)':>9} | {'SSE lines/req':>13} | errors"
     )
     print(header)
     print("-" * len(header))
-    for events in sorted({r.events for r in runs}):
-        for streams in sorted({r.streams for r in runs}):
-            epp = [r for r in runs if (r.events, r.streams, r.mode) == (events, streams, "epp")]
-            direct = [r for r in runs if (r.events, r.streams, r.mode) == (events, streams, "direct")]
-            if not epp:
-                continue
-            picker = statistics.median(r.picker_cpu_ms or 0.0 for r in epp)
-            messages = statistics.median(r.messages or 0.0 for r in epp)
-            per_message = statistics.median((r.picker_cpu_ms or 0.0) * 1e3 / (r.messages or 1.0) for r in epp)
-            print(
-                f"{events:>6} {streams:>7} | {picker:13.2f} {per_message:10.1f} {messages:12.1f} | "
-                f"{statistics.median(r.envoy_cpu_ms for r in epp):18.2f} "
-                f"{statistics.median(r.envoy_cpu_ms for r in direct):9.2f} | "
-                f"{statistics.median(r.chunks for r in epp):13.1f} | {sum(r.errors for r in epp + direct)}"
-            )
+    for mode in ("epp", "base"):
+        for events in sorted({r.events for r in runs}):
+            for streams in sorted({r.streams for r in runs}):
+                picked = [r for r in runs if (r.events, r.streams, r.mode) == (events, streams, mode)]
+                direct = [r for r in runs if (r.events, r.streams, r.mode) == (events, streams, "direct")]
+                if not picked:
+                    continue
+                picker = statistics.median(r.picker_cpu_ms or 0.0 for r in picked)
+                messages = statistics.median(r.messages or 0.0 for r in picked)
+                per_message = statistics.median((r.picker_cpu_ms or 0.0) * 1e3 / (r.messages or 1.0) for r in picked)
+                print(
+                    f"{mode:>6} {events:>6} {streams:>7} | {picker:13.2f} {per_message:10.1f} {messages:12.1f} | "
+                    f"{statistics.median(r.envoy_cpu_ms for r in picked):18.2f} "
+                    f"{statistics.median(r.envoy_cpu_ms for r in direct):9.2f} | "
+                    f"{statistics.median(r.chunks for r in picked):13.1f} | {sum(r.errors for r in picked + direct)}"
+                )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-bytes", type=int, default=1024)
     parser.add_argument("--token-interval", type=float, default=0.002, help="seconds between SSE events")
+    parser.add_argument("--baseline-python", help="another tree's python: its picker runs beside this one (mode base)")
     args = parser.parse_args(argv)
 
     backends = subprocess.Popen(
@@ -158,31 +163,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     assert backends.stdout is not None
     pool = [backends.stdout.readline().split()[1] for _ in range(2)]
-    picker = PickerProcess(pool)
-    envoys: list[EnvoyProcess] = []
+    pickers = {"epp": PickerProcess(pool)}
+    if args.baseline_python:
+        pickers["base"] = PickerProcess(pool, python=args.baseline_python)
+    envoys: dict[str, EnvoyProcess] = {}
     runs: list[Run] = []
     try:
-        picker.start(timeout=120)  # a shared, loaded machine can take more than the default 20 s
         base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
-        direct = EnvoyProcess(render_round_robin(base), concurrency=1)
-        via_epp = EnvoyProcess(render(replace(base, picker_port=picker.grpc_port)), concurrency=1)
-        envoys = [direct, via_epp]
-        for envoy in envoys:
+        envoys["direct"] = EnvoyProcess(render_round_robin(base), concurrency=1)
+        for mode, picker in pickers.items():
+            picker.start(timeout=120)  # a shared, loaded machine can take more than the default 20 s
+            envoys[mode] = EnvoyProcess(render(replace(base, picker_port=picker.grpc_port)), concurrency=1)
+        for mode, envoy in envoys.items():
             envoy.start()
-        wait_for_picker(via_epp)
+            if mode != "direct":
+                wait_for_picker(envoy)
         prompt = ("the quick brown fox jumps over the lazy dog " * (args.prompt_bytes // 44 + 1))[: args.prompt_bytes]
         for events in (int(e) for e in args.events.split(",")):
             body = json.dumps({"model": "bench-model", "prompt": prompt, "max_tokens": events, "stream": True}).encode()
             for streams in (int(s) for s in args.streams.split(",")):
-                _measure("epp", via_epp, picker.pid, body, events, streams, max(2, streams))  # warm-up
+                for mode, picker in pickers.items():  # warm-up
+                    _measure(mode, envoys[mode], picker.pid, body, events, streams, max(2, streams))
                 for _ in range(args.rounds):
-                    runs.append(_measure("direct", direct, None, body, events, streams, args.requests))
-                    runs.append(_measure("epp", via_epp, picker.pid, body, events, streams, args.requests))
+                    runs.append(_measure("direct", envoys["direct"], None, body, events, streams, args.requests))
+                    for mode, picker in pickers.items():
+                        runs.append(_measure(mode, envoys[mode], picker.pid, body, events, streams, args.requests))
                     time.sleep(0.2)
     finally:
-        for envoy in envoys:
+        for envoy in envoys.values():
             envoy.stop()
-        picker.stop()
+        for picker in pickers.values():
+            picker.stop()
         backends.terminate()
         backends.wait(10)
     _print(runs, args)

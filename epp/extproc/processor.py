@@ -60,12 +60,11 @@ Envoy configs in deploy/ also strip the header before ext_proc, for when the pic
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections import deque
 
-import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from epp.errors import EppError, Reason
 from epp.extproc.answers import (
@@ -96,8 +95,9 @@ from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
 from epp.requestcontrol.metrics import RequestMetrics
 from epp.requestcontrol.tracing import RequestTrace
+from epp.wire.http2 import Handler, Status, Stream
 
-__all__ = ["ExternalProcessor"]
+__all__ = ["METHOD", "ExternalProcessor"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class _Stream:
         "headers",
         "model",
         "outcome",
+        "pending",
         "request_mode",
         "response_bytes",
         "response_mode",
@@ -137,6 +138,7 @@ class _Stream:
         self.size = 0
         self.routed: RoutedRequest | None = None
         self.done = False  # the request phase has been answered (routed)
+        self.pending: str | None = None  # the message that asked to route: headers, body or trailers
         self.outcome: Outcome = "cancelled"
         self.model: str | None = None  # known once the body is parsed
         # The response body: its size, and its last few chunks (references, no copies) for the usage.
@@ -147,7 +149,8 @@ class _Stream:
 
     # -- the request phase ---------------------------------------------------------------------
 
-    async def request_headers(self, message: pb.ProcessingRequest) -> _Answers:
+    def request_headers(self, message: pb.ProcessingRequest) -> _Answers | None:
+        """The answers to the request headers, or None when the request is to be routed now (:meth:`route`)."""
         if self.done:  # routing again would lose the first pick, never finished: fail the stream
             raise RuntimeError("Envoy sent request headers after the request was routed")
         if message.HasField("protocol_config"):
@@ -164,8 +167,8 @@ class _Stream:
                 union = models_answer(self._director.datastore.endpoints())
                 if union is not None:
                     return [union]
-            routed = await self._route(b"")
-            return [routing_answer(routed, self.headers, "request_headers", self._propagated())]
+            self.pending = "headers"
+            return None
         if mode == BUFFERED:
             return [CONTINUE_REQUEST_HEADERS]
         if mode != FULL_DUPLEX:
@@ -176,7 +179,8 @@ class _Stream:
             )
         return []  # held: the pick needs the body
 
-    async def request_body(self, body: pb.HttpBody) -> _Answers:
+    def request_body(self, body: pb.HttpBody) -> _Answers | None:
+        """The answers to a body chunk (none until the body is whole), or None to route now."""
         if self.done:
             raise RuntimeError("Envoy sent request body after the request was routed")
         if body.body:
@@ -189,11 +193,24 @@ class _Stream:
             self.chunks.append(body.body)
         if not body.end_of_stream:
             return []
-        return await self._release_body(end_of_stream=True)
+        self.pending = "body"
+        return None
 
-    async def request_trailers(self) -> _Answers:
-        answers = [] if self.done else await self._release_body(end_of_stream=False)  # trailers end the body
-        answers.append(CONTINUE_REQUEST_TRAILERS)
+    def request_trailers(self) -> _Answers | None:
+        if self.done:
+            return [CONTINUE_REQUEST_TRAILERS]
+        self.pending = "trailers"  # trailers end the body
+        return None
+
+    async def route(self) -> _Answers:
+        """Route the request as the last request message asked (headers, body or trailers); the answers."""
+        kind, self.pending = self.pending, None
+        if kind == "headers":
+            routed = await self._route(b"")
+            return [routing_answer(routed, self.headers, "request_headers", self._propagated())]
+        answers = await self._release_body(end_of_stream=kind == "body")
+        if kind == "trailers":
+            answers.append(CONTINUE_REQUEST_TRAILERS)
         return answers
 
     async def _release_body(self, *, end_of_stream: bool) -> _Answers:
@@ -292,64 +309,181 @@ def _usage(tail: list[bytes], sse: bool) -> Usage | None:
         return None
 
 
-class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """``envoy.service.ext_proc.v3.ExternalProcessor`` backed by a :class:`epp.requestcontrol.Director`."""
+METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+class ExternalProcessor:
+    """``envoy.service.ext_proc.v3.ExternalProcessor`` backed by a :class:`epp.requestcontrol.Director`.
+
+    :meth:`methods` is its entry in a :class:`epp.wire.server.GrpcServer`'s method table: each
+    stream Envoy opens becomes a :class:`_Call`.
+    """
 
     def __init__(self, director: Director, metrics: RequestMetrics, *, max_request_body_bytes: int) -> None:
         self._director = director
         self._metrics = metrics
         self._max_body = max_request_body_bytes
 
-    async def Process(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = _Stream(self._director, self._max_body)
+    def methods(self) -> dict[str, Handler]:
+        return {METHOD: self.open}
+
+    def open(self, wire: Stream) -> _Call:
+        """A call for the new ext_proc stream ``wire``."""
+        return _Call(_Stream(self._director, self._max_body), wire, self._metrics)
+
+
+class _Call:
+    """One ext_proc stream on the wire: decodes each message, answers it, ends the stream.
+
+    Messages are handled in order as they arrive. The response phase's (headers, each body chunk,
+    trailers) are answered at once, in the connection's read, with no task and no await. A request
+    message that completes the request starts one task, which routes (admission may wait) and sends
+    the routing answers; messages arriving meanwhile wait in a queue that the task then works off.
+    """
+
+    __slots__ = ("_finished", "_metrics", "_queue", "_stream", "_task", "_wire")
+
+    def __init__(self, stream: _Stream, wire: Stream, metrics: RequestMetrics) -> None:
+        self._stream = stream
+        self._wire = wire
+        self._metrics = metrics
+        self._queue: deque[bytes | None] | None = None  # while a task runs: what came in meanwhile (None: half-close)
+        self._task: asyncio.Task[None] | None = None
+        self._finished = False
+
+    # -- what the wire calls ------------------------------------------------------------------
+
+    def message(self, data: bytes) -> None:
+        if self._queue is not None:
+            self._queue.append(data)
+        elif self._handle(data):
+            self._queue = deque()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def half_close(self) -> None:
+        if self._queue is not None:
+            self._queue.append(None)
+        else:
+            self._half_closed()
+
+    def cancel(self) -> None:
+        task = self._task
+        if task is not None:
+            task.cancel()  # _run's end finishes the request (an admission wait leaves the queue)
+        else:
+            self._finish()
+
+    # -- handling -----------------------------------------------------------------------------
+
+    def _handle(self, data: bytes) -> bool:
+        """Answer one message; True when the request is to be routed now (by a task: see :meth:`_run`)."""
+        stream = self._stream
         try:
-            async for message in request_iterator:
-                kind = message.WhichOneof("request")
-                if kind == "response_body":  # the common message of a streamed response first
-                    yield stream.response_body(message.response_body)
-                elif kind == "request_body":
-                    for answer in await stream.request_body(message.request_body):
-                        yield answer
-                elif kind == "request_headers":
-                    for answer in await stream.request_headers(message):
-                        yield answer
-                elif kind == "response_headers":
-                    yield stream.response_headers(message.response_headers)
-                elif kind == "request_trailers":
-                    for answer in await stream.request_trailers():
-                        yield answer
-                elif kind == "response_trailers":
-                    yield stream.response_trailers()
-                if stream.outcome == "complete":
-                    # The response's last answer is sent: end the stream from here (status OK) rather
-                    # than wait for Envoy, which half-closes and at once resets it; a reset cancels
-                    # this handler inside a pending read, and grpc.aio then leaks that batch's
-                    # native ops (~100 B per stream, grpc/grpc#43360; bench/grpc_aio_leak.py).
-                    break
-            if stream.done:
-                stream.outcome = "complete"  # Envoy closed the stream cleanly after the request phase
-        except EppError as error:
-            stream.outcome = "error"
-            if stream.done:
-                raise  # too late for an HTTP answer: fail the stream
-            self._metrics.refused(error, stream.model)
-            if stream.trace is not None:
-                stream.trace.failed(error)
-            yield immediate(error)
-        except Exception:
-            stream.outcome = "error"
-            if stream.done:
-                raise
-            log.exception("unexpected error while processing request %s", stream.headers.get("x-request-id", "?"))
-            internal = EppError(Reason.INTERNAL, "internal error in the endpoint picker")
-            self._metrics.refused(internal, stream.model)
+            message = pb.ProcessingRequest.FromString(data)
+            kind = message.WhichOneof("request")
+            if kind == "response_body":  # the common message of a streamed response first
+                self._wire.send(stream.response_body(message.response_body).SerializeToString())
+            elif kind == "request_body":
+                answers = stream.request_body(message.request_body)
+                if answers is None:
+                    return True
+                self._send(answers)
+            elif kind == "request_headers":
+                answers = stream.request_headers(message)
+                if answers is None:
+                    return True
+                self._send(answers)
+            elif kind == "response_headers":
+                self._wire.send(stream.response_headers(message.response_headers).SerializeToString())
+            elif kind == "request_trailers":
+                answers = stream.request_trailers()
+                if answers is None:
+                    return True
+                self._send(answers)
+            elif kind == "response_trailers":
+                self._wire.send(stream.response_trailers().SerializeToString())
+        except Exception as error:
+            self._failed(error)
+            return False
+        if stream.outcome == "complete":
+            # The response's last answer is sent: end the stream (status OK) rather than wait for Envoy.
+            self._end()
+        return False
+
+    async def _run(self) -> None:
+        try:
+            await self._route()
+            queue = self._queue
+            while queue and not self._finished:
+                data = queue.popleft()
+                if data is None:
+                    self._half_closed()
+                elif self._handle(data):
+                    await self._route()
+        except asyncio.CancelledError:
+            self._finish()  # the stream was reset (Envoy or its client went away)
+        finally:
+            self._queue = None
+            self._task = None
+
+    async def _route(self) -> None:
+        try:
+            answers = await self._stream.route()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            self._failed(error)
+            return
+        self._send(answers)
+        if self._stream.outcome == "complete":
+            self._end()
+
+    def _send(self, answers: _Answers) -> None:
+        send = self._wire.send
+        for answer in answers:
+            send(answer.SerializeToString())
+
+    def _half_closed(self) -> None:
+        if self._stream.done:
+            self._stream.outcome = "complete"  # Envoy closed the stream cleanly after the request phase
+        self._end()
+
+    def _failed(self, error: Exception) -> None:
+        """An error on the request path: an HTTP answer while there is time, else the stream fails."""
+        stream = self._stream
+        stream.outcome = "error"
+        if stream.done:  # too late for an HTTP answer: fail the stream
+            if not isinstance(error, EppError):
+                log.error("error after routing request %s: %r", stream.headers.get("x-request-id", "?"), error)
+            self._wire.finish(Status.UNKNOWN, f"{type(error).__name__}: {error}")
+            self._finish()
+            return
+        if not isinstance(error, EppError):
+            log.error(
+                "unexpected error while processing request %s",
+                stream.headers.get("x-request-id", "?"),
+                exc_info=error,
+            )
+            error = EppError(Reason.INTERNAL, "internal error in the endpoint picker")
             if stream.trace is not None:
                 stream.trace.failed(None)
-            yield immediate(internal)
-        finally:
-            if stream.routed is not None:
-                stream.routed.finish(stream.outcome)
-            if stream.trace is not None:
-                stream.trace.end(stream.outcome, stream.routed)
+        elif stream.trace is not None:
+            stream.trace.failed(error)
+        self._metrics.refused(error, stream.model)
+        self._wire.send(immediate(error).SerializeToString())
+        self._end()
+
+    def _end(self) -> None:
+        self._wire.finish()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Finish the routed request exactly once, with the stream's outcome."""
+        if self._finished:
+            return
+        self._finished = True
+        stream = self._stream
+        if stream.routed is not None:
+            stream.routed.finish(stream.outcome)
+        if stream.trace is not None:
+            stream.trace.end(stream.outcome, stream.routed)

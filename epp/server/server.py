@@ -36,12 +36,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
-
-import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.engines import ENGINE_TYPE_LABEL, EngineMapping, builtin_engines, engine_from_config
@@ -63,7 +60,9 @@ from epp.server.debug import DebugViews
 from epp.server.metrics import Metrics, start_metrics_server
 from epp.server.metrics_auth import MetricsAuth
 from epp.server.settings import Settings
-from epp.server.tls import server_credentials
+from epp.server.tls import server_ssl_context
+from epp.wire.health import NOT_SERVING, SERVING, Health
+from epp.wire.server import GrpcServer, bind_socket
 
 __all__ = ["EXT_PROC_SERVICE", "EndpointPicker", "StartupError", "serve"]
 
@@ -72,31 +71,27 @@ log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # "inference-extension": the service the upstream chart's single-replica probes ask for.
 _READINESS_SERVICES = ("", "readiness", "inference-extension", EXT_PROC_SERVICE)
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Envoy may send a whole request body in one message: leave room above the body limit for the
 # message's other fields.
 _MESSAGE_HEADROOM = 1024 * 1024
-
-
-# gRPC sets SO_REUSEPORT on its listening sockets by default: a second picker on the same port
-# would start without an error and take half of Envoy's streams. Off, a clash fails the bind.
-_NO_REUSEPORT = ("grpc.so_reuseport", 0)
 
 
 class StartupError(Exception):
     """The service cannot start for a reason outside the config (a port in use, an unreadable certificate)."""
 
 
-def _bind(flag: str, address: str, port: int, bind: Callable[[str], int]) -> int:
-    """``bind(address:port)``; a StartupError naming ``flag`` and the port when it cannot listen there."""
+def _listen(flag: str, address: str, port: int) -> socket.socket:
+    """A listening socket on ``address:port``; a StartupError naming ``flag`` and the port when it is taken.
+
+    Never with SO_REUSEPORT: a second picker on the same port fails here instead of silently taking
+    half of Envoy's streams.
+    """
     try:
-        bound = bind(f"{address}:{port}")
-    except RuntimeError:  # grpc: "Failed to bind to address ..."
-        bound = 0
-    if bound == 0:
-        raise StartupError(f"{flag} {port}: cannot listen on {address}:{port} (in use by another process?)")
-    return bound
+        return bind_socket(address, port)
+    except OSError as exc:
+        raise StartupError(
+            f"{flag} {port}: cannot listen on {address}:{port} ({exc.strerror or exc}; in use by another process?)"
+        ) from None
 
 
 # Upstream's vLLM metric-name flags -> the core-metrics-extractor engineConfigs key they set.
@@ -217,11 +212,12 @@ class EndpointPicker:
         self._answered: set[str] = set()  # endpoints that have answered a scrape: see _update_readiness
         if self.scraper is not None:
             self.datastore.on_metrics(self._first_answer)
-        self.health = health.aio.HealthServicer()
+        self.health = Health()
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self._server: grpc.aio.Server | None = None
-        self._health_server: grpc.aio.Server | None = None
+        self._server: GrpcServer | None = None
+        self._health_server: GrpcServer | None = None
+        self._sockets: tuple[socket.socket, ...] = ()
         self.grpc_port = 0
         self.grpc_health_port = 0
         self.metrics_port = 0  # the port /metrics really listens on (0: none)
@@ -230,26 +226,28 @@ class EndpointPicker:
         settings = self.settings
         if self.discovery is not None:
             await self.discovery.connect()  # a bad kubeconfig stops startup here, before anything runs
-        limit = settings.max_request_body_bytes + _MESSAGE_HEADROOM
-        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit), _NO_REUSEPORT]
-        self._server = grpc.aio.server(options=options)
-        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        server, address = self._server, settings.bind_address
+        context = None
         if settings.secure_serving:
             try:
-                credentials = server_credentials(settings.cert_path)
+                context = server_ssl_context(settings.cert_path)
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
-            bind: Callable[[str], int] = lambda target: server.add_secure_port(target, credentials)  # noqa: E731
-        else:
-            bind = server.add_insecure_port
-        self.grpc_port = _bind("--grpc-port", address, settings.grpc_port, bind)
-
-        self._health_server = grpc.aio.server(options=[_NO_REUSEPORT])
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
-        health_bind = self._health_server.add_insecure_port
-        self.grpc_health_port = _bind("--grpc-health-port", address, settings.grpc_health_port, health_bind)
+        main = _listen("--grpc-port", settings.bind_address, settings.grpc_port)
+        try:
+            health_socket = _listen("--grpc-health-port", settings.bind_address, settings.grpc_health_port)
+        except StartupError:
+            main.close()
+            raise
+        self._sockets = (main, health_socket)
+        self.grpc_port = main.getsockname()[1]
+        self.grpc_health_port = health_socket.getsockname()[1]
+        self._server = GrpcServer(
+            {**self.processor.methods(), **self.health.methods()},
+            ssl_context=context,
+            max_message=settings.max_request_body_bytes + _MESSAGE_HEADROOM,
+            flag=f"--grpc-port {self.grpc_port}",
+        )
+        self._health_server = GrpcServer(self.health.methods(), flag=f"--grpc-health-port {self.grpc_health_port}")
         # Every port is bound before anything else starts (the scrape worker, discovery's watches),
         # so a clash stops startup with nothing to clean up.
         if settings.metrics_port >= 0:
@@ -263,6 +261,8 @@ class EndpointPicker:
                     guard=self._metrics_guard(),
                 )
             except OSError as exc:
+                for sock in self._sockets:
+                    sock.close()
                 raise StartupError(
                     f"--metrics-port {settings.metrics_port}: cannot listen on "
                     f"{settings.bind_address}:{settings.metrics_port} ({exc.strerror or exc})"
@@ -272,13 +272,13 @@ class EndpointPicker:
             await self.scraper.start()
         if self.models is not None:
             self.models.start()
-        await self.health.set("liveness", _SERVING)
+        self.health.set("liveness", SERVING)
         self.datastore.subscribe(self._pool_changed)
         await self._update_readiness()
         if self.discovery is not None:
             await self.discovery.start()  # lists and watches in the background; readiness waits for its first sync
-        await self._server.start()
-        await self._health_server.start()
+        self._server.serve_socket(self._sockets[0])
+        self._health_server.serve_socket(self._sockets[1])
         log.info(
             "serving ext_proc on %s:%d (%s), health on :%d, metrics on :%d; pool has %d endpoint(s)",
             settings.bind_address,
@@ -313,6 +313,7 @@ class EndpointPicker:
         self.admission.close()  # 2. queued requests: 503 rejected-shutting-down
         if self._server is not None:
             await self._server.stop(grace)  # 3. drain in-flight streams
+        self.health.stop()
         if self._health_server is not None:
             await self._health_server.stop(0)  # 4.
         if self.discovery is not None:
@@ -349,7 +350,7 @@ class EndpointPicker:
         ready = has_pool and synced and not self._stopping
         self.metrics.ready_pods.labels(self.settings.pool_label).set(len(endpoints))
         for service in _READINESS_SERVICES:
-            await self.health.set(service, _SERVING if ready else _NOT_SERVING)
+            self.health.set(service, SERVING if ready else NOT_SERVING)
 
 
 def _tracing(settings: Settings) -> Tracing | None:

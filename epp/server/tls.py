@@ -1,19 +1,21 @@
-"""Serving credentials for ``--secure-serving``: a certificate from ``--cert-path``, or a fresh
-self-signed one (the upstream default: Envoy encrypts to the picker without verifying it)."""
+"""Serving TLS for ``--secure-serving``: a certificate from ``--cert-path``, or a fresh self-signed one
+(the upstream default: Envoy encrypts to the picker without verifying it)."""
 
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import ssl
+import tempfile
 from pathlib import Path
 
-import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-__all__ = ["self_signed_certificate", "server_credentials"]
+__all__ = ["self_signed_certificate", "server_ssl_context"]
 
 
 def self_signed_certificate(common_name: str = "epp") -> tuple[bytes, bytes]:
@@ -43,14 +45,22 @@ def self_signed_certificate(common_name: str = "epp") -> tuple[bytes, bytes]:
     return certificate.public_bytes(serialization.Encoding.PEM), key_pem
 
 
-def server_credentials(cert_path: str) -> grpc.ServerCredentials:
-    """TLS credentials from ``cert_path``/tls.crt and tls.key, or self-signed when ``cert_path`` is empty."""
+def server_ssl_context(cert_path: str) -> ssl.SSLContext:
+    """A TLS server context from ``cert_path``/tls.crt and tls.key, or self-signed when ``cert_path`` is empty."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2  # HTTP/2 requires 1.2 or later (RFC 9113 section 9.2)
     if cert_path:
         directory = Path(cert_path)
         try:
-            cert, key = (directory / "tls.crt").read_bytes(), (directory / "tls.key").read_bytes()
-        except OSError as exc:
-            raise ValueError(f"--cert-path {cert_path}: cannot read tls.crt and tls.key: {exc}") from exc
-    else:
-        cert, key = self_signed_certificate()
-    return grpc.ssl_server_credentials([(key, cert)])
+            context.load_cert_chain(directory / "tls.crt", directory / "tls.key")
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"--cert-path {cert_path}: cannot load tls.crt and tls.key: {exc}") from exc
+        return context
+    cert, key = self_signed_certificate()
+    # load_cert_chain reads files only: the fresh pair goes through a private file that is removed at once.
+    with tempfile.TemporaryDirectory(prefix="epp-tls-") as private:
+        pem = os.path.join(private, "tls.pem")
+        with open(os.open(pem, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as file:
+            file.write(key + cert)
+        context.load_cert_chain(pem)
+    return context

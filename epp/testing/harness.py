@@ -69,14 +69,24 @@ def _new_log() -> IO[bytes]:
 
 
 class PickerProcess:
-    """``python -m epp serve`` on 127.0.0.1 with free ports, plaintext unless ``tls``."""
+    """``python -m epp serve`` on 127.0.0.1 with free ports, plaintext unless ``tls``.
 
-    def __init__(self, endpoints: Sequence[str], *, tls: bool = False, extra_args: Sequence[str] = ()) -> None:
+    ``python``: the interpreter (another virtualenv's, to run another tree's picker side by side in a bench).
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        tls: bool = False,
+        extra_args: Sequence[str] = (),
+        python: str = sys.executable,
+    ) -> None:
         self.grpc_port = free_port()
         self.health_port = free_port()
         self.metrics_port = free_port()
         self.args = [
-            sys.executable, "-m", "epp", "serve",
+            python, "-m", "epp", "serve",
             "--bind-address", "127.0.0.1",
             "--grpc-port", str(self.grpc_port),
             "--grpc-health-port", str(self.health_port),

@@ -21,7 +21,6 @@ from prometheus_client import CollectorRegistry
 
 from epp.datalayer.datastore import Datastore
 from epp.datalayer.static import parse_endpoints
-from epp.errors import EppError
 from epp.extproc.processor import MAX_STREAMED_CHUNK, ExternalProcessor
 from epp.framework import Endpoint, Handle, InferenceRequest, Outcome, PluginMetrics
 from epp.requestcontrol.director import Director
@@ -527,9 +526,44 @@ def _message(draw: st.DrawFn) -> pb.ProcessingRequest:
     return pb.ProcessingRequest()
 
 
-async def _messages(sequence: list[pb.ProcessingRequest]) -> AsyncIterator[pb.ProcessingRequest]:
+class _Wire:
+    """The wire side of one stream, in memory: what the call sends, and how it ended."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.ProcessingResponse] = []
+        self.status: tuple[int, str] | None = None
+
+    def send(self, data: bytes) -> None:
+        assert self.status is None, "an answer after the stream ended"
+        self.sent.append(pb.ProcessingResponse.FromString(data))
+
+    def finish(self, status: int = 0, message: str = "") -> None:
+        if self.status is None:
+            self.status = (status, message)
+
+
+async def _settle() -> None:
+    for _ in range(5):  # a routing task runs to its end (no admission wait in these tests)
+        await asyncio.sleep(0)
+
+
+async def _drive(processor: ExternalProcessor, sequence: list[pb.ProcessingRequest], cancel_after: int | None = None) -> _Wire:
+    """Deliver ``sequence`` as the wire does (nothing after the stream ended), then half-close, or cancel."""
+    wire = _Wire()
+    call = processor.open(wire)  # type: ignore[arg-type]
     for message in sequence:
-        yield message
+        if wire.status is not None:
+            return wire
+        call.message(message.SerializeToString())
+        await _settle()
+        if cancel_after is not None and len(wire.sent) > cancel_after and wire.status is None:
+            call.cancel()  # Envoy (or the client) goes away mid-stream
+            await _settle()
+            return wire
+    if wire.status is None:
+        call.half_close()
+        await _settle()
+    return wire
 
 
 @_FUZZ
@@ -546,19 +580,12 @@ async def test_fuzz_any_message_sequence_gets_well_formed_answers_and_finishes_e
         finishes.append(routed)
         real_finish(routed, outcome)
 
-    answers: list[pb.ProcessingResponse] = []
-    stream = processor.Process(_messages(sequence), None)  # type: ignore[arg-type]
     with unittest.mock.patch.object(RoutedRequest, "finish", counted):
-        try:
-            async for answer in stream:
-                answers.append(answer)
-                if cancel_after is not None and len(answers) > cancel_after:
-                    break  # Envoy (or the client) goes away mid-stream
-        except (EppError, RuntimeError):
-            # the documented stream failure: only once the request was routed, too late for an answer
-            assert director.routed
-        finally:
-            await stream.aclose()  # what gRPC does to a cancelled stream
+        wire = await _drive(processor, sequence, cancel_after)
+    answers = wire.sent
+    if wire.status is not None and wire.status[0] != 0:
+        # the documented stream failure: only once the request was routed, too late for an answer
+        assert director.routed
     for answer in answers:
         assert isinstance(answer, pb.ProcessingResponse)
         assert answer.WhichOneof("response") is not None
@@ -579,9 +606,8 @@ async def test_request_headers_again_after_the_pick_fail_the_stream_and_the_pick
     director = _SpyDirector()
     processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
     get = {":method": "GET", ":path": "/v1/models"}
-    stream = processor.Process(_messages([headers(get, end_of_stream=True)] * 2), None)  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="request headers after the request was routed"):
-        async for _ in stream:
-            pass
+    wire = await _drive(processor, [headers(get, end_of_stream=True)] * 2)
+    assert wire.status is not None
+    assert wire.status[0] != 0 and "request headers after the request was routed" in wire.status[1]
     assert len(director.routed) == 1
     assert all(e.inflight.requests == 0 for e in director.datastore.endpoints())

@@ -1,0 +1,676 @@
+"""The server side of one HTTP/2 connection carrying gRPC calls, as an asyncio protocol.
+
+A connection parses the frames it receives (RFC 9113), decodes header blocks (HPACK, RFC 7541, with
+:mod:`hpack` and a fast path for blocks that are all table references, which is what Envoy sends on
+a connection's later streams), frames the gRPC messages of each stream and hands them, whole, to the
+stream's :class:`Call`. A call answers through its :class:`Stream`: ``send`` a message, ``finish``
+with a status. Everything a call sends while the connection is reading is collected and written once
+at the end of the read: one ``write`` for all the answers to what one read brought in.
+
+What this implements of HTTP/2, and what not:
+
+* flow control both ways. Receiving: the connection and every stream open with a window of 2^31-1
+  (SETTINGS_INITIAL_WINDOW_SIZE and one WINDOW_UPDATE at start), topped up once half of it is used;
+  the picker reads every message as it arrives, and bounds what it keeps (the request body limit), so
+  a window never needs to hold a peer back. Sending: the peer's windows and its SETTINGS_MAX_FRAME_SIZE
+  are honoured; what does not fit waits on the stream until the peer's WINDOW_UPDATE.
+* PING is answered, SETTINGS acknowledged, GOAWAY from the peer lets the open streams finish.
+* No server push, no priorities (PRIORITY frames and fields are read and ignored), no compression
+  of gRPC messages (the picker does not announce ``grpc-accept-encoding``; a compressed message is
+  refused with UNIMPLEMENTED).
+* Our header blocks are literal fields without indexing: nothing in the peer's table depends on us.
+
+A call ends with trailers (``grpc-status``, ``grpc-message``); if the peer has not half-closed by
+then, an RST_STREAM with NO_ERROR tells it to stop sending (RFC 9113 section 8.1, as gRPC's servers
+do). Frames that arrive later for a stream that ended are read (they count for the connection's
+window) and dropped. A peer's RST_STREAM, or the connection going away, cancels the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import hpack
+
+__all__ = [
+    "Call",
+    "Connection",
+    "Handler",
+    "Status",
+    "Stream",
+]
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+# Frame types and flags (RFC 9113 section 6).
+_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
+_PUSH_PROMISE, _PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = 0x5, 0x6, 0x7, 0x8, 0x9
+_END_STREAM = 0x1
+_ACK = 0x1
+_END_HEADERS = 0x4
+_PADDED = 0x8
+_PRIORITY_FLAG = 0x20
+
+# Error codes (section 7).
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
+STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
+
+# Settings (section 6.5.2).
+_HEADER_TABLE_SIZE, _ENABLE_PUSH, _MAX_CONCURRENT_STREAMS, _INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 1, 2, 3, 4, 5
+
+_MAX_WINDOW = 2**31 - 1
+# We take frames of up to 1 MiB (a whole request body chunk from Envoy in few frames); the protocol's
+# default, and what we send until the peer says otherwise, is 16 KiB.
+_OUR_MAX_FRAME = 1 << 20
+_DEFAULT_FRAME = 16_384
+_OUR_SETTINGS = struct.pack(">HIHI", _INITIAL_WINDOW_SIZE, _MAX_WINDOW, _MAX_FRAME_SIZE, _OUR_MAX_FRAME)
+
+_FRAME = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id: the 9-byte frame header
+_DATA_MESSAGE = struct.Struct(">IBIBI")  # a DATA frame header followed by a gRPC message prefix (14 bytes)
+
+
+class Status:
+    """gRPC status codes (the subset a server of ours sends)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    NOT_FOUND = 5
+    RESOURCE_EXHAUSTED = 8
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+
+
+class Call(Protocol):
+    """One RPC as its handler sees it: the peer's messages, its half-close, or its going away."""
+
+    def message(self, data: bytes) -> None:
+        """A whole request message (its serialized bytes)."""
+
+    def half_close(self) -> None:
+        """The peer sent its last message."""
+
+    def cancel(self) -> None:
+        """The peer reset the stream or the connection went away: nothing more can be sent."""
+
+
+# A method's handler: called with the new stream, returns the call that receives its messages.
+Handler = Callable[["Stream"], Call]
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """An HPACK literal header field without indexing, new name, no Huffman coding."""
+    return b"\x00" + _hpack_int(len(name), 7) + name + _hpack_int(len(value), 7) + value
+
+
+def _hpack_int(value: int, prefix: int) -> bytes:
+    limit = (1 << prefix) - 1
+    if value < limit:
+        return bytes((value,))
+    out = bytearray((limit,))
+    value -= limit
+    while value >= 128:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# ":status: 200" is entry 8 of the static table; content-type is entry 31 (a literal with that name).
+_RESPONSE_HEADERS = b"\x88" + b"\x0f\x10" + _hpack_int(16, 7) + b"application/grpc"
+_OK_TRAILERS = _literal(b"grpc-status", b"0")
+
+
+def _percent_encoded(message: str) -> bytes:
+    """``grpc-message``'s encoding: printable ASCII but '%' as is, every other byte %XX."""
+    out = bytearray()
+    for byte in message.encode("utf-8", "replace"):
+        if 0x20 <= byte <= 0x7E and byte != 0x25:
+            out.append(byte)
+        else:
+            out += b"%%%02X" % byte
+    return bytes(out)
+
+
+def _trailers(status: int, message: str) -> bytes:
+    if status == Status.OK and not message:
+        return _OK_TRAILERS
+    block = _literal(b"grpc-status", str(status).encode())
+    if message:
+        block += _literal(b"grpc-message", _percent_encoded(message))
+    return block
+
+
+class Stream:
+    """The server side of one RPC: what its call sends, and how it ends."""
+
+    __slots__ = (
+        "_connection",
+        "_frame_tail",
+        "buffer",
+        "call",
+        "ended",
+        "headers",
+        "headers_sent",
+        "id",
+        "pending",
+        "received",
+        "remote_closed",
+        "trailers_pending",
+        "window",
+    )  # fmt: skip
+
+    def __init__(self, connection: Connection, stream_id: int, headers: Mapping[bytes, bytes], window: int) -> None:
+        self._connection = connection
+        self.id = stream_id
+        self.headers = headers  # the request metadata (names lower-case, as HTTP/2 requires)
+        self.call: Call | None = None
+        self.window = window  # what we may still send on this stream (the peer's flow-control window)
+        self.received = 0  # bytes received since the last WINDOW_UPDATE we sent for it
+        self.buffer = b""  # a gRPC message not yet whole
+        self.headers_sent = False
+        self.remote_closed = False
+        self.ended = False  # finish() was called: nothing more is sent
+        self.pending: list[bytes] = []  # framed gRPC messages waiting for the peer's window
+        self.trailers_pending: bytes | None = None
+        self._frame_tail = stream_id
+
+    @property
+    def peer(self) -> str:
+        return self._connection.peer
+
+    def send(self, message: bytes) -> None:
+        """Send one gRPC message (serialized) on this stream; nothing once it has ended."""
+        if self.ended:
+            return
+        connection = self._connection
+        if not self.headers_sent:
+            self.headers_sent = True
+            connection.write_frame(_HEADERS, _END_HEADERS, self.id, _RESPONSE_HEADERS)
+        size = len(message) + 5
+        if not self.pending and size <= connection.max_frame and size <= self.window and size <= connection.window:
+            self.window -= size
+            connection.window -= size
+            connection.out.append(_DATA_MESSAGE.pack(size << 8, 0, self.id, 0, size - 5))
+            connection.out.append(message)
+            connection.written()
+            return
+        self.pending.append(struct.pack(">BI", 0, size - 5) + message)
+        connection.flush_stream(self)
+
+    def finish(self, status: int = Status.OK, message: str = "") -> None:
+        """End the call with ``status`` (trailers); later sends and finishes do nothing."""
+        if self.ended:
+            return
+        self.ended = True
+        connection = self._connection
+        if not self.headers_sent:  # trailers-only: the response headers and the status in one block
+            self.headers_sent = True
+            block = _RESPONSE_HEADERS + _trailers(status, message)
+        else:
+            block = _trailers(status, message)
+        if self.pending:
+            self.trailers_pending = block  # after the data still waiting for the window
+            return
+        connection.end_stream(self, block)
+
+
+class Connection(asyncio.Protocol):
+    """One HTTP/2 connection from a gRPC client (Envoy), dispatching each stream to its method's handler."""
+
+    def __init__(
+        self,
+        handlers: Mapping[str, Handler],
+        *,
+        max_message: int,
+        on_close: Callable[[Connection], None] | None = None,
+        on_bad_preface: Callable[[Connection, bytes], None] | None = None,
+    ) -> None:
+        self._handlers = handlers
+        self._max_message = max_message
+        self._on_close = on_close
+        self._on_bad_preface = on_bad_preface
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.streams: dict[int, Stream] = {}
+        self._last_stream = 0
+        self._preface = False
+        self._buffer = bytearray()
+        self._needed = 0  # bytes the buffer must hold before a frame can be read from it
+        self._decoder = hpack.Decoder()
+        self._headers: tuple[int, int, bytearray] | None = None  # (stream, flags, block) awaiting CONTINUATION
+        self.out: list[bytes] = []
+        self._reading = False
+        self._flush_scheduled = False
+        self.window = 65_535  # what we may send on the connection (the peer's window)
+        self._stream_window = 65_535  # the peer's initial window for each stream
+        self.max_frame = _DEFAULT_FRAME
+        self._received = 0  # bytes received since our last connection WINDOW_UPDATE
+        self._blocked: dict[int, Stream] = {}  # streams with data waiting for a window
+        self.going_away = False  # we sent GOAWAY: no new streams
+        self._closed = False
+        self.idle: asyncio.Event | None = None  # set when going away and the last stream ended
+
+    # -- asyncio.Protocol -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        # Our SETTINGS, then open the connection's receive window to the maximum.
+        self.write_frame(_SETTINGS, 0, 0, _OUR_SETTINGS)
+        self.write_frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", _MAX_WINDOW - 65_535))
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            self._cancel(stream)
+        if self.idle is not None:
+            self.idle.set()
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._buffer:
+            self._buffer += data
+            if len(self._buffer) < self._needed:
+                return  # a large frame still arriving: nothing to read yet
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        if not self._preface:
+            if len(data) < len(PREFACE):
+                if PREFACE.startswith(data):
+                    self._buffer += data
+                    self._needed = len(PREFACE)
+                    return
+            elif data.startswith(PREFACE):
+                self._preface = True
+                data = data[len(PREFACE) :]
+            if not self._preface:
+                if self._on_bad_preface is not None:
+                    self._on_bad_preface(self, data[:64])
+                self._abort()
+                return
+        self._reading = True
+        try:
+            self._frames(data)
+        except _ConnectionError as error:
+            log.warning("HTTP/2 connection from %s: %s; closing it", self.peer, error)
+            self.goaway(error.code, str(error))
+            self._flush()
+            self._abort()
+            return
+        finally:
+            self._reading = False
+        self._flush()
+
+    # -- reading frames -------------------------------------------------------------------------
+
+    def _frames(self, data: bytes) -> None:
+        size = len(data)
+        position = 0
+        unpack = _FRAME.unpack_from
+        while size - position >= 9:
+            length_type, flags, stream_id = unpack(data, position)
+            length = length_type >> 8
+            if length > _OUR_MAX_FRAME:
+                raise _ConnectionError(FRAME_SIZE_ERROR, f"a frame of {length} bytes (our maximum: {_OUR_MAX_FRAME})")
+            end = position + 9 + length
+            if end > size:
+                break
+            kind = length_type & 0xFF
+            stream_id &= 0x7FFFFFFF
+            if self._headers is not None and kind != _CONTINUATION:
+                raise _ConnectionError(PROTOCOL_ERROR, "a header block was interrupted by another frame")
+            if kind == _DATA:
+                self._data(stream_id, flags, data[position + 9 : end], length)
+            elif kind == _HEADERS:
+                self._header_frame(stream_id, flags, data[position + 9 : end])
+            elif kind == _WINDOW_UPDATE:
+                self._window_update(stream_id, data[position + 9 : end])
+            elif kind == _RST_STREAM:
+                self._reset(stream_id)
+            elif kind == _SETTINGS:
+                self._settings(stream_id, flags, data[position + 9 : end])
+            elif kind == _PING:
+                if length != 8:
+                    raise _ConnectionError(FRAME_SIZE_ERROR, "a PING that is not 8 bytes")
+                if not flags & _ACK:
+                    self.write_frame(_PING, _ACK, 0, data[position + 9 : end])
+            elif kind == _CONTINUATION:
+                self._continuation(stream_id, flags, data[position + 9 : end])
+            elif kind == _GOAWAY:
+                self._peer_goaway()
+            elif kind == _PUSH_PROMISE:
+                raise _ConnectionError(PROTOCOL_ERROR, "a client may not push")
+            # PRIORITY and unknown frame types are ignored (section 5.5).
+            position = end
+        if position < size:
+            self._buffer += data[position:]
+            self._needed = 9 if size - position < 9 else 9 + (_FRAME.unpack_from(data, position)[0] >> 8)
+
+    def _data(self, stream_id: int, flags: int, payload: bytes, length: int) -> None:
+        self._received += length
+        if self._received > _MAX_WINDOW // 2:
+            self.write_frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", self._received))
+            self._received = 0
+        if flags & _PADDED:
+            if not payload or payload[0] >= len(payload):
+                raise _ConnectionError(PROTOCOL_ERROR, "DATA padding longer than the frame")
+            payload = payload[1 : len(payload) - payload[0]]
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            if stream_id == 0 or stream_id > self._last_stream:
+                raise _ConnectionError(PROTOCOL_ERROR, f"DATA on stream {stream_id}, which was never opened")
+            return  # a stream that has ended
+        if stream.remote_closed:
+            self._stream_error(stream, STREAM_CLOSED)
+            return
+        stream.received += length
+        if stream.received > _MAX_WINDOW // 2 and not flags & _END_STREAM:
+            self.write_frame(_WINDOW_UPDATE, 0, stream_id, struct.pack(">I", stream.received))
+            stream.received = 0
+        call = stream.call
+        if payload:
+            buffer = stream.buffer
+            if buffer:
+                payload = buffer + payload
+            # The common case first: exactly one whole, uncompressed message.
+            if payload[0] == 0 and len(payload) >= 5 and int.from_bytes(payload[1:5]) == len(payload) - 5:
+                stream.buffer = b""
+                if len(payload) - 5 > self._max_message:
+                    self._too_large(stream, len(payload) - 5)
+                    return
+                assert call is not None
+                call.message(payload[5:])
+            else:
+                self._messages(stream, payload)
+        if flags & _END_STREAM:
+            stream.remote_closed = True
+            if stream.buffer:
+                stream.finish(Status.INTERNAL, "the stream ended inside a message")
+            if not stream.ended and call is not None:
+                call.half_close()
+            if stream.ended:
+                self._forget(stream)
+
+    def _messages(self, stream: Stream, payload: bytes) -> None:
+        """Split ``payload`` (the stream's buffer plus a DATA frame) into whole messages; keep the rest."""
+        position, size = 0, len(payload)
+        call = stream.call
+        while size - position >= 5 and not stream.ended:
+            if payload[position] != 0:
+                stream.finish(Status.UNIMPLEMENTED, "compressed messages are not supported (no grpc-encoding offered)")
+                return
+            length = int.from_bytes(payload[position + 1 : position + 5])
+            if length > self._max_message:
+                self._too_large(stream, length)
+                return
+            end = position + 5 + length
+            if end > size:
+                break
+            assert call is not None
+            call.message(payload[position + 5 : end])
+            position = end
+        stream.buffer = payload[position:] if position < size and not stream.ended else b""
+
+    def _too_large(self, stream: Stream, length: int) -> None:
+        stream.buffer = b""
+        stream.finish(Status.RESOURCE_EXHAUSTED, f"received message larger than max ({length} vs. {self._max_message})")
+        if stream.call is not None:
+            stream.call.cancel()
+
+    def _header_frame(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if stream_id == 0:
+            raise _ConnectionError(PROTOCOL_ERROR, "HEADERS on stream 0")
+        start, end = 0, len(payload)
+        if flags & _PADDED:
+            if not payload or payload[0] >= len(payload):
+                raise _ConnectionError(PROTOCOL_ERROR, "HEADERS padding longer than the frame")
+            start, end = 1, end - payload[0]
+        if flags & _PRIORITY_FLAG:
+            start += 5
+        block = payload[start:end]
+        if flags & _END_HEADERS:
+            self._headers_block(stream_id, flags, block)
+        else:
+            self._headers = (stream_id, flags, bytearray(block))
+
+    def _continuation(self, stream_id: int, flags: int, payload: bytes) -> None:
+        pending = self._headers
+        if pending is None or pending[0] != stream_id:
+            raise _ConnectionError(PROTOCOL_ERROR, "CONTINUATION without a header block to continue")
+        pending[2].extend(payload)
+        if len(pending[2]) > 1 << 20:
+            raise _ConnectionError(PROTOCOL_ERROR, "a header block over 1 MiB")
+        if flags & _END_HEADERS:
+            self._headers = None
+            self._headers_block(stream_id, pending[1], bytes(pending[2]))
+
+    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        # Envoy's later streams on a connection send blocks of table references only (one byte
+        # each, 0x80 | index); those change no table, so they are read here without hpack's
+        # general decoder (~18 µs for ten headers, against ~3 µs).
+        if block and all(0x80 < byte < 0xFF for byte in block):
+            lookup = self._decoder.header_table.get_by_index
+            try:
+                return [lookup(byte & 0x7F) for byte in block]
+            except hpack.InvalidTableIndex as exc:
+                raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from None
+        try:
+            return self._decoder.decode(block, raw=True)  # type: ignore[return-value]
+        except hpack.HPACKError as exc:
+            raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from None
+
+    def _headers_block(self, stream_id: int, flags: int, block: bytes) -> None:
+        headers = self._decode(block)  # always: the table must follow every block, even one we refuse
+        stream = self.streams.get(stream_id)
+        if stream is not None:  # trailers: the client's last word on the stream
+            if not flags & _END_STREAM:
+                raise _ConnectionError(PROTOCOL_ERROR, f"a second header block on stream {stream_id}, not its last")
+            stream.remote_closed = True
+            if not stream.ended and stream.call is not None:
+                stream.call.half_close()
+            if stream.ended:
+                self._forget(stream)
+            return
+        if stream_id % 2 == 0 or stream_id <= self._last_stream:
+            if stream_id <= self._last_stream and stream_id % 2:
+                return  # trailers of a stream that has ended
+            raise _ConnectionError(PROTOCOL_ERROR, f"a client may not open stream {stream_id}")
+        self._last_stream = stream_id
+        if self.going_away:
+            self.write_frame(_RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM))
+            return
+        metadata = dict(headers)
+        stream = Stream(self, stream_id, metadata, self._stream_window)
+        self.streams[stream_id] = stream
+        if flags & _END_STREAM:
+            stream.remote_closed = True
+        path = metadata.get(b":path", b"").decode("latin-1")
+        handler = self._handlers.get(path)
+        if handler is None:
+            stream.finish(Status.UNIMPLEMENTED, f"unknown method {path}")
+            return
+        if metadata.get(b"grpc-encoding", b"identity") not in (b"identity", b""):
+            stream.finish(Status.UNIMPLEMENTED, "compressed messages are not supported (no grpc-encoding offered)")
+            return
+        try:
+            stream.call = handler(stream)
+        except Exception:
+            log.exception("the handler of %s failed to start a call", path)
+            stream.finish(Status.INTERNAL, "the server failed to start the call")
+            return
+        if stream.remote_closed and not stream.ended:
+            stream.call.half_close()
+
+    def _reset(self, stream_id: int) -> None:
+        stream = self.streams.pop(stream_id, None)
+        self._blocked.pop(stream_id, None)
+        if stream is not None:
+            stream.ended = True
+            self._cancel(stream)
+            self._check_idle()
+
+    def _settings(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if stream_id != 0:
+            raise _ConnectionError(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & _ACK:
+            return
+        if len(payload) % 6:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6")
+        for offset in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, offset)
+            if key == _INITIAL_WINDOW_SIZE:
+                if value > _MAX_WINDOW:
+                    raise _ConnectionError(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE above 2^31-1")
+                delta = value - self._stream_window
+                self._stream_window = value
+                for stream in self.streams.values():
+                    stream.window += delta
+            elif key == _MAX_FRAME_SIZE:
+                if not _DEFAULT_FRAME <= value <= 2**24 - 1:
+                    raise _ConnectionError(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} out of range")
+                self.max_frame = value
+            # The peer's header table size does not matter: our blocks never index.
+        self.write_frame(_SETTINGS, _ACK, 0, b"")
+        self._resume()
+
+    def _window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "WINDOW_UPDATE that is not 4 bytes")
+        increment = int.from_bytes(payload) & 0x7FFFFFFF
+        if stream_id == 0:
+            if increment == 0:
+                raise _ConnectionError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self.window += increment
+            if self.window > _MAX_WINDOW:
+                raise _ConnectionError(FLOW_CONTROL_ERROR, "the connection's window above 2^31-1")
+        else:
+            stream = self.streams.get(stream_id)
+            if stream is None:
+                return
+            stream.window += increment
+        self._resume()
+
+    def _peer_goaway(self) -> None:
+        # The peer opens no more streams; those open run to their end.
+        self.going_away = True
+        self._check_idle()
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def write_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        self.out.append(_FRAME.pack(len(payload) << 8 | kind, flags, stream_id))
+        if payload:
+            self.out.append(payload)
+        self.written()
+
+    def written(self) -> None:
+        """Something was added to ``out``: written at the end of this read, or soon if not reading."""
+        if not self._reading and not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out = self.out
+        if out and not self._closed and self.transport is not None:
+            self.transport.writelines(out) if len(out) > 1 else self.transport.write(out[0])
+        out.clear()
+
+    def flush_stream(self, stream: Stream) -> None:
+        """Send what ``stream`` has waiting, as far as the windows allow, then its trailers if due."""
+        pending = stream.pending
+        while pending:
+            room = min(self.window, stream.window, self.max_frame)
+            if room <= 0:
+                self._blocked[stream.id] = stream
+                return
+            head = pending[0]
+            if len(head) <= room:
+                pending.pop(0)
+                piece = head
+            else:
+                piece, pending[0] = head[:room], head[room:]
+            self.window -= len(piece)
+            stream.window -= len(piece)
+            self.write_frame(_DATA, 0, stream.id, piece)
+        self._blocked.pop(stream.id, None)
+        if stream.trailers_pending is not None:
+            block, stream.trailers_pending = stream.trailers_pending, None
+            self.end_stream(stream, block)
+
+    def _resume(self) -> None:
+        for stream in list(self._blocked.values()):
+            self.flush_stream(stream)
+
+    def end_stream(self, stream: Stream, block: bytes) -> None:
+        """The trailers that end ``stream``; an RST_STREAM(NO_ERROR) if the peer is still sending."""
+        self.write_frame(_HEADERS, _END_HEADERS | _END_STREAM, stream.id, block)
+        if not stream.remote_closed:
+            self.write_frame(_RST_STREAM, 0, stream.id, struct.pack(">I", NO_ERROR))
+        self._forget(stream)
+
+    def _forget(self, stream: Stream) -> None:
+        if self.streams.get(stream.id) is stream:
+            del self.streams[stream.id]
+            self._blocked.pop(stream.id, None)
+            self._check_idle()
+
+    def _stream_error(self, stream: Stream, code: int) -> None:
+        self.write_frame(_RST_STREAM, 0, stream.id, struct.pack(">I", code))
+        self.streams.pop(stream.id, None)
+        stream.ended = True
+        self._cancel(stream)
+
+    def _cancel(self, stream: Stream) -> None:
+        stream.ended = True
+        call = stream.call
+        if call is not None:
+            try:
+                call.cancel()
+            except Exception:
+                log.exception("a call failed to cancel")
+
+    def goaway(self, code: int = NO_ERROR, reason: str = "") -> None:
+        """Tell the peer to open no more streams (the open ones run to their end)."""
+        if self._closed:
+            return
+        self.going_away = True
+        self.write_frame(_GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + reason.encode()[:256])
+
+    def _check_idle(self) -> None:
+        if self.going_away and not self.streams and self.idle is not None:
+            self.idle.set()
+
+    def close_if_idle(self) -> None:
+        """Once going away: mark the connection idle now if no stream is open."""
+        self._check_idle()
+
+    def _abort(self) -> None:
+        if self.transport is not None and not self._closed:
+            self._closed = True
+            self.transport.close()
+
+    def close(self) -> None:
+        """Flush what is written and close the connection; open calls are cancelled."""
+        self._flush()
+        if self.transport is not None and not self._closed:
+            self.transport.close()
+
+
+class _ConnectionError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,234 @@
+"""A gRPC server on asyncio: listening sockets, TLS, and the connections of :mod:`epp.wire.http2`.
+
+:class:`GrpcServer` serves a table of methods (``"/package.Service/Method"`` -> handler) on one or
+more listening sockets, plaintext or TLS. It binds without ``SO_REUSEPORT``, so that a second
+process on the same port fails to start instead of silently taking half of the streams; a worker
+process serves a socket its parent bound and passed on (:meth:`GrpcServer.serve_socket`).
+
+Mismatches are explained, once a minute at most: each connection's first byte says what the client
+speaks before anything is decoded. On a TLS port, a connection whose first bytes are not a TLS
+handshake (Envoy's cluster without a ``transport_socket`` sends the plaintext HTTP/2 preface) is
+logged with what to change on either side and closed; on a plaintext port, a TLS ClientHello is. TLS
+itself is the event loop's (uvloop's) ``connect_accepted_socket(ssl=...)`` with ALPN ``h2``.
+
+Stopping (:meth:`GrpcServer.stop`): the listening sockets close, every connection gets a GOAWAY
+(the peer opens new streams elsewhere, the open ones go on), the open streams get ``grace`` seconds
+to end, then the connections close and the calls left are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Mapping
+
+from epp.wire.http2 import PREFACE, Connection, Handler
+
+__all__ = ["GrpcServer", "bind_socket"]
+
+log = logging.getLogger(__name__)
+
+_TLS_RECORD = 0x16  # the first byte of a TLS handshake record (a ClientHello)
+_FIRST_BYTES_TIMEOUT = 30.0  # a connection that says nothing for this long is closed
+_MISMATCH_INTERVAL = 60.0  # one log line per kind per minute at most
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0: any free port), without SO_REUSEPORT; OSError if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only; not REUSEPORT
+        sock.bind((host.strip("[]"), port))
+        sock.listen(1024)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class GrpcServer:
+    """Serves ``methods`` on the sockets given to :meth:`serve_socket`; ``ssl_context`` for TLS."""
+
+    def __init__(
+        self,
+        methods: Mapping[str, Handler],
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        max_message: int = 4 * 1024 * 1024,
+        flag: str = "the port",
+    ) -> None:
+        self._methods = methods
+        self._ssl = ssl_context
+        if ssl_context is not None:
+            ssl_context.set_alpn_protocols(["h2"])
+        self._max_message = max_message
+        self._flag = flag  # how the operator names this port, for log lines ("--grpc-port 9002")
+        self._sockets: list[socket.socket] = []
+        self._connections: set[Connection] = set()
+        self._sniffing: set[socket.socket] = set()
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self._last_logged: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._stopping = False
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    def serve_socket(self, sock: socket.socket) -> int:
+        """Accept connections on the listening ``sock`` (non-blocking) from now on; its port."""
+        sock.setblocking(False)
+        self._sockets.append(sock)
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept, sock)
+        return int(sock.getsockname()[1])
+
+    # -- accepting --------------------------------------------------------------------------------
+
+    def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(64):  # a burst of new connections, bounded per wake-up
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: keep serving what is open
+                log.warning("%s: cannot accept a connection: %s", self._flag, exc)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is None:
+                self._start(sock, None)
+            else:  # the first byte says whether the client speaks TLS
+                self._sniffing.add(sock)
+                deadline = loop.call_later(_FIRST_BYTES_TIMEOUT, self._give_up, sock)
+                loop.add_reader(sock.fileno(), self._first_bytes, sock, deadline)
+
+    def _give_up(self, sock: socket.socket) -> None:
+        if sock in self._sniffing:
+            self._sniffing.discard(sock)
+            asyncio.get_running_loop().remove_reader(sock.fileno())
+            sock.close()
+
+    def _first_bytes(self, sock: socket.socket, deadline: asyncio.TimerHandle) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            head = sock.recv(len(PREFACE), socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            head = b""
+        if head and head[0] != _TLS_RECORD and len(head) < len(PREFACE) and PREFACE.startswith(head):
+            return  # part of a plaintext preface: wait for the rest, to say exactly what it is
+        loop.remove_reader(sock.fileno())
+        deadline.cancel()
+        self._sniffing.discard(sock)
+        if not head:  # closed before saying anything
+            sock.close()
+            return
+        if head[0] == _TLS_RECORD:
+            self._start(sock, self._ssl)
+            return
+        peer = _peer(sock)
+        what = "plaintext HTTP/2 (gRPC without TLS)" if head.startswith(PREFACE[:14]) else f"{head[:24]!r}, not TLS"
+        self._mismatch(
+            "plaintext-on-tls",
+            f"{self._flag} serves TLS (--secure-serving=true, the default), and {peer} sent {what}: give the "
+            "gateway's cluster for the picker a TLS transport_socket (deploy/envoy/envoy-tls.yaml pairs with "
+            "this), or start the picker with --secure-serving=false to serve plaintext",
+        )
+        sock.close()
+
+    def _start(self, sock: socket.socket, context: ssl.SSLContext | None) -> None:
+        task = asyncio.get_running_loop().create_task(self._connect(sock, context))
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
+
+    async def _connect(self, sock: socket.socket, context: ssl.SSLContext | None) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            timeout = 10.0 if context else None
+            await loop.connect_accepted_socket(self._connection, sock, ssl=context, ssl_handshake_timeout=timeout)
+        except (TimeoutError, OSError, ssl.SSLError) as exc:
+            self._mismatch("handshake", f"{self._flag}: the TLS handshake with {_peer(sock)} failed: {exc}")
+            sock.close()
+
+    def _connection(self) -> Connection:
+        connection = Connection(
+            self._methods,
+            max_message=self._max_message,
+            on_close=self._connections.discard,
+            on_bad_preface=self._bad_preface,
+        )
+        self._connections.add(connection)
+        if self._stopping:
+            connection.goaway()
+        return connection
+
+    def _bad_preface(self, connection: Connection, head: bytes) -> None:
+        if head[:1] == bytes((_TLS_RECORD,)):
+            self._mismatch(
+                "tls-on-plaintext",
+                f"{self._flag} serves plaintext (--secure-serving=false), and {connection.peer} started a TLS "
+                "handshake: remove the TLS transport_socket from the gateway's cluster for the picker "
+                "(deploy/envoy/envoy.yaml pairs with this), or start the picker with --secure-serving=true",
+            )
+        else:
+            self._mismatch(
+                "not-http2",
+                f"{self._flag} speaks gRPC (HTTP/2), and {connection.peer} sent {head[:24]!r}: point HTTP/1 "
+                "clients at the gateway, not at the picker",
+            )
+
+    def _mismatch(self, kind: str, message: str) -> None:
+        """Log ``message`` at most once a minute per kind, saying how many were left unsaid."""
+        now = time.monotonic()
+        if now - self._last_logged.get(kind, -_MISMATCH_INTERVAL) < _MISMATCH_INTERVAL:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._last_logged[kind] = now
+        more = self._suppressed.pop(kind, 0)
+        log.warning("%s%s", message, f" ({more} more such connections in the last minute)" if more else "")
+
+    # -- stopping ---------------------------------------------------------------------------------
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting, GOAWAY every connection, give open streams ``grace`` seconds, then close all."""
+        self._stopping = True
+        loop = asyncio.get_running_loop()
+        for sock in self._sockets:
+            loop.remove_reader(sock.fileno())
+            sock.close()
+        self._sockets.clear()
+        for sock in list(self._sniffing):
+            self._give_up(sock)
+        for task in list(self._handshakes):
+            task.cancel()
+        connections = list(self._connections)
+        idle = []
+        for connection in connections:
+            connection.idle = asyncio.Event()
+            connection.goaway()
+            connection.close_if_idle()
+            idle.append(connection.idle)
+        if idle and grace > 0:
+            try:
+                async with asyncio.timeout(grace):
+                    await asyncio.gather(*(event.wait() for event in idle))
+            except TimeoutError:
+                pass
+        for connection in connections:
+            connection.close()
+        await asyncio.sleep(0)  # let the transports deliver connection_lost (the calls' cancel)
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "a client"
+    return f"{host}:{port}"
