@@ -110,6 +110,7 @@ class _Stream:
     __slots__ = (
         "_director",
         "_max_body",
+        "_tally",
         "chunks",
         "done",
         "headers",
@@ -117,19 +118,21 @@ class _Stream:
         "outcome",
         "pending",
         "request_mode",
-        "response_bytes",
         "response_mode",
         "routed",
         "size",
         "sse",
         "subset",
-        "tail",
         "trace",
     )  # fmt: skip
 
-    def __init__(self, director: Director, max_body: int) -> None:
+    def __init__(self, director: Director, max_body: int, tally: Stream) -> None:
         self._director = director
         self._max_body = max_body
+        # The response body's size and last chunks, kept on the wire stream, whose C read path
+        # answers and tallies the chunks between the first and the last (see response_body).
+        self._tally = tally
+        tally.keep_tail(TAIL_CHUNKS)
         self.request_mode = FULL_DUPLEX
         self.response_mode = FULL_DUPLEX
         self.headers: dict[str, str] = {}
@@ -141,10 +144,7 @@ class _Stream:
         self.pending: str | None = None  # the message that asked to route: headers, body or trailers
         self.outcome: Outcome = "cancelled"
         self.model: str | None = None  # known once the body is parsed
-        # The response body: its size, and its last few chunks (references, no copies) for the usage.
-        self.response_bytes = 0
         self.sse = False
-        self.tail: list[bytes] = []
         self.trace: RequestTrace | None = None  # only with --tracing (epp.requestcontrol.tracing)
 
     # -- the request phase ---------------------------------------------------------------------
@@ -272,20 +272,20 @@ class _Stream:
     def response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
         chunk = body.body
         routed = self.routed
+        tally = self._tally
         if chunk:
-            if routed is not None and not self.response_bytes:
-                routed.response_body_started()
-            self.response_bytes += len(chunk)
-            tail = self.tail
-            tail.append(chunk)
-            if len(tail) > TAIL_CHUNKS:
-                del tail[0]
+            if not tally.response_bytes:  # the first chunk: the response has started
+                if routed is not None:
+                    routed.response_body_started()
+                if self.response_mode == FULL_DUPLEX:
+                    tally.echo_response_bodies()  # the chunks up to the last are answered in C
+            tally.tally(chunk)
         if body.end_of_stream:
             self.outcome = "complete"
             if routed is not None:
-                usage = _usage(self.tail, self.sse)
+                usage = _usage(tally.tail(), self.sse)
                 routed.response_ended(
-                    self.response_bytes, (usage.prompt_tokens, usage.completion_tokens) if usage else None
+                    tally.response_bytes, (usage.prompt_tokens, usage.completion_tokens) if usage else None
                 )
         if self.response_mode != FULL_DUPLEX:
             return CONTINUE_RESPONSE_BODY
@@ -329,7 +329,7 @@ class ExternalProcessor:
 
     def open(self, wire: Stream) -> _Call:
         """A call for the new ext_proc stream ``wire``."""
-        return _Call(_Stream(self._director, self._max_body), wire, self._metrics)
+        return _Call(_Stream(self._director, self._max_body, wire), wire, self._metrics)
 
 
 class _Call:

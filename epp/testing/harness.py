@@ -86,7 +86,8 @@ class PickerProcess:
         self.health_port = free_port()
         self.metrics_port = free_port()
         self.args = [
-            python, "-m", "epp", "serve",
+            # -P: never import epp from the working directory (another tree's python must get its own)
+            python, "-P", "-m", "epp", "serve",
             "--bind-address", "127.0.0.1",
             "--grpc-port", str(self.grpc_port),
             "--grpc-health-port", str(self.health_port),

@@ -36,6 +36,8 @@ from typing import Protocol
 
 import hpack
 
+from epp.wire._fast import ConnectionBase, StreamBase
+
 __all__ = [
     "Call",
     "Connection",
@@ -149,12 +151,17 @@ def _trailers(status: int, message: str) -> bytes:
     return block
 
 
-class Stream:
-    """The server side of one RPC: what its call sends, and how it ends."""
+class Stream(StreamBase):
+    """The server side of one RPC: what its call sends, and how it ends.
+
+    Its C base (:class:`epp.wire._fast.StreamBase`) holds the flow-control windows and the response
+    tally (``tally``, ``response_bytes``, ``tail``); with ``echo_response_bodies`` on, the
+    connection's C read path answers the ext_proc response body chunks of this stream itself.
+    """
 
     __slots__ = (
         "_connection",
-        "_frame_tail",
+        "_echo",
         "buffer",
         "call",
         "ended",
@@ -162,26 +169,38 @@ class Stream:
         "headers_sent",
         "id",
         "pending",
-        "received",
         "remote_closed",
         "trailers_pending",
-        "window",
     )  # fmt: skip
 
     def __init__(self, connection: Connection, stream_id: int, headers: Mapping[bytes, bytes], window: int) -> None:
+        super().__init__()
         self._connection = connection
         self.id = stream_id
         self.headers = headers  # the request metadata (names lower-case, as HTTP/2 requires)
         self.call: Call | None = None
         self.window = window  # what we may still send on this stream (the peer's flow-control window)
-        self.received = 0  # bytes received since the last WINDOW_UPDATE we sent for it
         self.buffer = b""  # a gRPC message not yet whole
         self.headers_sent = False
         self.remote_closed = False
         self.ended = False  # finish() was called: nothing more is sent
         self.pending: list[bytes] = []  # framed gRPC messages waiting for the peer's window
         self.trailers_pending: bytes | None = None
-        self._frame_tail = stream_id
+        self._echo = False
+
+    def echo_response_bodies(self) -> None:
+        """From now on, the connection answers this ext_proc stream's response body chunks in C.
+
+        Each non-empty chunk without end_of_stream, once a first chunk was tallied, is answered with
+        itself as a streamed body mutation and tallied (see :mod:`epp.wire._fast`); the rest still
+        reach the call.
+        """
+        self._echo = True
+        self._sync_echo()
+
+    def _sync_echo(self) -> None:
+        # C may answer only while nothing waits to go out before its answer, and the peer still sends.
+        self.echo = int(self._echo and not self.pending and not self.remote_closed and not self.ended)
 
     @property
     def peer(self) -> str:
@@ -204,6 +223,7 @@ class Stream:
             connection.written()
             return
         self.pending.append(struct.pack(">BI", 0, size - 5) + message)
+        self.echo = 0
         connection.flush_stream(self)
 
     def finish(self, status: int = Status.OK, message: str = "") -> None:
@@ -211,6 +231,7 @@ class Stream:
         if self.ended:
             return
         self.ended = True
+        self.echo = 0
         connection = self._connection
         if not self.headers_sent:  # trailers-only: the response headers and the status in one block
             self.headers_sent = True
@@ -223,8 +244,13 @@ class Stream:
         connection.end_stream(self, block)
 
 
-class Connection(asyncio.Protocol):
-    """One HTTP/2 connection from a gRPC client (Envoy), dispatching each stream to its method's handler."""
+class Connection(ConnectionBase, asyncio.Protocol):
+    """One HTTP/2 connection from a gRPC client (Envoy), dispatching each stream to its method's handler.
+
+    Reads go through the C base's ``data_received`` (:mod:`epp.wire._fast`), which answers echoed
+    response body chunks itself and hands every other frame to :meth:`_frame`; a read that starts
+    with the preface or completes a buffered frame goes to :meth:`_slow`.
+    """
 
     def __init__(
         self,
@@ -234,35 +260,27 @@ class Connection(asyncio.Protocol):
         on_close: Callable[[Connection], None] | None = None,
         on_bad_preface: Callable[[Connection, bytes], None] | None = None,
     ) -> None:
+        ConnectionBase.__init__(self)  # streams, out, windows
         self._handlers = handlers
         self._max_message = max_message
         self._on_close = on_close
         self._on_bad_preface = on_bad_preface
-        self.transport: asyncio.Transport | None = None
         self.peer = "?"
-        self.streams: dict[int, Stream] = {}
         self._last_stream = 0
         self._preface = False
         self._buffer = bytearray()
         self._needed = 0  # bytes the buffer must hold before a frame can be read from it
         self._decoder = hpack.Decoder()
         self._headers: tuple[int, int, bytearray] | None = None  # (stream, flags, block) awaiting CONTINUATION
-        self.out: list[bytes] = []
-        self._reading = False
-        self._flush_scheduled = False
-        self.window = 65_535  # what we may send on the connection (the peer's window)
         self._stream_window = 65_535  # the peer's initial window for each stream
-        self.max_frame = _DEFAULT_FRAME
-        self._received = 0  # bytes received since our last connection WINDOW_UPDATE
         self._blocked: dict[int, Stream] = {}  # streams with data waiting for a window
         self.going_away = False  # we sent GOAWAY: no new streams
-        self._closed = False
         self.idle: asyncio.Event | None = None  # set when going away and the last stream ended
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
+        self.transport = transport  # uvloop's transports do not subclass asyncio's: the C base takes any
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         # Our SETTINGS, then open the connection's receive window to the maximum.
@@ -271,16 +289,18 @@ class Connection(asyncio.Protocol):
         self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
-        streams, self.streams = self.streams, {}
-        for stream in streams.values():
+        self.closed = 1
+        streams = list(self.streams.values())
+        self.streams.clear()
+        for stream in streams:
             self._cancel(stream)
         if self.idle is not None:
             self.idle.set()
         if self._on_close is not None:
             self._on_close(self)
 
-    def data_received(self, data: bytes) -> None:
+    def _slow(self, data: bytes) -> None:
+        """A read the C path does not take as it is: the preface, or data completing a buffered frame."""
         if self._buffer:
             self._buffer += data
             if len(self._buffer) < self._needed:
@@ -301,69 +321,83 @@ class Connection(asyncio.Protocol):
                     self._on_bad_preface(self, data[:64])
                 self._abort()
                 return
-        self._reading = True
+        self._update_plain()
+        self.reading = 1
         try:
-            self._frames(data)
-        except _ConnectionError as error:
-            log.warning("HTTP/2 connection from %s: %s; closing it", self.peer, error)
-            self.goaway(error.code, str(error))
-            self._flush()
-            self._abort()
+            position = self.frames(data, 0)
+            if position < len(data):
+                self._keep(data, position)
+        except Exception as exc:
+            self.reading = 0
+            self._error(exc)
             return
-        finally:
-            self._reading = False
+        self.reading = 0
         self._flush()
+
+    def _keep(self, data: bytes, position: int) -> None:
+        """The start of a frame not yet whole: kept until the rest arrives."""
+        self._buffer += data[position:]
+        head = len(data) - position
+        self._needed = 9 if head < 9 else 9 + (_FRAME.unpack_from(data, position)[0] >> 8)
+        self.plain = 0
+
+    def _update_plain(self) -> None:
+        self.plain = int(self._preface and not self._buffer and self._headers is None)
+
+    def _error(self, exc: BaseException) -> None:
+        """A read failed: a protocol error closes the connection with GOAWAY; anything else is a bug, logged."""
+        self.out.clear()
+        if isinstance(exc, _ConnectionError):
+            log.warning("HTTP/2 connection from %s: %s; closing it", self.peer, exc)
+            self.goaway(exc.code, str(exc))
+        else:
+            log.error("reading from %s failed; closing the connection", self.peer, exc_info=exc)
+            self.goaway(INTERNAL_ERROR, "internal error")
+        self._flush()
+        self._abort()
 
     # -- reading frames -------------------------------------------------------------------------
 
-    def _frames(self, data: bytes) -> None:
-        size = len(data)
-        position = 0
-        unpack = _FRAME.unpack_from
-        while size - position >= 9:
-            length_type, flags, stream_id = unpack(data, position)
-            length = length_type >> 8
-            if length > _OUR_MAX_FRAME:
-                raise _ConnectionError(FRAME_SIZE_ERROR, f"a frame of {length} bytes (our maximum: {_OUR_MAX_FRAME})")
-            end = position + 9 + length
-            if end > size:
-                break
-            kind = length_type & 0xFF
-            stream_id &= 0x7FFFFFFF
-            if self._headers is not None and kind != _CONTINUATION:
-                raise _ConnectionError(PROTOCOL_ERROR, "a header block was interrupted by another frame")
-            if kind == _DATA:
-                self._data(stream_id, flags, data[position + 9 : end], length)
-            elif kind == _HEADERS:
-                self._header_frame(stream_id, flags, data[position + 9 : end])
-            elif kind == _WINDOW_UPDATE:
-                self._window_update(stream_id, data[position + 9 : end])
-            elif kind == _RST_STREAM:
-                self._reset(stream_id)
-            elif kind == _SETTINGS:
-                self._settings(stream_id, flags, data[position + 9 : end])
-            elif kind == _PING:
-                if length != 8:
-                    raise _ConnectionError(FRAME_SIZE_ERROR, "a PING that is not 8 bytes")
-                if not flags & _ACK:
-                    self.write_frame(_PING, _ACK, 0, data[position + 9 : end])
-            elif kind == _CONTINUATION:
-                self._continuation(stream_id, flags, data[position + 9 : end])
-            elif kind == _GOAWAY:
-                self._peer_goaway()
-            elif kind == _PUSH_PROMISE:
-                raise _ConnectionError(PROTOCOL_ERROR, "a client may not push")
-            # PRIORITY and unknown frame types are ignored (section 5.5).
-            position = end
-        if position < size:
-            self._buffer += data[position:]
-            self._needed = 9 if size - position < 9 else 9 + (_FRAME.unpack_from(data, position)[0] >> 8)
+    def _frame(self, data: bytes, position: int) -> int:
+        """Read the whole frame at ``position`` of ``data`` (the C loop's call); the next frame's position."""
+        length_type, flags, stream_id = _FRAME.unpack_from(data, position)
+        length = length_type >> 8
+        if length > _OUR_MAX_FRAME:
+            raise _ConnectionError(FRAME_SIZE_ERROR, f"a frame of {length} bytes (our maximum: {_OUR_MAX_FRAME})")
+        end = position + 9 + length
+        kind = length_type & 0xFF
+        stream_id &= 0x7FFFFFFF
+        if self._headers is not None and kind != _CONTINUATION:
+            raise _ConnectionError(PROTOCOL_ERROR, "a header block was interrupted by another frame")
+        if kind == _DATA:
+            self._data(stream_id, flags, data[position + 9 : end], length)
+        elif kind == _HEADERS:
+            self._header_frame(stream_id, flags, data[position + 9 : end])
+        elif kind == _WINDOW_UPDATE:
+            self._window_update(stream_id, data[position + 9 : end])
+        elif kind == _RST_STREAM:
+            self._reset(stream_id)
+        elif kind == _SETTINGS:
+            self._settings(stream_id, flags, data[position + 9 : end])
+        elif kind == _PING:
+            if length != 8:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "a PING that is not 8 bytes")
+            if not flags & _ACK:
+                self.write_frame(_PING, _ACK, 0, data[position + 9 : end])
+        elif kind == _CONTINUATION:
+            self._continuation(stream_id, flags, data[position + 9 : end])
+        elif kind == _GOAWAY:
+            self._peer_goaway()
+        elif kind == _PUSH_PROMISE:
+            raise _ConnectionError(PROTOCOL_ERROR, "a client may not push")
+        # PRIORITY and unknown frame types are ignored (section 5.5).
+        return end
 
     def _data(self, stream_id: int, flags: int, payload: bytes, length: int) -> None:
-        self._received += length
-        if self._received > _MAX_WINDOW // 2:
-            self.write_frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", self._received))
-            self._received = 0
+        self.received += length
+        if self.received > _MAX_WINDOW // 2:
+            self.write_frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", self.received))
+            self.received = 0
         if flags & _PADDED:
             if not payload or payload[0] >= len(payload):
                 raise _ConnectionError(PROTOCOL_ERROR, "DATA padding longer than the frame")
@@ -397,6 +431,7 @@ class Connection(asyncio.Protocol):
                 self._messages(stream, payload)
         if flags & _END_STREAM:
             stream.remote_closed = True
+            stream.echo = 0
             if stream.buffer:
                 stream.finish(Status.INTERNAL, "the stream ended inside a message")
             if not stream.ended and call is not None:
@@ -445,6 +480,7 @@ class Connection(asyncio.Protocol):
             self._headers_block(stream_id, flags, block)
         else:
             self._headers = (stream_id, flags, bytearray(block))
+            self.plain = 0
 
     def _continuation(self, stream_id: int, flags: int, payload: bytes) -> None:
         pending = self._headers
@@ -455,6 +491,7 @@ class Connection(asyncio.Protocol):
             raise _ConnectionError(PROTOCOL_ERROR, "a header block over 1 MiB")
         if flags & _END_HEADERS:
             self._headers = None
+            self._update_plain()
             self._headers_block(stream_id, pending[1], bytes(pending[2]))
 
     def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
@@ -479,6 +516,7 @@ class Connection(asyncio.Protocol):
             if not flags & _END_STREAM:
                 raise _ConnectionError(PROTOCOL_ERROR, f"a second header block on stream {stream_id}, not its last")
             stream.remote_closed = True
+            stream.echo = 0
             if not stream.ended and stream.call is not None:
                 stream.call.half_close()
             if stream.ended:
@@ -578,16 +616,9 @@ class Connection(asyncio.Protocol):
 
     def written(self) -> None:
         """Something was added to ``out``: written at the end of this read, or soon if not reading."""
-        if not self._reading and not self._flush_scheduled:
-            self._flush_scheduled = True
+        if not self.reading and not self.flush_scheduled:
+            self.flush_scheduled = 1
             asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        out = self.out
-        if out and not self._closed and self.transport is not None:
-            self.transport.writelines(out) if len(out) > 1 else self.transport.write(out[0])
-        out.clear()
 
     def flush_stream(self, stream: Stream) -> None:
         """Send what ``stream`` has waiting, as far as the windows allow, then its trailers if due."""
@@ -607,6 +638,7 @@ class Connection(asyncio.Protocol):
             stream.window -= len(piece)
             self.write_frame(_DATA, 0, stream.id, piece)
         self._blocked.pop(stream.id, None)
+        stream._sync_echo()
         if stream.trailers_pending is not None:
             block, stream.trailers_pending = stream.trailers_pending, None
             self.end_stream(stream, block)
@@ -645,7 +677,7 @@ class Connection(asyncio.Protocol):
 
     def goaway(self, code: int = NO_ERROR, reason: str = "") -> None:
         """Tell the peer to open no more streams (the open ones run to their end)."""
-        if self._closed:
+        if self.closed:
             return
         self.going_away = True
         self.write_frame(_GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + reason.encode()[:256])
@@ -659,14 +691,15 @@ class Connection(asyncio.Protocol):
         self._check_idle()
 
     def _abort(self) -> None:
-        if self.transport is not None and not self._closed:
-            self._closed = True
+        if self.transport is not None and not self.closed:
+            self.closed = 1
             self.transport.close()
 
     def close(self) -> None:
         """Flush what is written and close the connection; open calls are cancelled."""
         self._flush()
-        if self.transport is not None and not self._closed:
+        if self.transport is not None and not self.closed:
+            self.closed = 1
             self.transport.close()
 
 

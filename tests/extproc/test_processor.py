@@ -28,6 +28,7 @@ from epp.requestcontrol.lifecycle import RoutedRequest
 from epp.requestcontrol.metrics import RequestMetrics
 from epp.scheduling.config import load_config
 from epp.scheduling.registry import default_registry
+from epp.wire._fast import StreamBase
 from epp.server.server import EXT_PROC_SERVICE, EndpointPicker
 from tests.pickers import loopback_settings
 
@@ -526,10 +527,11 @@ def _message(draw: st.DrawFn) -> pb.ProcessingRequest:
     return pb.ProcessingRequest()
 
 
-class _Wire:
+class _Wire(StreamBase):
     """The wire side of one stream, in memory: what the call sends, and how it ended."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.sent: list[pb.ProcessingResponse] = []
         self.status: tuple[int, str] | None = None
 
@@ -540,6 +542,9 @@ class _Wire:
     def finish(self, status: int = 0, message: str = "") -> None:
         if self.status is None:
             self.status = (status, message)
+
+    def echo_response_bodies(self) -> None:
+        pass  # no C read path here: every chunk reaches the call
 
 
 async def _settle() -> None:
