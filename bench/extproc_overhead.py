@@ -5,7 +5,9 @@ Two Envoys run at once in front of the same echo backends (one worker thread eac
 * ``direct``: Envoy alone, round robin to the backends (no ext_proc);
 * ``epp``:    Envoy with the reference ext_proc configuration (header modes SEND, body modes
   FULL_DUPLEX_STREAMED both ways, trailers SEND) calling the picker, which parses each body,
-  picks an endpoint and streams the request and response bodies back.
+  picks an endpoint and streams the request and response bodies back;
+* ``base``:   the same with another tree's picker (``--baseline-python``: that tree's virtualenv's
+  python), to compare two versions side by side in one run.
 
 For each prompt size, wrk drives both at the same fixed concurrency, alternating direct/epp for
 several rounds so that machine noise lands on both alike; the table shows medians over rounds:
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also measure bench/passthrough_picker.py: the same ext_proc exchange with no work (the grpc.aio floor)",
     )
+    parser.add_argument("--baseline-python", help="another tree's python: its picker runs beside this one (mode base)")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("wrk is needed: apt-get install wrk", file=sys.stderr)
@@ -126,16 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     script.write_text(_WRK_SCRIPT)
     backends, pool = _start_backends(2)
     picker = PickerProcess(pool)
+    baseline = PickerProcess(pool, python=args.baseline_python) if args.baseline_python else None
     floor: subprocess.Popen[bytes] | None = None
     envoys: list[EnvoyProcess] = []
     runs: list[Run] = []
     try:
         picker.start()
+        if baseline is not None:
+            baseline.start()
         base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
         direct = EnvoyProcess(render_round_robin(base), concurrency=1)
         via_epp = EnvoyProcess(render(replace(base, picker_port=picker.grpc_port)), concurrency=1)
         # mode -> (Envoy, pid of the ext_proc process whose CPU is counted)
         targets: dict[str, tuple[EnvoyProcess, int | None]] = {"direct": (direct, None), "epp": (via_epp, picker.pid)}
+        if baseline is not None:
+            via_base = EnvoyProcess(render(replace(base, picker_port=baseline.grpc_port)), concurrency=1)
+            targets["base"] = (via_base, baseline.pid)
         if args.floor:
             floor_port = free_port()
             floor = subprocess.Popen(
@@ -180,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         for envoy in envoys:
             envoy.stop()
         picker.stop()
+        if baseline is not None:
+            baseline.stop()
         if floor is not None:
             floor.terminate()
             floor.wait(10)
@@ -195,36 +206,36 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_table(runs: list[Run], args: argparse.Namespace) -> None:
     print(
-        f"\nEnvoy -> backend (direct) vs Envoy -> epp -> backend, {args.connections} connections, "
+        f"\nEnvoy -> backend (direct) vs Envoy -> picker -> backend, {args.connections} connections, "
         f"{args.rounds} rounds x {args.duration:.0f}s each, medians\n"
     )
-    header = f"{'prompt':>8} | {'direct req/s':>12} {'epp req/s':>10} {'ratio':>6} | {'P50 direct':>10} {'P50 epp':>8} {'ratio':>6} | {'P99 direct':>10} {'P99 epp':>8} {'ratio':>6} | {'epp CPU ms/req':>14} | errors"
+    header = (
+        f"{'prompt':>8} {'picker':>6} | {'direct req/s':>12} {'req/s':>8} {'ratio':>6} | "
+        f"{'P50 direct':>10} {'P50':>8} {'added':>8} | {'P99 direct':>10} {'P99':>8} {'ratio':>6} | "
+        f"{'CPU ms/req':>10} | errors"
+    )
     print(header)
     print("-" * len(header))
+
+    def med(rows: list[Run], field: str) -> float:
+        return statistics.median(getattr(r, field) for r in rows)
+
     for size in sorted({r.prompt_bytes for r in runs}):
         direct = [r for r in runs if r.prompt_bytes == size and r.mode == "direct"]
-        epp = [r for r in runs if r.prompt_bytes == size and r.mode == "epp"]
-
-        def med(rows: list[Run], field: str) -> float:
-            return statistics.median(getattr(r, field) for r in rows)
-
-        rps_d, rps_e = med(direct, "rps"), med(epp, "rps")
-        p50_d, p50_e = med(direct, "p50_ms"), med(epp, "p50_ms")
-        p99_d, p99_e = med(direct, "p99_ms"), med(epp, "p99_ms")
-        cpu = med(epp, "picker_cpu_ms_per_request")
-        label = f"{size / 1024:.0f} KB"
-        print(
-            f"{label:>8} | {rps_d:12.0f} {rps_e:10.0f} {rps_e / rps_d:6.2f} | {p50_d:8.2f}ms {p50_e:6.2f}ms {p50_e / p50_d:6.2f} | "
-            f"{p99_d:8.2f}ms {p99_e:6.2f}ms {p99_e / p99_d:6.2f} | {cpu:14.3f} | {sum(r.errors for r in direct + epp)}"
-        )
-        print(f"{'':>8}   epp CPU ms/req per round: {', '.join(f'{r.picker_cpu_ms_per_request:.3f}' for r in epp)}")
-        floor = [r for r in runs if r.prompt_bytes == size and r.mode == "floor"]
-        if floor:
-            floor_cpu = med(floor, "picker_cpu_ms_per_request")
+        rps_d, p50_d, p99_d = med(direct, "rps"), med(direct, "p50_ms"), med(direct, "p99_ms")
+        for mode in ("epp", "base", "floor"):
+            rows = [r for r in runs if r.prompt_bytes == size and r.mode == mode]
+            if not rows:
+                continue
+            rps, p50, p99 = med(rows, "rps"), med(rows, "p50_ms"), med(rows, "p99_ms")
+            cpu = med(rows, "picker_cpu_ms_per_request")
+            label = f"{size / 1024:.0f} KB"
             print(
-                f"{'':>8}   floor (pass-through ext_proc, no work): {med(floor, 'rps'):.0f} req/s, "
-                f"CPU {floor_cpu:.3f} ms/req; epp's own work: {cpu - floor_cpu:.3f} ms/req"
+                f"{label:>8} {mode:>6} | {rps_d:12.0f} {rps:8.0f} {rps / rps_d:6.2f} | "
+                f"{p50_d:8.2f}ms {p50:6.2f}ms {p50 - p50_d:6.2f}ms | {p99_d:8.2f}ms {p99:6.2f}ms {p99 / p99_d:6.2f} | "
+                f"{cpu:10.3f} | {sum(r.errors for r in direct + rows)}"
             )
+            print(f"{'':>15}   CPU ms/req per round: {', '.join(f'{r.picker_cpu_ms_per_request:.3f}' for r in rows)}")
 
 
 if __name__ == "__main__":

@@ -23,18 +23,13 @@ Response bodies are answered per chunk as they come, never buffered, so SSE stre
 
 One :class:`_Stream` object per gRPC stream holds the stream's state (the body modes Envoy
 announced, the request headers, the body received so far, the routed request) and has one method per
-message kind, each returning the answers to send; :meth:`ExternalProcessor.Process` only moves
-messages between gRPC and it. Once routed, the request is a
-:class:`~epp.requestcontrol.lifecycle.RoutedRequest`, which the stream calls as the response arrives
-and finishes exactly once in the end (``complete``, ``error`` or ``cancelled``).
+message kind, each returning the answers to send; a :class:`_Call` moves messages between the wire
+and it. Once routed, the request is a :class:`~epp.requestcontrol.lifecycle.RoutedRequest`, which
+the stream calls as the response arrives and finishes exactly once in the end (``complete``,
+``error`` or ``cancelled``).
 
 Ending: once the response's last message is answered (a body or headers with end_of_stream, or the
-trailers) the picker ends the stream itself with OK. Envoy (unless its runtime flag
-``envoy.reloadable_features.ext_proc_graceful_grpc_close`` is on) closes a finished stream with a
-half-close and an immediate reset; the reset cancels a handler that still waits for a message, and
-grpc.aio (1.85) then leaks the native op array of each batch cancelled or failed that way
-(grpc/grpc#43360). ``bench/soak.py --minutes 17``, both side by side: the RSS slope was 109 B per
-request when Envoy ended the stream, 14 B (and flattening) when the picker does.
+trailers) the picker ends the stream itself with OK, rather than wait for Envoy's half-close and reset.
 
 Errors: anything on the request path raises :class:`epp.errors.EppError`; this package alone turns
 it into an ImmediateResponse (status and OpenAI-style JSON body from :func:`epp.errors.http_answer`,
@@ -43,15 +38,32 @@ stream; the refusal is counted (:meth:`RequestMetrics.refused`). An unexpected e
 500 for that request only and is logged. Once the request was routed it is too late for an HTTP
 answer: the stream fails instead.
 
-Response-path cost (issue 14, measured on the shared 2-core machine, not yet solved): a streamed
-chunk costs the picker 100-450 µs of CPU (bench/streaming_cost.py, 256 events, 1 and 16 streams),
-almost none of it in this module: parsing the request, building the answer and serializing it take
-~2 µs (bench/chunk_encoding.py), and hand-written wire bytes are no faster in Python. py-spy puts our
-Python frames at ~1% of samples; the rest is grpc's poller thread handing each message to the event
-loop (its wake-up ``write`` syscalls cost as much as the ``sendmsg`` of the answers) and the read
-await of ``Process``. ``GRPC_POLL_STRATEGY=poll`` instead of the default measured no better (453 vs
-383 / 447 µs per message at 1 stream, 115 vs 115 / 106 at 16). The levers left are structural: a
-different server stack for the stream, or modes that send Envoy fewer response messages.
+Transport (issue 14). The stream is served by the picker's own gRPC-over-HTTP/2 server
+(:mod:`epp.wire`), not grpc.aio. Under grpc.aio every message, a streamed chunk included, went from
+grpc's poller thread to the event loop and through a Python generator: ~200 µs of CPU per chunk at
+1 stream and ~55 µs at 16 (it was also where memory grew: grpc.aio leaks the native ops of each batch
+a reset cancels, grpc/grpc#43360, and Envoy resets every stream it ends). Candidates, side by side
+with ``python bench/streaming_cost.py --events 256 --streams 1,16 --baseline-python ...`` (picker CPU
+per ext_proc message, above its idle rate, medians of 3 rounds; 2 shared cores under other load):
+
+================================================  ============  =============
+transport                                          1 stream      16 streams
+================================================  ============  =============
+grpc.aio (c519aee)                                 196-208 µs    55-58 µs
+epp.wire, every message in Python (54e7340)        83-86 µs      15-19 µs
+epp.wire with the C read path (this)               32-37 µs      5.2-5.7 µs
+================================================  ============  =============
+
+At one stream each chunk is a wake-up of its own, and what a wake-up costs decides. ``python
+bench/wakeup_floor.py`` (one 2 ms-apart message at a time, server CPU per message, medians): an echo
+in a C epoll loop 10 µs, the same echo as a uvloop protocol 27 µs, epp.wire answering Envoy-shaped
+chunks in its C read path 27 µs, the same chunks through the Python call 87 µs. Python code run once
+per wake-up is slow for its cold caches, not its instructions (parsing and answering a chunk with upb
+takes ~2 µs in a hot loop). So the connection's read path is C (:mod:`epp.wire._fast`): a read of
+response body chunks of a stream whose echo is on runs no bytecode, and costs what uvloop's wake-up
+costs; :meth:`_Stream.response_body` turns the echo on at the first chunk (the response-start signal
+stays here) and still sees the last (end_of_stream, the usage). Below uvloop's wake-up only a native
+I/O thread with its own epoll would go (the C echo's 10 µs): not built.
 
 Security: the picker overwrites ``x-gateway-destination-endpoint`` and removes every other
 client-sent ``x-gateway-destination-endpoint*`` header; it only ever names pool members. (The
