@@ -15,7 +15,9 @@ decoding engine's are). For each number of events and each concurrency (``--stre
 time, then 16 at once), both modes run the same requests, alternating for ``--rounds`` rounds; the
 table gives medians of: the picker's CPU ms per request and µs per ext_proc message it answered (from
 ``/proc``, user + system, worker processes included), Envoy's CPU ms per request in both modes, and the
-ext_proc messages per request (Envoy's own ``ext_proc`` stream counters). A 1 KB prompt by default;
+ext_proc messages per request (Envoy's own ``ext_proc`` stream counters). The picker's CPU is counted
+above its idle rate (measured for ``--idle-seconds`` before the load: scraping the pods, timers),
+which would otherwise be charged to the messages of slow streams. A 1 KB prompt by default;
 ``--prompt-bytes 409600`` for the 400 KB case.
 
     python bench/streaming_cost.py [--events 16,256,1024] [--streams 1,16] [--requests 20] [--rounds 3]
@@ -49,7 +51,7 @@ class Run:
     events: int
     streams: int
     requests: int
-    picker_cpu_ms: float | None  # per request
+    picker_cpu_ms: float | None  # per request, above the picker's idle rate
     envoy_cpu_ms: float  # per request
     messages: float | None  # ext_proc messages the picker answered, per request
     chunks: float  # SSE data lines the client received, per request
@@ -92,15 +94,31 @@ async def _load(url: str, body: bytes, requests: int, streams: int) -> tuple[int
     return errors, lines
 
 
+def _idle_rate(pid: int, seconds: float) -> float:
+    """The picker's CPU seconds per second with no traffic: its scrapes, timers and health checks."""
+    before, start = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - before) / (time.monotonic() - start)
+
+
 def _measure(
-    mode: str, envoy: EnvoyProcess, picker_pid: int | None, body: bytes, events: int, streams: int, requests: int
+    mode: str,
+    envoy: EnvoyProcess,
+    picker_pid: int | None,
+    body: bytes,
+    events: int,
+    streams: int,
+    requests: int,
+    idle: float = 0.0,
 ) -> Run:
     url = f"http://127.0.0.1:{envoy.listen_port}/v1/completions"
     picker_before = cpu_seconds(picker_pid) if picker_pid else 0.0
     envoy_before = cpu_seconds(envoy.pid, children=False)
     messages_before = _envoy_messages(envoy) if picker_pid else 0
+    start = time.monotonic()
     errors, lines = asyncio.run(_load(url, body, requests, streams))
-    picker_used = cpu_seconds(picker_pid) - picker_before if picker_pid else 0.0
+    elapsed = time.monotonic() - start
+    picker_used = cpu_seconds(picker_pid) - picker_before - idle * elapsed if picker_pid else 0.0
     envoy_used = cpu_seconds(envoy.pid, children=False) - envoy_before
     messages = _envoy_messages(envoy) - messages_before if picker_pid else 0
     return Run(
@@ -154,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-bytes", type=int, default=1024)
     parser.add_argument("--token-interval", type=float, default=0.002, help="seconds between SSE events")
     parser.add_argument("--baseline-python", help="another tree's python: its picker runs beside this one (mode base)")
+    parser.add_argument("--idle-seconds", type=float, default=5.0, help="how long each picker's idle rate is measured")
     args = parser.parse_args(argv)
 
     backends = subprocess.Popen(
@@ -178,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             envoy.start()
             if mode != "direct":
                 wait_for_picker(envoy)
+        idle = {mode: _idle_rate(picker.pid, args.idle_seconds) for mode, picker in pickers.items()}
+        for mode, rate in idle.items():
+            print(f"{mode}: idle {rate * 1e3:.1f} ms of CPU per second (subtracted from each run)", flush=True)
         prompt = ("the quick brown fox jumps over the lazy dog " * (args.prompt_bytes // 44 + 1))[: args.prompt_bytes]
         for events in (int(e) for e in args.events.split(",")):
             body = json.dumps({"model": "bench-model", "prompt": prompt, "max_tokens": events, "stream": True}).encode()
@@ -187,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.rounds):
                     runs.append(_measure("direct", envoys["direct"], None, body, events, streams, args.requests))
                     for mode, picker in pickers.items():
-                        runs.append(_measure(mode, envoys[mode], picker.pid, body, events, streams, args.requests))
+                        runs.append(
+                            _measure(mode, envoys[mode], picker.pid, body, events, streams, args.requests, idle[mode])
+                        )
                     time.sleep(0.2)
     finally:
         for envoy in envoys.values():
