@@ -123,6 +123,7 @@ class _Stream:
         "_director",
         "_max_body",
         "_tally",
+        "body_ended",
         "chunks",
         "done",
         "headers",
@@ -157,6 +158,7 @@ class _Stream:
         self.outcome: Outcome = "cancelled"
         self.model: str | None = None  # known once the body is parsed
         self.sse = False
+        self.body_ended = False
         self.trace: RequestTrace | None = None  # only with --tracing (epp.requestcontrol.tracing)
 
     # -- the request phase ---------------------------------------------------------------------
@@ -294,11 +296,7 @@ class _Stream:
             tally.tally(chunk)
         if body.end_of_stream:
             self.outcome = "complete"
-            if routed is not None:
-                usage = _usage(tally.tail(), self.sse)
-                routed.response_ended(
-                    tally.response_bytes, (usage.prompt_tokens, usage.completion_tokens) if usage else None
-                )
+            self.body_ended = True  # read its usage once the answer is out (see account_response_end)
         if self.response_mode != FULL_DUPLEX:
             return CONTINUE_RESPONSE_BODY
         if chunk or not body.end_of_stream:
@@ -308,6 +306,15 @@ class _Stream:
     def response_trailers(self) -> pb.ProcessingResponse:
         self.outcome = "complete"
         return CONTINUE_RESPONSE_TRAILERS
+
+    def account_response_end(self) -> None:
+        """The ended response's size and usage, to the routed request (after the last answer went out)."""
+        routed = self.routed
+        if routed is not None and self.body_ended:
+            tally = self._tally
+            usage = _usage(tally.tail(), self.sse)
+            tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else None
+            routed.response_ended(tally.response_bytes, tokens)
 
 
 def _usage(tail: list[bytes], sse: bool) -> Usage | None:
@@ -449,6 +456,8 @@ class _Call:
         self._send(answers)
         if self._stream.outcome == "complete":
             self._end()
+        else:
+            self._wire.flush()  # the routing answer goes now, not after what else this loop turn runs
 
     def _send(self, answers: _Answers) -> None:
         send = self._wire.send
@@ -487,6 +496,7 @@ class _Call:
 
     def _end(self) -> None:
         self._wire.finish()
+        self._wire.flush()  # the last answers go out before the request's accounting runs
         self._finish()
 
     def _finish(self) -> None:
@@ -496,6 +506,7 @@ class _Call:
         self._finished = True
         stream = self._stream
         if stream.routed is not None:
+            stream.account_response_end()
             stream.routed.finish(stream.outcome)
         if stream.trace is not None:
             stream.trace.end(stream.outcome, stream.routed)

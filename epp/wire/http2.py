@@ -226,6 +226,10 @@ class Stream(StreamBase):
         self.echo = 0
         connection.flush_stream(self)
 
+    def flush(self) -> None:
+        """Write what this connection has to send now (it is written at the end of a read anyway)."""
+        self._connection._flush()
+
     def finish(self, status: int = Status.OK, message: str = "") -> None:
         """End the call with ``status`` (trailers); later sends and finishes do nothing."""
         if self.ended:

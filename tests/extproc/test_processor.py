@@ -546,6 +546,9 @@ class _Wire(StreamBase):
     def echo_response_bodies(self) -> None:
         pass  # no C read path here: every chunk reaches the call
 
+    def flush(self) -> None:
+        pass  # nothing buffered here
+
 
 async def _settle() -> None:
     for _ in range(5):  # a routing task runs to its end (no admission wait in these tests)
