@@ -101,6 +101,15 @@ class ScrapeSettings:
     port: int = 0  # --model-server-metrics-port; 0: the endpoint's own port
     insecure_skip_verify: bool = True  # --model-server-metrics-https-insecure-skip-verify
     name_filter: bool = True  # ask for only the metrics in use (?name[]=...); whole page if refused
+    # --refresh-metrics-idle-interval (our extension): the longest gap between two scrapes of a pod whose
+    # numbers do not change (capped at half the staleness threshold); <= interval: every pod every interval.
+    idle_interval: float = 1.0
+
+    @property
+    def max_stride(self) -> int:
+        """The most beats of ``interval`` a backed-off loop lets pass between two scrapes (1: no backoff)."""
+        longest = min(self.idle_interval, self.staleness / 2)
+        return max(1, int(longest / self.interval + 1e-9))
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +149,8 @@ class ScrapeResult(msgspec.Struct, frozen=True, array_like=True, gc=False):
     reason: Reason | None = None  # the error's kind; None when the scrape was complete
     kv_cache_size_tokens: int | None = None  # the cache's capacity in tokens, when the engine says it
     filter_ignored: bool = False  # this scrape found that the pod ignores ?name[]= (reported once)
+    slow: bool = False  # the loop now scrapes this pod less often than every interval (its numbers are steady)
+    unchanged: bool = False  # as the endpoint's previous result but for updated_at: nothing new but the time
 
 
 Sink = Callable[[ScrapeResult], None]
@@ -160,6 +171,8 @@ class ScrapeLoops:
             raise ValueError(f"default engine {default_engine!r} is not one of {sorted(engines)}")
         if not (settings.interval > 0 and settings.timeout > 0 and settings.staleness > 0):
             raise ValueError(f"scrape interval, timeout and staleness must be positive, got {settings}")
+        if not settings.idle_interval >= 0:
+            raise ValueError(f"the idle scrape interval cannot be negative, got {settings.idle_interval}")
         self._engines = engines
         self._default_engine = default_engine
         self._settings = settings
@@ -196,13 +209,19 @@ class ScrapeLoops:
         load = self._slot_load
         slot = load.index(min(load))  # the least busy: loops spread evenly over the interval
         load[slot] += 1
-        endpoint = _EndpointLoop(target, engine, self._settings, self._tls, self._sink, loop, slot)
-        self._endpoints[target.name] = endpoint
-        interval = self._settings.interval
         phase = self._epoch + slot * self._slot_width
-        endpoint.start(phase + max(0, math.ceil((now - phase) / interval)) * interval)
+        endpoint = _EndpointLoop(target, engine, self._settings, self._tls, self._sink, loop, slot, phase)
+        self._endpoints[target.name] = endpoint
+        endpoint.start(max(0, math.ceil((now - phase) / self._settings.interval)))
         if self._sweeper is None:
             self._sweeper = loop.call_later(self._sweep_every, self._sweep)
+
+    def wake(self, name: str) -> None:
+        """``name`` was just sent a request: scrape it at the fast cadence again, from the next beat on
+        (nothing happens for an endpoint without a loop)."""
+        endpoint = self._endpoints.get(name)
+        if endpoint is not None:
+            endpoint.wake()
 
     def remove(self, name: str) -> None:
         """Stop scraping ``name`` and close its connection (no result of it is reported after this)."""
@@ -238,9 +257,10 @@ class _EndpointLoop:
     """One endpoint's scrape loop: a timer sends, the response callback parses and reports."""
 
     __slots__ = (
-        "_asked", "_closed", "_connecting", "_connection", "_current", "_deadline", "_engine", "_filtered",
-        "_host", "_last_ok", "_last_page", "_last_parsed", "_loop", "_path", "_port", "_request", "_settings",
-        "_sink", "_timer", "_tls", "name", "sent_at", "slot",
+        "_asked", "_beat_n", "_closed", "_connecting", "_connection", "_current", "_engine", "_filtered", "_host",
+        "_interval", "_last_ok", "_last_page", "_last_parsed", "_loop", "_max_stride", "_path", "_phase", "_port",
+        "_previous", "_quiet", "_request", "_sent_mono", "_settings", "_sink", "_stride", "_timer", "_tls",
+        "_vouched", "name", "sent_at", "slot",
     )  # fmt: skip
 
     def __init__(
@@ -252,6 +272,7 @@ class _EndpointLoop:
         sink: Sink,
         loop: asyncio.AbstractEventLoop,
         slot: int,
+        phase: float,
     ) -> None:
         self.name = target.name
         self.slot = slot
@@ -272,9 +293,19 @@ class _EndpointLoop:
         self._connection: GetConnection | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._deadline = 0.0
+        # The cadence (see the module docstring): beat n is at phase + n * interval; the loop scrapes
+        # every stride-th beat, 1 unless its numbers have been steady for a while.
+        self._phase = phase
+        self._interval = settings.interval
+        self._max_stride = settings.max_stride
+        self._beat_n = 0  # the beat scheduled next, or the one whose scrape is in flight
+        self._stride = 1  # beats from the previous scrape to the next one
+        self._quiet = 0  # good scrapes in a row that found the same numbers as the one before
+        self._previous: EngineMetrics | None = None  # the last scrape's numbers; None after a failure
         self._current = ScrapeResult(target.name)  # never scraped
         self._last_ok = 0.0
+        self._vouched = 0.0  # time.monotonic() the staleness threshold counts from (see _failed)
+        self._sent_mono = 0.0  # time.monotonic() of the last send
         self._last_page: bytes | None = None
         self._last_parsed: EngineMetrics | None = None
         self._closed = False
@@ -294,10 +325,35 @@ class _EndpointLoop:
         """Whether the loop was stopped (:meth:`close`): it scrapes and reports no more."""
         return self._closed
 
-    def start(self, first: float) -> None:
-        """Scrape at ``first`` (``loop.time()``), then every interval after it."""
-        self._deadline = first
-        self._timer = self._loop.call_at(first, self._beat)
+    @property
+    def stride(self) -> int:
+        """Beats of the interval between the last scrape and the next: 1 at the fast cadence."""
+        return self._stride
+
+    @property
+    def next_scrape(self) -> float | None:
+        """``loop.time()`` of the next scrape, when one is scheduled (None while one is in flight)."""
+        return self._phase + self._beat_n * self._interval if self._timer is not None else None
+
+    def start(self, beat: int) -> None:
+        """Scrape at beat ``beat`` (``loop.time()`` phase + beat x interval), then on."""
+        self._beat_n = beat
+        self._timer = self._loop.call_at(self._phase + beat * self._interval, self._beat)
+
+    def wake(self) -> None:
+        """Back to the fast cadence: the next scrape at the next beat, and a few more after it."""
+        if self._closed:
+            return
+        self._quiet = 0
+        if self._stride == 1:
+            return
+        self._stride = 1
+        if self._timer is not None:  # waiting for a far beat: the next one instead
+            beat = max(0, math.ceil((self._loop.time() - self._phase) / self._interval))
+            if beat < self._beat_n:
+                self._timer.cancel()
+                self.start(beat)
+        # else a scrape is in flight: its end schedules the next at stride 1
 
     def close(self) -> asyncio.Task[None] | None:
         """Stop for good; returns the connecting task it cancelled, if there was one."""
@@ -327,15 +383,11 @@ class _EndpointLoop:
 
     def _beat(self) -> None:
         self._timer = None
-        started = self._loop.time()
-        interval = self._settings.interval
-        self._deadline += interval
-        if self._deadline < started:  # fell behind (a slow pod): skip the missed beats, keep the phase
-            self._deadline += (started - self._deadline) // interval * interval + interval
-        self._send(started)
+        self._send(self._loop.time())
 
     def _send(self, now: float) -> None:
         self.sent_at = now
+        self._sent_mono = time.monotonic()
         connection = self._connection
         if connection is not None and not connection.closed:
             connection.send(self._request)
@@ -392,27 +444,39 @@ class _EndpointLoop:
             return
         # time.monotonic(), not loop.time(): snapshots may cross to another process.
         now = time.monotonic()
-        self._last_ok = now
-        missing = parsed.missing
-        self._current = current = ScrapeResult(
-            endpoint=self.name,
-            waiting_queue_size=parsed.waiting_queue_size or 0,
-            running_requests=parsed.running_requests or 0,
-            kv_cache_usage=parsed.kv_cache_usage or 0.0,
-            running_adapters=parsed.running_adapters,
-            waiting_adapters=parsed.waiting_adapters,
-            max_adapters=parsed.max_adapters or 0,
-            block_size=parsed.block_size,
-            num_gpu_blocks=parsed.num_gpu_blocks,
-            kv_cache_size_tokens=parsed.kv_cache_size_tokens,
-            updated_at=now,
-            stale=False,
-            error=f"metrics missing from the page: {', '.join(missing)}" if missing else None,
-            reason="missing_metrics" if missing else None,
-        )
-        if ignored:  # reported by this result alone: the next failure's result copies _current
-            self._current = msgspec.structs.replace(current, filter_ignored=False)
-            current = msgspec.structs.replace(current, filter_ignored=True)
+        self._last_ok = self._vouched = now
+        # The cadence: steady numbers (the same as the last scrape's, a good one too) slow it down.
+        previous = self._previous
+        same = previous is not None and (parsed is previous or parsed == previous)
+        self._previous = parsed
+        quiet = self._quiet = self._quiet + 1 if same else 0
+        stride = self._stride = _stride(quiet, self._max_stride)
+        slow = stride > 1
+        last = self._current
+        if same and last.slow is slow and not ignored:  # nothing new but the time: only updated_at moves
+            self._current = current = msgspec.structs.replace(last, updated_at=now, unchanged=True)
+        else:
+            missing = parsed.missing
+            self._current = current = ScrapeResult(
+                endpoint=self.name,
+                waiting_queue_size=parsed.waiting_queue_size or 0,
+                running_requests=parsed.running_requests or 0,
+                kv_cache_usage=parsed.kv_cache_usage or 0.0,
+                running_adapters=parsed.running_adapters,
+                waiting_adapters=parsed.waiting_adapters,
+                max_adapters=parsed.max_adapters or 0,
+                block_size=parsed.block_size,
+                num_gpu_blocks=parsed.num_gpu_blocks,
+                kv_cache_size_tokens=parsed.kv_cache_size_tokens,
+                updated_at=now,
+                stale=False,
+                error=f"metrics missing from the page: {', '.join(missing)}" if missing else None,
+                reason="missing_metrics" if missing else None,
+                slow=slow,
+            )
+            if ignored:  # reported by this result alone: the next failure's result copies _current
+                self._current = msgspec.structs.replace(current, filter_ignored=False)
+                current = msgspec.structs.replace(current, filter_ignored=True)
         try:
             self._sink(current)
         finally:
@@ -451,18 +515,49 @@ class _EndpointLoop:
         if self._closed:
             return
         now = time.monotonic()
-        last_ok = self._last_ok
-        stale = stale or not last_ok or now - last_ok > self._settings.staleness
+        if self._previous is not None and self._stride > 1:
+            # The first failure after a backed-off gap. The threshold counts from the last good scrape,
+            # which at the fast cadence is one interval before the failed one; a backed-off pod was asked
+            # less often by choice, so it is vouched for until one interval before this scrape was sent,
+            # and goes stale as long after its failures begin as a pod scraped every interval would.
+            self._vouched = max(self._last_ok, self._sent_mono - self._interval)
+        self._previous = None
+        self._quiet = 0
+        self._stride = 1  # a failure is news: the fast cadence until scrapes are good and steady again
+        stale = stale or not self._last_ok or now - self._vouched > self._settings.staleness
+        last = self._current
         # The last good numbers are kept, and their time: scorers age them from updated_at.
-        self._current = current = msgspec.structs.replace(self._current, stale=stale, error=detail, reason=reason)
+        unchanged = last.error == detail and last.reason == reason and last.stale is stale and not last.slow
+        self._current = current = msgspec.structs.replace(
+            last, stale=stale, error=detail, reason=reason, slow=False, unchanged=unchanged
+        )
         try:
             self._sink(current)
         finally:
             self._next()
 
     def _next(self) -> None:
-        if not self._closed:
-            self._timer = self._loop.call_at(self._deadline, self._beat)
+        if self._closed:
+            return
+        stride, interval, phase = self._stride, self._interval, self._phase
+        beat = (self._beat_n // stride + 1) * stride  # a multiple of the stride: steady loops share beats
+        now = self._loop.time()
+        if phase + beat * interval < now:  # fell behind (a slow pod): skip the missed beats, keep the phase
+            beat = -(-math.ceil((now - phase) / interval) // stride) * stride
+        self.start(beat)
+
+
+# Good scrapes in a row with the same numbers before a loop slows down: 200 ms at the default 50 ms
+# interval, so that a pick (which resets it) is followed by that many scrapes at the fast cadence.
+_QUIET_SCRAPES = 4
+
+
+def _stride(quiet: int, most: int) -> int:
+    """Beats to the next scrape after ``quiet`` unchanged scrapes in a row: 1 until _QUIET_SCRAPES,
+    then doubling with each further one (2, 4, 8, ...) up to ``most``."""
+    if quiet < _QUIET_SCRAPES or most <= 1:
+        return 1
+    return min(most, 1 << min(quiet - _QUIET_SCRAPES + 1, 30))
 
 
 def _filtered_path(path: str, engine: EngineMapping) -> str:
