@@ -1,4 +1,5 @@
-"""What model-server telemetry costs: scrape CPU at 25/50/100 pods, and its effect on request latency.
+"""What model-server telemetry costs: the picker's scrape CPU at 8 and 100 pods, the pods' CPU answering
+it, with the idle backoff on and off, and the effect of scraping on request latency.
 
 Pods are stand-ins (``epp.testing.farm``), each on its own loopback address (127.0.1.i) as pods
 have their own IPs: one process serves every pod's metrics port (full-size ~52 KB vLLM pages
@@ -6,16 +7,27 @@ rendered by the simulator, pre-built bytes, at the lowest CPU priority: remote p
 from the picker), another every pod's serving port (tiny JSON completions, normal priority). The
 picker scrapes the metrics port (``--model-server-metrics-port``) every 50 ms (upstream default).
 
-Part 1, cost. For 25, 50 and 100 pods: the picker's CPU over a fixed window (user + system from
-/proc, all threads, the scrape worker process included) divided by the window = cores used, the
-request-path process's share alone, the same picker with scraping off, and the scrape rate actually
-achieved (from the picker's own ``epp_endpoint_scrapes_total``).
+Part 1, cost. For each pool size (``--pods``, default 8 and 100), in rounds that alternate the modes
+(default 3 rounds; medians printed, and each round's total): the picker with its defaults
+(``backoff``: idle pods asked up to 1 s apart), with ``--refresh-metrics-idle-interval=0`` (``no
+backoff``: every pod every 50 ms, as upstream), with scraping off (its own idle, which the ``cost``
+column subtracts), and with ``--baseline DIR`` a picker run from another checkout's ``epp`` package
+(the code before a change). Per mode: the picker's CPU over a window (user + system from /proc, all
+threads, the scrape worker process included) divided by the window = cores, the request-path
+process's share alone, the scrape rate achieved (the picker's own ``epp_endpoint_scrapes_total``),
+and the farm's CPU per pod per second (the stand-in pods' cost of answering; /proc's 10 ms clock
+ticks bound its resolution: ~0.1 ms/s per pod at 8 pods over 10 s). By default the pods are idle:
+each serves the same page every scrape (``--idle`` of the farm), as an idle vLLM pod does; with
+``--busy`` each scrape gets another page (gauges drawn at random), which the backoff never slows.
+A picker is given ``--settle`` seconds (4) before its window: a steady pod reaches the 1 s gap ~1.7 s
+after its numbers stop changing.
 
 Part 2, request path. Envoy + picker in front of the 100 pods, wrk offering ~500 req/s (an
 exponential pause per connection), the picker with scraping on and then off, alternating rounds;
 P50/P99 and the achieved rate per run, medians per mode, and the P99 difference.
 
-Run: ``python bench/scrape_cost.py`` (needs wrk). Talks only to 127.0.0.1; bounded in time.
+Run: ``python bench/scrape_cost.py`` (needs wrk; ``--skip-latency`` for part 1 alone). Talks only to
+127.0.0.1; bounded in time.
 """
 
 from __future__ import annotations
@@ -157,9 +169,17 @@ def measure_cost(
                     "pod_ms_per_s": (farm1 - farm0) * 1000 / elapsed / pods,
                 })  # fmt: skip
     finally:
-        farm.terminate()
-        farm.wait(10)
+        _end(farm)
     return page_bytes, runs
+
+
+def _end(process: subprocess.Popen[str]) -> None:
+    process.terminate()
+    try:
+        process.wait(30)  # a farm at nice 19 on a busy machine may take a while to get the CPU to exit
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _pin(pids: list[int], cpus: set[int]) -> None:
@@ -212,8 +232,7 @@ def measure_latency(
         return results
     finally:
         for process in (farm, serving):
-            process.terminate()
-            process.wait(10)
+            _end(process)
 
 
 def _run_rate(url: str, script: Path, connections: int, duration: int, delay_ms: float) -> dict[str, float]:
