@@ -279,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", action="store_true", help="cost part: pods serve a different page each scrape")
     parser.add_argument("--modes", default=",".join(MODES), help=f"cost part: a subset of {', '.join(MODES)}")
     parser.add_argument(
+        "--idle-intervals",
+        default="",
+        metavar="D,D",
+        help="cost part: also the backoff with these --refresh-metrics-idle-interval values (e.g. 250ms,500ms,2s)",
+    )
+    parser.add_argument(
         "--baseline",
         metavar="DIR",
         help="cost part: also a picker run from another checkout's epp package (DIR holds epp/), with its defaults",
@@ -309,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown --modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    for value in (v.strip() for v in args.idle_intervals.split(",") if v.strip()):
+        MODES[f"backoff {value}"] = [f"--refresh-metrics-idle-interval={value}"]
+        modes.insert(modes.index("scraping off") if "scraping off" in modes else len(modes), f"backoff {value}")
     _FARM_NICE[0] = args.farm_nice
     if args.in_process:
         _EXTRA_ARGS.append("--metrics-scraper-process=false")
@@ -325,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f" {args.rounds} alternating rounds of {args.window:g} s after {args.settle:g} s to settle, medians)")
     print(f"(options: {' '.join(_EXTRA_ARGS) or 'defaults: scrape worker process, ?name[]= filter'})\n")
     print(
-        f"{'pods':>5} {'mode':<12} | {'total':>6} {'main':>6} {'cost':>6} | {'scrapes/s':>9} | {'us/scrape':>9} | "
+        f"{'pods':>5} {'mode':<14} | {'total':>6} {'main':>6} {'cost':>6} | {'scrapes/s':>9} | {'us/scrape':>9} | "
         f"{'pod ms/s':>8} | total per round"
     )
     for pods in (int(p) for p in args.pods.split(",")):
@@ -342,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             per_scrape = f"{cost / m['scrapes_per_s'] * 1e6:9.0f}" if m["scrapes_per_s"] >= 1 else f"{'-':>9}"
             rounds = " ".join(f"{run['cores']:.3f}" for run in by_mode[mode])
             print(
-                f"{pods:>5} {mode:<12} | {m['cores']:6.3f} {m['main_cores']:6.3f} {cost:6.3f} | "
+                f"{pods:>5} {mode:<14} | {m['cores']:6.3f} {m['main_cores']:6.3f} {cost:6.3f} | "
                 f"{m['scrapes_per_s']:9.0f} | {per_scrape} | {m['pod_ms_per_s']:8.3f} | {rounds}",
                 flush=True,
             )

@@ -113,8 +113,13 @@ worker; 3 alternating rounds of 10 s, medians, on a shared 2-core machine)::
     scrapes per second              160 -> 8        2000 -> 100
 
 ``python bench/scrape_cost.py --skip-latency --farm-nice 10 --baseline DIR`` (DIR: a checkout of the
-previous code). Against a real vLLM 0.32 server (CPU, idle), its API process spent 22 ms/s above
-idle answering a picker without the backoff and 1.0 ms/s with it (1 scrape a second: its numbers do
+previous code). The idle interval trades blind time for CPU about linearly: at 100 idle pods 250 ms
+cost 0.019 core (4 scrapes a second per pod), 500 ms 0.011, 1 s 0.006, against 0.072 every 50 ms
+(``--pods 100 --idle-intervals 250ms,500ms``, one run). 1 s is the default: the lowest pod cost of
+the three, with the blind time still half the staleness threshold and only until the first pick.
+
+Against a real vLLM 0.32 server (CPU, idle), its API process spent 22 ms/s above idle answering a
+picker without the backoff and 1.0 ms/s with it (1 scrape a second: its numbers do
 not change; ``python bench/vllm_scrape_cost.py --modes idle,filtered,picker-backoff,picker-no-backoff``).
 Pods that serve a different page each scrape are never slowed and cost what they did (0.132 and
 0.136 cores at 100 pods, previous code and now: noise; ``--busy``). Where such a busy scrape's time
