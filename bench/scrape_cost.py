@@ -12,15 +12,16 @@ Part 1, cost. For each pool size (``--pods``, default 8 and 100), in rounds that
 (``backoff``: idle pods asked up to 1 s apart), with ``--refresh-metrics-idle-interval=0`` (``no
 backoff``: every pod every 50 ms, as upstream), with scraping off (its own idle, which the ``cost``
 column subtracts), and with ``--baseline DIR`` a picker run from another checkout's ``epp`` package
-(the code before a change). Per mode: the picker's CPU over a window (user + system from /proc, all
-threads, the scrape worker process included) divided by the window = cores, the request-path
-process's share alone, the scrape rate achieved (the picker's own ``epp_endpoint_scrapes_total``),
-and the farm's CPU per pod per second (the stand-in pods' cost of answering; /proc's 10 ms clock
-ticks bound its resolution: ~0.1 ms/s per pod at 8 pods over 10 s). By default the pods are idle:
-each serves the same page every scrape (``--idle`` of the farm), as an idle vLLM pod does; with
-``--busy`` each scrape gets another page (gauges drawn at random), which the backoff never slows.
-A picker is given ``--settle`` seconds (4) before its window: a steady pod reaches the 1 s gap ~1.7 s
-after its numbers stop changing.
+(the code before a change; e.g. ``git archive REV epp plugins | tar -x -C DIR``, then copy the built
+``epp/prefix/_native*.so`` into ``DIR/epp/prefix/`` and ``ln -s ../plugins DIR/epp/plugins``). Per
+mode: the picker's CPU over a window (user + system from /proc, all threads, the scrape worker
+process included) divided by the window = cores, the request-path process's share alone, the scrape
+rate achieved (the picker's own ``epp_endpoint_scrapes_total``), and the farm's CPU per pod per
+second (the stand-in pods' cost of answering; /proc's 10 ms clock ticks bound its resolution: ~0.1
+ms/s per pod at 8 pods over 10 s). By default the pods are idle: each serves the same page every
+scrape (``--idle`` of the farm), as an idle vLLM pod does; with ``--busy`` each scrape gets another
+page (gauges drawn at random), which the backoff never slows. A picker is given ``--settle`` seconds
+(4) before its window: a steady pod reaches the 1 s gap ~1.7 s after its numbers stop changing.
 
 Part 2, request path. Envoy + picker in front of the 100 pods, wrk offering ~500 req/s (an
 exponential pause per connection), the picker with scraping on and then off, alternating rounds;
