@@ -1,4 +1,5 @@
-"""What model-server telemetry costs: scrape CPU at 25/50/100 pods, and its effect on request latency.
+"""What model-server telemetry costs: the picker's scrape CPU at 8 and 100 pods, the pods' CPU answering
+it, with the idle backoff on and off, and the effect of scraping on request latency.
 
 Pods are stand-ins (``epp.testing.farm``), each on its own loopback address (127.0.1.i) as pods
 have their own IPs: one process serves every pod's metrics port (full-size ~52 KB vLLM pages
@@ -6,16 +7,28 @@ rendered by the simulator, pre-built bytes, at the lowest CPU priority: remote p
 from the picker), another every pod's serving port (tiny JSON completions, normal priority). The
 picker scrapes the metrics port (``--model-server-metrics-port``) every 50 ms (upstream default).
 
-Part 1, cost. For 25, 50 and 100 pods: the picker's CPU over a fixed window (user + system from
-/proc, all threads, the scrape worker process included) divided by the window = cores used, the
-request-path process's share alone, the same picker with scraping off, and the scrape rate actually
-achieved (from the picker's own ``epp_endpoint_scrapes_total``).
+Part 1, cost. For each pool size (``--pods``, default 8 and 100), in rounds that alternate the modes
+(default 3 rounds; medians printed, and each round's total): the picker with its defaults
+(``backoff``: idle pods asked up to 1 s apart), with ``--refresh-metrics-idle-interval=0`` (``no
+backoff``: every pod every 50 ms, as upstream), with scraping off (its own idle, which the ``cost``
+column subtracts), and with ``--baseline DIR`` a picker run from another checkout's ``epp`` package
+(the code before a change; e.g. ``git archive REV epp plugins | tar -x -C DIR``, then copy the built
+``epp/prefix/_native*.so`` into ``DIR/epp/prefix/`` and ``ln -s ../plugins DIR/epp/plugins``). Per
+mode: the picker's CPU over a window (user + system from /proc, all threads, the scrape worker
+process included) divided by the window = cores, the request-path process's share alone, the scrape
+rate achieved (the picker's own ``epp_endpoint_scrapes_total``), and the farm's CPU per pod per
+second (the stand-in pods' cost of answering; /proc's 10 ms clock ticks bound its resolution: ~0.1
+ms/s per pod at 8 pods over 10 s). By default the pods are idle: each serves the same page every
+scrape (``--idle`` of the farm), as an idle vLLM pod does; with ``--busy`` each scrape gets another
+page (gauges drawn at random), which the backoff never slows. A picker is given ``--settle`` seconds
+(4) before its window: a steady pod reaches the 1 s gap ~1.7 s after its numbers stop changing.
 
 Part 2, request path. Envoy + picker in front of the 100 pods, wrk offering ~500 req/s (an
 exponential pause per connection), the picker with scraping on and then off, alternating rounds;
 P50/P99 and the achieved rate per run, medians per mode, and the P99 difference.
 
-Run: ``python bench/scrape_cost.py`` (needs wrk). Talks only to 127.0.0.1; bounded in time.
+Run: ``python bench/scrape_cost.py`` (needs wrk; ``--skip-latency`` for part 1 alone). Talks only to
+127.0.0.1; bounded in time.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from epp.envoy.bootstrap import BootstrapOptions, render
@@ -57,8 +71,11 @@ _SERVING_PORT = 28000
 _METRICS_PORT = 29000
 
 
-def start_farm(pods: int, port: int, *, background: bool) -> tuple[subprocess.Popen[str], list[str], int]:
-    """A farm process for ``pods`` pods on ``port``; ``background``: at a low CPU priority (``--farm-nice``).
+def start_farm(
+    pods: int, port: int, *, background: bool, idle: bool = False
+) -> tuple[subprocess.Popen[str], list[str], int]:
+    """A farm process for ``pods`` pods on ``port``; ``background``: at a low CPU priority (``--farm-nice``);
+    ``idle``: every pod serves the same page every time (``--idle``), as an idle vLLM pod does.
 
     The metrics farm stands in for pods on other machines: in the background it takes only what
     the picker, Envoy and wrk leave, as remote pods would take nothing from them. On a machine
@@ -67,11 +84,14 @@ def start_farm(pods: int, port: int, *, background: bool) -> tuple[subprocess.Po
     CPU cost with a smaller niceness then; the picker's CPU time does not include the farm's.
     """
     process = subprocess.Popen(
-        [sys.executable, "-m", "epp.testing.farm", "--pods", str(pods), "--host-prefix", _HOSTS, "--port", str(port)],
+        [
+            sys.executable, "-m", "epp.testing.farm", "--pods", str(pods), "--host-prefix", _HOSTS,
+            "--port", str(port), *(["--idle"] if idle else []),
+        ],
         stdout=subprocess.PIPE,
         text=True,
         preexec_fn=(lambda: os.nice(_FARM_NICE[0])) if background else None,
-    )
+    )  # fmt: skip
     assert process.stdout is not None
     page_bytes = int(process.stdout.readline().split()[1])
     hostports = [process.stdout.readline().split()[1] for _ in range(pods)]
@@ -83,16 +103,23 @@ _EXTRA_ARGS: list[str] = []
 _WRK_PREFIX: list[str] = []  # ["taskset", "-c", "1"] with --pin
 
 
-def _picker(pods: int, scraping: bool) -> PickerProcess:
+def _picker(pods: int, scraping: bool, extra: Sequence[str] = (), *, source: str | None = None) -> PickerProcess:
+    """A picker in front of the farm's pods; ``source``: the ``epp`` package of another checkout (its
+    parent directory, put first on PYTHONPATH for the picker and its scrape worker)."""
     endpoints = [f"{_HOSTS}{i + 1}:{_SERVING_PORT}" for i in range(pods)]
-    return PickerProcess(
+    picker = PickerProcess(
         endpoints,
         extra_args=[
             f"--scrape-metrics={'true' if scraping else 'false'}",
             "--model-server-metrics-port", str(_METRICS_PORT),
             *_EXTRA_ARGS,
+            *extra,
         ],
     )  # fmt: skip
+    if source is not None:
+        # env execs the picker (the same PID); PYTHONSAFEPATH: not the working directory's epp/ before it.
+        picker.args[:0] = ["env", f"PYTHONPATH={source}", "PYTHONSAFEPATH=1"]
+    return picker
 
 
 def scrapes_done(picker: PickerProcess) -> float:
@@ -101,30 +128,59 @@ def scrapes_done(picker: PickerProcess) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def measure_cost(pods: int, window: float) -> dict[str, float]:
-    farm, _, page_bytes = start_farm(pods, _METRICS_PORT, background=True)
+# The modes of the cost part, alternated in every round: the picker's extra flags.
+MODES: dict[str, list[str]] = {
+    "backoff": [],  # the default: --refresh-metrics-idle-interval=1s
+    "no backoff": ["--refresh-metrics-idle-interval=0"],  # every pod every 50 ms, as upstream
+    "scraping off": [],  # the picker's own idle, read against the others
+}
+
+
+def measure_cost(
+    pods: int, window: float, rounds: int, *, idle: bool, settle: float, modes: Sequence[str], baseline: str | None
+) -> tuple[int, dict[str, list[dict[str, float]]]]:
+    """The page size, and per mode (of :data:`MODES`, and ``baseline``: the picker of another checkout
+    with its defaults; alternating in each round) one entry per round: the picker's cores (with its
+    scrape worker, and the request-path process alone), scrapes per second, and the farm's CPU per
+    pod per second (the stand-in pods' cost of answering)."""
+    farm, _, page_bytes = start_farm(pods, _METRICS_PORT, background=True, idle=idle)
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in [*(["baseline"] if baseline else []), *modes]}
     try:
-        result: dict[str, float] = {"pods": pods, "page_bytes": page_bytes}
-        for scraping in (True, False):
-            picker = _picker(pods, scraping)
-            picker.start()
-            try:
-                time.sleep(1.5)  # connections open, first pages parsed
-                total0, main0 = cpu_seconds(picker.pid), cpu_seconds(picker.pid, children=False)
-                scrapes0, t0 = scrapes_done(picker), time.monotonic()
-                time.sleep(window)
-                total1, main1 = cpu_seconds(picker.pid), cpu_seconds(picker.pid, children=False)
-                scrapes1, t1 = scrapes_done(picker), time.monotonic()
-            finally:
-                picker.stop()
-            key = "on" if scraping else "off"
-            result[f"cores_{key}"] = (total1 - total0) / (t1 - t0)
-            result[f"main_cores_{key}"] = (main1 - main0) / (t1 - t0)
-            result[f"scrapes_per_s_{key}"] = (scrapes1 - scrapes0) / (t1 - t0)
-        return result
+        for _ in range(rounds):
+            for mode in runs:
+                if mode == "baseline":
+                    picker = _picker(pods, True, source=baseline)
+                else:
+                    picker = _picker(pods, mode != "scraping off", MODES[mode])
+                picker.start()
+                try:
+                    time.sleep(settle)  # connections open, first pages parsed, idle pods backed off
+                    total0, main0 = cpu_seconds(picker.pid), cpu_seconds(picker.pid, children=False)
+                    farm0, scrapes0, t0 = cpu_seconds(farm.pid), scrapes_done(picker), time.monotonic()
+                    time.sleep(window)
+                    total1, main1 = cpu_seconds(picker.pid), cpu_seconds(picker.pid, children=False)
+                    farm1, scrapes1, t1 = cpu_seconds(farm.pid), scrapes_done(picker), time.monotonic()
+                finally:
+                    picker.stop()
+                elapsed = t1 - t0
+                runs[mode].append({
+                    "cores": (total1 - total0) / elapsed,
+                    "main_cores": (main1 - main0) / elapsed,
+                    "scrapes_per_s": (scrapes1 - scrapes0) / elapsed,
+                    "pod_ms_per_s": (farm1 - farm0) * 1000 / elapsed / pods,
+                })  # fmt: skip
     finally:
-        farm.terminate()
-        farm.wait(10)
+        _end(farm)
+    return page_bytes, runs
+
+
+def _end(process: subprocess.Popen[str]) -> None:
+    process.terminate()
+    try:
+        process.wait(30)  # a farm at nice 19 on a busy machine may take a while to get the CPU to exit
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _pin(pids: list[int], cpus: set[int]) -> None:
@@ -177,8 +233,7 @@ def measure_latency(
         return results
     finally:
         for process in (farm, serving):
-            process.terminate()
-            process.wait(10)
+            _end(process)
 
 
 def _run_rate(url: str, script: Path, connections: int, duration: int, delay_ms: float) -> dict[str, float]:
@@ -215,13 +270,29 @@ def _match(pattern: str, text: str) -> re.Match[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pods", default="25,50,100", help="pool sizes for the cost part")
+    parser.add_argument("--pods", default="8,100", help="pool sizes for the cost part")
     parser.add_argument("--window", type=float, default=10.0, help="seconds of CPU measurement per pool size and mode")
     parser.add_argument("--rate", type=int, default=500, help="offered req/s for the latency part")
     parser.add_argument("--connections", type=int, default=10)
     parser.add_argument("--duration", type=int, default=10, help="seconds per latency run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--busy", action="store_true", help="cost part: pods serve a different page each scrape")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"cost part: a subset of {', '.join(MODES)}")
+    parser.add_argument(
+        "--idle-intervals",
+        default="",
+        metavar="D,D",
+        help="cost part: also the backoff with these --refresh-metrics-idle-interval values (e.g. 250ms,500ms,2s)",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="cost part: also a picker run from another checkout's epp package (DIR holds epp/), with its defaults",
+    )
+    parser.add_argument(
+        "--settle", type=float, default=4.0, help="seconds from the picker's start to the window (backoff settles)"
+    )
     parser.add_argument(
         "--in-process",
         action="store_true",
@@ -242,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         help="latency part: the picker's request process alone on CPU 0; scrape worker, Envoy, wrk and pods on CPU 1",
     )
     args = parser.parse_args(argv)
+    modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown --modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    for value in (v.strip() for v in args.idle_intervals.split(",") if v.strip()):
+        MODES[f"backoff {value}"] = [f"--refresh-metrics-idle-interval={value}"]
+        modes.insert(modes.index("scraping off") if "scraping off" in modes else len(modes), f"backoff {value}")
     _FARM_NICE[0] = args.farm_nice
     if args.in_process:
         _EXTRA_ARGS.append("--metrics-scraper-process=false")
@@ -251,22 +328,35 @@ def main(argv: list[str] | None = None) -> int:
         print("wrk is needed: apt-get install wrk", file=sys.stderr)
         return 2
 
-    print("Scrape cost: picker CPU (cores) with every pod scraped every 50 ms, vs the same picker with scraping off")
-    print("(total = the picker process and its scrape worker; main = the request-path process alone)")
+    farm_kind = "busy pods (a different page each scrape)" if args.busy else "idle pods (the same page each scrape)"
+    print(f"Scrape cost, {farm_kind}: picker CPU (cores) with scraping on, backoff on and off, and off")
+    print("(total = the picker process and its scrape worker; main = the request-path process alone; cost = total")
+    print(" above the same picker with scraping off; pod = the stand-in pods' CPU answering scrapes, per pod;")
+    print(f" {args.rounds} alternating rounds of {args.window:g} s after {args.settle:g} s to settle, medians)")
     print(f"(options: {' '.join(_EXTRA_ARGS) or 'defaults: scrape worker process, ?name[]= filter'})\n")
     print(
-        f"{'pods':>5} | {'page':>7} | {'total, scraping':>15} {'main, scraping':>14} {'total, off':>10} "
-        f"{'scraping cost':>13} | {'scrapes/s':>9} {'target/s':>8} | {'us/scrape':>9}"
+        f"{'pods':>5} {'mode':<14} | {'total':>6} {'main':>6} {'cost':>6} | {'scrapes/s':>9} | {'us/scrape':>9} | "
+        f"{'pod ms/s':>8} | total per round"
     )
     for pods in (int(p) for p in args.pods.split(",")):
-        r = measure_cost(pods, args.window)
-        print(
-            f"{pods:>5} | {r['page_bytes'] / 1024:5.1f}KB | {r['cores_on']:15.3f} {r['main_cores_on']:14.3f} "
-            f"{r['cores_off']:10.3f} {r['cores_on'] - r['cores_off']:13.3f} | "
-            f"{r['scrapes_per_s_on']:9.0f} {pods * 20:8d} | "
-            f"{(r['cores_on'] - r['cores_off']) / max(r['scrapes_per_s_on'], 1) * 1e6:9.0f}",
-            flush=True,
+        page_bytes, by_mode = measure_cost(
+            pods, args.window, args.rounds, idle=not args.busy, settle=args.settle, modes=modes, baseline=args.baseline
         )
+        medians = {
+            mode: {key: statistics.median(run[key] for run in values) for key in values[0]}
+            for mode, values in by_mode.items()
+        }
+        off = medians["scraping off"]["cores"] if "scraping off" in medians else 0.0
+        for mode, m in medians.items():
+            cost = m["cores"] - off
+            per_scrape = f"{cost / m['scrapes_per_s'] * 1e6:9.0f}" if m["scrapes_per_s"] >= 1 else f"{'-':>9}"
+            rounds = " ".join(f"{run['cores']:.3f}" for run in by_mode[mode])
+            print(
+                f"{pods:>5} {mode:<14} | {m['cores']:6.3f} {m['main_cores']:6.3f} {cost:6.3f} | "
+                f"{m['scrapes_per_s']:9.0f} | {per_scrape} | {m['pod_ms_per_s']:8.3f} | {rounds}",
+                flush=True,
+            )
+        print(f"{'':>5} ({page_bytes / 1024:.1f} KB whole page; {pods * 20} scrapes/s at 50 ms)")
     if args.skip_latency:
         return 0
 

@@ -11,6 +11,10 @@ starts (:meth:`InFlight.answering`) and releases it when the response ends, erro
 :class:`epp.framework.InFlightView`; :class:`epp.framework.Endpoint` derives the loads scorers read
 from it.
 
+Watching: :meth:`InFlight.on_next_add` lets the scraper hear the next request sent to an endpoint whose
+scrapes it slowed down (the numbers of an idle pod change when this picker sends it work), at the
+cost of one attribute test per request.
+
 A ticket is the request's own entry, matched by identity: two requests sent at the same instant with
 the same prompt size are still two entries, and releasing one twice is a no-op. The record keeps two
 lists of tickets: every request in send order (for :meth:`since`, a bisect over send times), and the
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from operator import attrgetter
 
 __all__ = ["InFlight", "Ticket"]
@@ -62,7 +67,10 @@ class Ticket:
 class InFlight:
     """The requests this picker sent to one endpoint whose responses have not ended (see the module docstring)."""
 
-    __slots__ = ("_memo", "_memo_key", "_sent", "_unanswered", "requests", "seconds_per_token", "tokens", "unanswered")
+    __slots__ = (
+        "_memo", "_memo_key", "_on_add", "_sent", "_unanswered",
+        "requests", "seconds_per_token", "tokens", "unanswered",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self._sent: list[Ticket] = []  # every request in flight, by send time
@@ -74,6 +82,11 @@ class InFlight:
         # Several scorers ask since() of the same instant in one scheduling cycle.
         self._memo_key: float | None = None
         self._memo = (0, 0)
+        self._on_add: Callable[[], None] | None = None
+
+    def on_next_add(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` once, at the next :meth:`add` (None: forget the one set)."""
+        self._on_add = callback
 
     def add(self, tokens: int = 0, now: float | None = None) -> Ticket:
         """Count one request (``tokens``: its estimated prompt tokens); the ticket answers and releases it."""
@@ -88,6 +101,10 @@ class InFlight:
         self.requests += 1
         self.unanswered += 1
         self._memo_key = None
+        callback = self._on_add
+        if callback is not None:
+            self._on_add = None
+            callback()
         return ticket
 
     def answering(self, ticket: Ticket | None = None, now: float | None = None) -> None:

@@ -1,9 +1,10 @@
-"""The scrape loops: one per endpoint, each reading its model server's metrics page every interval.
+"""The scrape loops: one per endpoint, each reading its model server's metrics page every interval
+(less often while the numbers on it stay the same).
 
 Design
 ------
 :class:`ScrapeLoops` runs one loop per endpoint. Every ``--refresh-metrics-interval`` (50 ms, as
-upstream) a loop:
+upstream; see "Cadence" below for pods whose numbers do not change) a loop:
 
 1. GETs the endpoint's metrics page on one keep-alive connection (:mod:`epp.datalayer.httpget`), bounded by a
    per-fetch timeout;
@@ -57,6 +58,81 @@ twice the size). With the callbacks, the one-pass reading of small pages (:mod:`
 and 10 ms result batches (:mod:`epp.datalayer.worker`), a scrape costs about half the CPU of the
 earlier task-per-endpoint loop: at 100 pods ~105 µs instead of ~230 µs, worker and request-path
 process together (bench/scrape_cost.py, medians of 3 alternating runs on a shared 2-core machine).
+
+Cadence
+-------
+An idle pod asked every 50 ms gives the same page twenty times a second, and at 100 pods that was
+most of the picker's idle CPU and all of the pods' CPU spent answering it. A loop whose scrape finds
+the same numbers as the scrape before (what the picker reads - queue, running, KV usage, adapters,
+cache geometry - not the bytes: vLLM's LoRA series carries a timestamp) four times in a row slows
+down: the gap to the next scrape doubles with each further steady scrape (100, 200, 400, 800 ms) up
+to ``--refresh-metrics-idle-interval`` (1 s; our extension, ``ScrapeSettings.idle_interval``; 0 or
+anything under one interval turns it off). The gap is a whole number of beats of the loop's grid
+(its *stride*), and a loop at stride k scrapes on the beats that are multiples of k, so steady loops
+share beats: their answers share the worker's wake-ups, and their results one message to the
+request loop. A loop is back at the fast cadence from the next beat on:
+
+* when this picker sends the pod a request: the scraper watches the in-flight record of each slowed
+  pod and wakes its loop at the first pick there (:meth:`ScrapeLoops.wake`,
+  :mod:`epp.datalayer.scraper`); four scrapes at the fast cadence follow at least;
+* when a scrape finds other numbers than the one before;
+* when a scrape fails, and while it keeps failing (a pod that is stale or going stale); a new pod
+  starts fast.
+
+Blind time. The numbers of a pod this picker sends nothing to change only through traffic it does
+not see (another gateway, another replica of the picker): on a slowed pod such a change is seen at
+most one idle interval later (1 s instead of 50 ms; ``tests/datalayer/test_backoff.py`` bounds it),
+and the pod is scraped fast again from then on. In that second this picker may take the pod for idle
+and pick it - and that pick wakes the loop, so the next scrape (at most 50 ms later) shows the other
+traffic: at most one pick per pod and idle interval goes on stale numbers. This picker's own requests
+are never blind: the in-flight accounting counts them the moment they are sent, whatever the cadence
+(scorers add what was sent since the scrape's own time, ``updated_at``). What is not waited for: the
+end of a request (its release) does not wake the loop - the pod's numbers move while it serves, so a
+pod with work is not slowed in the first place.
+
+Staleness keeps its meaning: ``--metrics-staleness-threshold`` is how long a pod's scrapes fail before
+it goes stale. The threshold counts from the last good scrape, which at the fast cadence is one
+interval before the first failed one; a slowed pod was asked less often by the picker's choice, so
+it is vouched for until one interval before its first failed scrape was sent, and goes stale as long
+after its failures begin as a pod asked every interval (a test compares both). A refused connection
+still marks it stale at once, at its next scrape, at most an idle interval after the pod died (a pick
+to it is answered by Envoy with a 503 that marks it unreachable at once, and wakes the loop). The
+idle interval is capped at half the staleness threshold so that a steady pod's ``updated_at`` never
+ages past the threshold between two scrapes (flow control's saturation detector reads that age), and
+the 1 s default stays well under the idle keep-alive timeout of the model servers (uvicorn's 5 s in
+vLLM and SGLang), so a slowed loop keeps its connection.
+
+Measured (pods serving the same page each scrape, as idle pods do; the picker with its scrape
+worker; 3 alternating rounds of 10 s, medians, on a shared 2-core machine)::
+
+                                    8 pods          100 pods
+    picker cores, previous code     0.031           0.075
+    picker cores, backoff off       0.020           0.061     (unchanged results batched lazily)
+    picker cores, backoff (1 s)     0.003           0.006
+    stand-in pods, ms/s per pod     1.25 -> <0.13   0.29 -> 0.010   (previous -> backoff)
+    scrapes per second              160 -> 8        2000 -> 100
+
+``python bench/scrape_cost.py --skip-latency --farm-nice 10 --baseline DIR`` (DIR: a checkout of the
+previous code). The idle interval trades blind time for CPU about linearly: at 100 idle pods 250 ms
+cost 0.019 core (4 scrapes a second per pod), 500 ms 0.011, 1 s 0.006, against 0.072 every 50 ms
+(``--pods 100 --idle-intervals 250ms,500ms``, one run). 1 s is the default: the lowest pod cost of
+the three, with the blind time still half the staleness threshold and only until the first pick.
+
+Against a real vLLM 0.32 server (CPU, idle), its API process spent 22 ms/s above idle answering a
+picker without the backoff and 1.0 ms/s with it (1 scrape a second: its numbers do
+not change; ``python bench/vllm_scrape_cost.py --modes idle,filtered,picker-backoff,picker-no-backoff``).
+Pods that serve a different page each scrape are never slowed and cost what they did (0.132 and
+0.136 cores at 100 pods, previous code and now: noise; ``--busy``). Where such a busy scrape's time
+goes (py-spy on the worker at 100 busy pods, ~0.11 core): about half in uvloop's own loop (epoll,
+reading the answers, the timer heap), ~10% writing the requests, ~11% writing the result batches to
+the request process (the syscall and its wake-up; encoding 20 results is ~10 µs), ~13% parsing
+pages, ~5% building results; the request process's ~0.02 core is mostly its 100 wake-ups a second.
+None of those is a lever like the cadence: fewer parent wake-ups trade freshness (see
+:mod:`epp.datalayer.worker`), the rest is one read and one write per scrape.
+
+Conditional requests were not an option: prometheus_client sends no ``ETag`` and ignores
+``If-None-Match`` (its exposition apps, as vLLM 0.32 and SGLang mount them, checked in their sources),
+so a server cannot answer "not modified"; it renders and filters the page on every request.
 """
 
 from __future__ import annotations
@@ -101,6 +177,15 @@ class ScrapeSettings:
     port: int = 0  # --model-server-metrics-port; 0: the endpoint's own port
     insecure_skip_verify: bool = True  # --model-server-metrics-https-insecure-skip-verify
     name_filter: bool = True  # ask for only the metrics in use (?name[]=...); whole page if refused
+    # --refresh-metrics-idle-interval (our extension): the longest gap between two scrapes of a pod whose
+    # numbers do not change (capped at half the staleness threshold); <= interval: every pod every interval.
+    idle_interval: float = 1.0
+
+    @property
+    def max_stride(self) -> int:
+        """The most beats of ``interval`` a backed-off loop lets pass between two scrapes (1: no backoff)."""
+        longest = min(self.idle_interval, self.staleness / 2)
+        return max(1, int(longest / self.interval + 1e-9))
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +225,8 @@ class ScrapeResult(msgspec.Struct, frozen=True, array_like=True, gc=False):
     reason: Reason | None = None  # the error's kind; None when the scrape was complete
     kv_cache_size_tokens: int | None = None  # the cache's capacity in tokens, when the engine says it
     filter_ignored: bool = False  # this scrape found that the pod ignores ?name[]= (reported once)
+    slow: bool = False  # the loop now scrapes this pod less often than every interval (its numbers are steady)
+    unchanged: bool = False  # as the endpoint's previous result but for updated_at: nothing new but the time
 
 
 Sink = Callable[[ScrapeResult], None]
@@ -160,6 +247,8 @@ class ScrapeLoops:
             raise ValueError(f"default engine {default_engine!r} is not one of {sorted(engines)}")
         if not (settings.interval > 0 and settings.timeout > 0 and settings.staleness > 0):
             raise ValueError(f"scrape interval, timeout and staleness must be positive, got {settings}")
+        if not settings.idle_interval >= 0:
+            raise ValueError(f"the idle scrape interval cannot be negative, got {settings.idle_interval}")
         self._engines = engines
         self._default_engine = default_engine
         self._settings = settings
@@ -196,13 +285,19 @@ class ScrapeLoops:
         load = self._slot_load
         slot = load.index(min(load))  # the least busy: loops spread evenly over the interval
         load[slot] += 1
-        endpoint = _EndpointLoop(target, engine, self._settings, self._tls, self._sink, loop, slot)
-        self._endpoints[target.name] = endpoint
-        interval = self._settings.interval
         phase = self._epoch + slot * self._slot_width
-        endpoint.start(phase + max(0, math.ceil((now - phase) / interval)) * interval)
+        endpoint = _EndpointLoop(target, engine, self._settings, self._tls, self._sink, loop, slot, phase)
+        self._endpoints[target.name] = endpoint
+        endpoint.start(max(0, math.ceil((now - phase) / self._settings.interval)))
         if self._sweeper is None:
             self._sweeper = loop.call_later(self._sweep_every, self._sweep)
+
+    def wake(self, name: str) -> None:
+        """``name`` was just sent a request: scrape it at the fast cadence again, from the next beat on
+        (nothing happens for an endpoint without a loop)."""
+        endpoint = self._endpoints.get(name)
+        if endpoint is not None:
+            endpoint.wake()
 
     def remove(self, name: str) -> None:
         """Stop scraping ``name`` and close its connection (no result of it is reported after this)."""
@@ -238,9 +333,10 @@ class _EndpointLoop:
     """One endpoint's scrape loop: a timer sends, the response callback parses and reports."""
 
     __slots__ = (
-        "_asked", "_closed", "_connecting", "_connection", "_current", "_deadline", "_engine", "_filtered",
-        "_host", "_last_ok", "_last_page", "_last_parsed", "_loop", "_path", "_port", "_request", "_settings",
-        "_sink", "_timer", "_tls", "name", "sent_at", "slot",
+        "_asked", "_beat_n", "_closed", "_connecting", "_connection", "_current", "_engine", "_filtered", "_host",
+        "_interval", "_last_ok", "_last_page", "_last_parsed", "_loop", "_max_stride", "_path", "_phase", "_port",
+        "_previous", "_quiet", "_request", "_sent_mono", "_settings", "_sink", "_stride", "_timer", "_tls",
+        "_vouched", "name", "sent_at", "slot",
     )  # fmt: skip
 
     def __init__(
@@ -252,6 +348,7 @@ class _EndpointLoop:
         sink: Sink,
         loop: asyncio.AbstractEventLoop,
         slot: int,
+        phase: float,
     ) -> None:
         self.name = target.name
         self.slot = slot
@@ -272,9 +369,19 @@ class _EndpointLoop:
         self._connection: GetConnection | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._deadline = 0.0
+        # The cadence (see the module docstring): beat n is at phase + n * interval; the loop scrapes
+        # every stride-th beat, 1 unless its numbers have been steady for a while.
+        self._phase = phase
+        self._interval = settings.interval
+        self._max_stride = settings.max_stride
+        self._beat_n = 0  # the beat scheduled next, or the one whose scrape is in flight
+        self._stride = 1  # beats from the previous scrape to the next one
+        self._quiet = 0  # good scrapes in a row that found the same numbers as the one before
+        self._previous: EngineMetrics | None = None  # the last scrape's numbers; None after a failure
         self._current = ScrapeResult(target.name)  # never scraped
         self._last_ok = 0.0
+        self._vouched = 0.0  # time.monotonic() the staleness threshold counts from (see _failed)
+        self._sent_mono = 0.0  # time.monotonic() of the last send
         self._last_page: bytes | None = None
         self._last_parsed: EngineMetrics | None = None
         self._closed = False
@@ -294,10 +401,35 @@ class _EndpointLoop:
         """Whether the loop was stopped (:meth:`close`): it scrapes and reports no more."""
         return self._closed
 
-    def start(self, first: float) -> None:
-        """Scrape at ``first`` (``loop.time()``), then every interval after it."""
-        self._deadline = first
-        self._timer = self._loop.call_at(first, self._beat)
+    @property
+    def stride(self) -> int:
+        """Beats of the interval between the last scrape and the next: 1 at the fast cadence."""
+        return self._stride
+
+    @property
+    def next_scrape(self) -> float | None:
+        """``loop.time()`` of the next scrape, when one is scheduled (None while one is in flight)."""
+        return self._phase + self._beat_n * self._interval if self._timer is not None else None
+
+    def start(self, beat: int) -> None:
+        """Scrape at beat ``beat`` (``loop.time()`` phase + beat x interval), then on."""
+        self._beat_n = beat
+        self._timer = self._loop.call_at(self._phase + beat * self._interval, self._beat)
+
+    def wake(self) -> None:
+        """Back to the fast cadence: the next scrape at the next beat, and a few more after it."""
+        if self._closed:
+            return
+        self._quiet = 0
+        if self._stride == 1:
+            return
+        self._stride = 1
+        if self._timer is not None:  # waiting for a far beat: the next one instead
+            beat = max(0, math.ceil((self._loop.time() - self._phase) / self._interval))
+            if beat < self._beat_n:
+                self._timer.cancel()
+                self.start(beat)
+        # else a scrape is in flight: its end schedules the next at stride 1
 
     def close(self) -> asyncio.Task[None] | None:
         """Stop for good; returns the connecting task it cancelled, if there was one."""
@@ -327,15 +459,11 @@ class _EndpointLoop:
 
     def _beat(self) -> None:
         self._timer = None
-        started = self._loop.time()
-        interval = self._settings.interval
-        self._deadline += interval
-        if self._deadline < started:  # fell behind (a slow pod): skip the missed beats, keep the phase
-            self._deadline += (started - self._deadline) // interval * interval + interval
-        self._send(started)
+        self._send(self._loop.time())
 
     def _send(self, now: float) -> None:
         self.sent_at = now
+        self._sent_mono = time.monotonic()
         connection = self._connection
         if connection is not None and not connection.closed:
             connection.send(self._request)
@@ -392,27 +520,39 @@ class _EndpointLoop:
             return
         # time.monotonic(), not loop.time(): snapshots may cross to another process.
         now = time.monotonic()
-        self._last_ok = now
-        missing = parsed.missing
-        self._current = current = ScrapeResult(
-            endpoint=self.name,
-            waiting_queue_size=parsed.waiting_queue_size or 0,
-            running_requests=parsed.running_requests or 0,
-            kv_cache_usage=parsed.kv_cache_usage or 0.0,
-            running_adapters=parsed.running_adapters,
-            waiting_adapters=parsed.waiting_adapters,
-            max_adapters=parsed.max_adapters or 0,
-            block_size=parsed.block_size,
-            num_gpu_blocks=parsed.num_gpu_blocks,
-            kv_cache_size_tokens=parsed.kv_cache_size_tokens,
-            updated_at=now,
-            stale=False,
-            error=f"metrics missing from the page: {', '.join(missing)}" if missing else None,
-            reason="missing_metrics" if missing else None,
-        )
-        if ignored:  # reported by this result alone: the next failure's result copies _current
-            self._current = msgspec.structs.replace(current, filter_ignored=False)
-            current = msgspec.structs.replace(current, filter_ignored=True)
+        self._last_ok = self._vouched = now
+        # The cadence: steady numbers (the same as the last scrape's, a good one too) slow it down.
+        previous = self._previous
+        same = previous is not None and (parsed is previous or parsed == previous)
+        self._previous = parsed
+        quiet = self._quiet = self._quiet + 1 if same else 0
+        stride = self._stride = _stride(quiet, self._max_stride)
+        slow = stride > 1
+        last = self._current
+        if same and last.slow is slow and not ignored:  # nothing new but the time: only updated_at moves
+            self._current = current = msgspec.structs.replace(last, updated_at=now, unchanged=True)
+        else:
+            missing = parsed.missing
+            self._current = current = ScrapeResult(
+                endpoint=self.name,
+                waiting_queue_size=parsed.waiting_queue_size or 0,
+                running_requests=parsed.running_requests or 0,
+                kv_cache_usage=parsed.kv_cache_usage or 0.0,
+                running_adapters=parsed.running_adapters,
+                waiting_adapters=parsed.waiting_adapters,
+                max_adapters=parsed.max_adapters or 0,
+                block_size=parsed.block_size,
+                num_gpu_blocks=parsed.num_gpu_blocks,
+                kv_cache_size_tokens=parsed.kv_cache_size_tokens,
+                updated_at=now,
+                stale=False,
+                error=f"metrics missing from the page: {', '.join(missing)}" if missing else None,
+                reason="missing_metrics" if missing else None,
+                slow=slow,
+            )
+            if ignored:  # reported by this result alone: the next failure's result copies _current
+                self._current = msgspec.structs.replace(current, filter_ignored=False)
+                current = msgspec.structs.replace(current, filter_ignored=True)
         try:
             self._sink(current)
         finally:
@@ -451,18 +591,50 @@ class _EndpointLoop:
         if self._closed:
             return
         now = time.monotonic()
-        last_ok = self._last_ok
-        stale = stale or not last_ok or now - last_ok > self._settings.staleness
+        if self._previous is not None:
+            # The first failure after a good scrape. The threshold counts from the last good scrape,
+            # which at the fast cadence is about one interval before the failed one (then this changes
+            # nothing); a pod asked less often (slowed, or woken by a pick just before) is vouched for
+            # until one interval before this scrape was sent: it goes stale as long after its failures
+            # begin as a pod asked every interval does.
+            self._vouched = max(self._last_ok, self._sent_mono - self._interval)
+        self._previous = None
+        self._quiet = 0
+        self._stride = 1  # a failure is news: the fast cadence until scrapes are good and steady again
+        stale = stale or not self._last_ok or now - self._vouched > self._settings.staleness
+        last = self._current
         # The last good numbers are kept, and their time: scorers age them from updated_at.
-        self._current = current = msgspec.structs.replace(self._current, stale=stale, error=detail, reason=reason)
+        unchanged = last.error == detail and last.reason == reason and last.stale is stale and not last.slow
+        self._current = current = msgspec.structs.replace(
+            last, stale=stale, error=detail, reason=reason, slow=False, unchanged=unchanged
+        )
         try:
             self._sink(current)
         finally:
             self._next()
 
     def _next(self) -> None:
-        if not self._closed:
-            self._timer = self._loop.call_at(self._deadline, self._beat)
+        if self._closed:
+            return
+        stride, interval, phase = self._stride, self._interval, self._phase
+        beat = (self._beat_n // stride + 1) * stride  # a multiple of the stride: steady loops share beats
+        now = self._loop.time()
+        if phase + beat * interval < now:  # fell behind (a slow pod): skip the missed beats, keep the phase
+            beat = -(-math.ceil((now - phase) / interval) // stride) * stride
+        self.start(beat)
+
+
+# Good scrapes in a row with the same numbers before a loop slows down: 200 ms at the default 50 ms
+# interval, so that a pick (which resets it) is followed by that many scrapes at the fast cadence.
+_QUIET_SCRAPES = 4
+
+
+def _stride(quiet: int, most: int) -> int:
+    """Beats to the next scrape after ``quiet`` unchanged scrapes in a row: 1 until _QUIET_SCRAPES,
+    then doubling with each further one (2, 4, 8, ...) up to ``most``."""
+    if quiet < _QUIET_SCRAPES or most <= 1:
+        return 1
+    return min(most, 1 << min(quiet - _QUIET_SCRAPES + 1, 30))
 
 
 def _filtered_path(path: str, engine: EngineMapping) -> str:

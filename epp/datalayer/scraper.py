@@ -12,11 +12,21 @@ path's event loop with that work raised request P99 by several milliseconds (ben
 The child sends results back in small batches; applying one costs the request loop a few
 microseconds. ``in_process=True`` runs the loops in the caller's loop instead (tests, tiny pools).
 If the worker dies, every endpoint is marked stale until its replacement reports.
+
+Waking a slowed loop. A loop scrapes a pod whose numbers stay the same less and less often
+(:mod:`epp.datalayer.loops`, up to ``--refresh-metrics-idle-interval``) and says so in its results
+(``slow``). For each such pod the scraper watches the pod's in-flight record
+(:meth:`~epp.datalayer.inflight.InFlight.on_next_add`): the first request this picker sends there
+wakes the loop (:meth:`ScrapeLoops.wake`, across the worker's socket), which scrapes it at the next
+beat of the fast cadence. A pick made between the slow scrape and the arrival of its result (up to
+the worker's 10 ms batch) is seen by the in-flight record too (``since`` the scrape's time). Per
+request this costs one attribute test; per slowed pod, one message to the worker at its next pick.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
@@ -56,6 +66,7 @@ class Scraper:
         self._warned_engines: set[str] = set()
         self._errors: dict[str, str | None] = {}
         self._stale: dict[str, bool] = {}
+        self._slow: set[str] = set()  # endpoints whose loop slowed down: the next pick there wakes it
         self._started = False
         self._loops: ScrapeLoops | WorkerClient
         if in_process:
@@ -105,9 +116,36 @@ class Scraper:
         return Target(endpoint.name, endpoint.address, endpoint.port, engine)
 
     def _apply_result(self, result: ScrapeResult) -> None:
-        self._apply(result.endpoint, _metrics(result), result.reason)
+        name = result.endpoint
+        self._apply(name, _metrics(result), result.reason)
         if result.filter_ignored:  # once per scrape loop: the loop logged it and asks unfiltered since
-            self._metrics.filter_ignored.labels(result.endpoint).inc()
+            self._metrics.filter_ignored.labels(name).inc()
+        if result.slow is not (name in self._slow):
+            self._watch(name, result)
+
+    def _watch(self, name: str, result: ScrapeResult) -> None:
+        """Wake the loop of ``name`` at the next request sent there while it is slow (see the docstring)."""
+        record = self._datastore.in_flight(name)
+        if not result.slow:
+            self._slow.discard(name)
+            if record is not None:
+                record.on_next_add(None)
+            return
+        if record is None:
+            return  # left the pool
+        self._slow.add(name)
+        if record.since(result.updated_at)[0]:  # sent there after the scrape that slowed the loop
+            self._picked(name)
+        else:
+            record.on_next_add(functools.partial(self._picked, name))
+
+    def _picked(self, name: str) -> None:
+        # On the request path (InFlight.add): never raises.
+        self._slow.discard(name)
+        try:
+            self._loops.wake(name)
+        except Exception:  # the worker's socket went away: its replacement starts every loop fast anyway
+            log.debug("could not wake the scrape loop of %s", name, exc_info=True)
 
     def _apply(self, name: str, metrics: Metrics, reason: str | None) -> None:
         """One loop's result: to the datastore, the counters and (on a change of state) the log."""
@@ -131,6 +169,7 @@ class Scraper:
     def _forget(self, name: str) -> None:
         self._errors.pop(name, None)
         self._stale.pop(name, None)
+        self._slow.discard(name)  # its in-flight record, which may hold the watch, left with it
         series = self._metrics
         with contextlib.suppress(KeyError):  # never scraped, or never failed for that reason
             series.endpoint_stale.remove(name)
@@ -142,6 +181,11 @@ class Scraper:
 
     def mark_all_stale(self, why: str) -> None:
         """Every endpoint's metrics become stale now (the scrape worker died)."""
+        for name in self._slow:  # a new worker starts every loop at the fast cadence
+            record = self._datastore.in_flight(name)
+            if record is not None:
+                record.on_next_add(None)
+        self._slow.clear()
         for endpoint in self._datastore.endpoints():
             self._apply(endpoint.name, replace(endpoint.metrics, stale=True, error=why), "connection")
 

@@ -108,6 +108,13 @@ SERVE_FLAGS = FlagSet(
         # Model-server telemetry.
         make_flag("refresh-metrics-interval", Duration(0.05), "interval between scrapes of each endpoint's metrics"),
         make_flag(
+            "refresh-metrics-idle-interval",
+            Duration(1.0),
+            "this project's extension: the longest gap between scrapes of an endpoint whose numbers do not change "
+            "(backoff; fast again at a pick, a change or a failure; at most half --metrics-staleness-threshold); "
+            "0: every endpoint every --refresh-metrics-interval, as upstream",
+        ),
+        make_flag(
             "metrics-staleness-threshold",
             Duration(2.0),
             "metrics older than this mark an endpoint stale (treated as fully loaded)",
@@ -159,6 +166,8 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         raise FlagError("--max-request-body-bytes must be positive")
     if values["refresh-metrics-interval"] <= 0:
         raise FlagError("--refresh-metrics-interval must be positive (use --scrape-metrics=false to turn scraping off)")
+    if values["refresh-metrics-idle-interval"] < 0:
+        raise FlagError("--refresh-metrics-idle-interval cannot be negative (0 turns the backoff off)")
     if values["metrics-staleness-threshold"] <= 0:
         raise FlagError("--metrics-staleness-threshold must be positive")
     if values["model-server-metrics-scheme"] not in ("http", "https"):
@@ -192,6 +201,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         scrape_metrics=values["scrape-metrics"],
         metrics_scraper_process=values["metrics-scraper-process"],
         refresh_metrics_interval=float(values["refresh-metrics-interval"]),
+        refresh_metrics_idle_interval=float(values["refresh-metrics-idle-interval"]),
         metrics_staleness_threshold=float(values["metrics-staleness-threshold"]),
         model_server_metrics_path=values["model-server-metrics-path"],
         model_server_metrics_scheme=values["model-server-metrics-scheme"],

@@ -126,6 +126,7 @@ def _scraper(settings: Settings, config: PickerConfig, datastore: Datastore, met
         if source
         else settings.model_server_metrics_insecure_skip_verify,
         name_filter=settings.model_server_metrics_name_filter,
+        idle_interval=settings.refresh_metrics_idle_interval,
     )
     return Scraper(
         datastore,

@@ -46,6 +46,7 @@ class Settings:
     scrape_metrics: bool = True
     metrics_scraper_process: bool = True  # scrape in a child process, off the request loop
     refresh_metrics_interval: float = 0.05
+    refresh_metrics_idle_interval: float = 1.0  # ours: backoff for pods whose numbers do not change (0: off)
     metrics_staleness_threshold: float = 2.0
     model_server_metrics_path: str = "/metrics"
     model_server_metrics_scheme: str = "http"

@@ -8,7 +8,8 @@ answers one of a few pre-rendered page variants (taken from a simulated pod that
 traffic, then given different gauge values, so consecutive scrapes differ as they do on a busy
 server; ``?name[]=`` restricts it to those samples, as prometheus_client does for vLLM), and any
 other request gets a small JSON completion, so the farm can also be the pool
-behind Envoy for request-path latency.
+behind Envoy for request-path latency. ``--idle`` makes every pod serve one page, always the same:
+an idle vLLM pod (nothing waiting or running) serves the same numbers scrape after scrape.
 
 ``python -m epp.testing.farm --pods 100`` prints ``pod-i ip:port`` lines and serves until SIGTERM.
 """
@@ -27,7 +28,7 @@ from urllib.parse import unquote_to_bytes
 
 from epp.sim.exposition import restrict_page
 
-__all__ = ["MetricsFarm", "realistic_pages"]
+__all__ = ["MetricsFarm", "idle_page", "realistic_pages"]
 
 _COMPLETION = json.dumps(
     {"id": "cmpl-farm", "object": "text_completion", "choices": [{"index": 0, "text": " ok", "finish_reason": "stop"}],
@@ -88,6 +89,13 @@ def realistic_pages(variants: int = 64, seed: int = 1) -> list[bytes]:
             varied = varied.replace(b"} " + newest + b"\n", b"} %.7f\n" % (float(newest) + rng.random() * 100), 1)
         pages.append(varied)
     return pages
+
+
+def idle_page(page: bytes) -> bytes:
+    """``page`` (one of :func:`realistic_pages`) as an idle pod serves it: nothing waiting or running,
+    no KV-cache block in use."""
+    idle = re.sub(rb"(\nvllm:num_requests_(?:waiting|running)\{[^}]*\}) \S+", rb"\1 0.0", page)
+    return re.sub(rb"(\nvllm:(?:kv|gpu)_cache_usage_perc\{[^}]*\}) \S+", rb"\1 0.0", idle)
 
 
 def _http(page: bytes) -> bytes:
@@ -183,8 +191,10 @@ class MetricsFarm:
             await server.wait_closed()
 
 
-async def _main(pods: int, host_prefix: str | None, port: int) -> None:
+async def _main(pods: int, host_prefix: str | None, port: int, idle: bool) -> None:
     pages = await asyncio.to_thread(realistic_pages)
+    if idle:
+        pages = [idle_page(pages[0])]
     farm = MetricsFarm(pods, pages, host_prefix=host_prefix, port=port)
     await farm.start()
     print(f"page-bytes {len(pages[0])}", flush=True)
@@ -202,13 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pods", type=int, default=100)
     parser.add_argument("--host-prefix", help="give pod i the loopback address PREFIX<i+1> (e.g. 127.0.1.)")
     parser.add_argument("--port", type=int, default=0, help="the port of every pod (with --host-prefix)")
+    parser.add_argument("--idle", action="store_true", help="idle pods: each serves the same page every time")
     args = parser.parse_args(argv)
     try:
         import uvloop
 
-        uvloop.run(_main(args.pods, args.host_prefix, args.port))
+        uvloop.run(_main(args.pods, args.host_prefix, args.port, args.idle))
     except ImportError:
-        asyncio.run(_main(args.pods, args.host_prefix, args.port))
+        asyncio.run(_main(args.pods, args.host_prefix, args.port, args.idle))
     return 0
 
 

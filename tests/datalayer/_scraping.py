@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,11 +44,13 @@ class FakeServer:
     paths: list[str] = field(default_factory=list)
     connections: set[object] = field(default_factory=set)
     requests: int = 0
+    times: list[float] = field(default_factory=list)  # time.monotonic() of each request's arrival
     port: int = 0
     runner: web.AppRunner | None = None
 
     async def handler(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
+        self.times.append(time.monotonic())
         self.queries.append(request.query_string)
         self.paths.append(request.path)
         self.connections.add(request.transport)

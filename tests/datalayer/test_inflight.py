@@ -37,3 +37,16 @@ def test_the_kept_counts_equal_the_tickets_after_any_operations(ops: list[tuple[
     for ticket in tickets:
         record.release(ticket)
     assert (record.requests, record.tokens, record.unanswered, record.pending_depth()) == (0, 0, 0, 0.0)
+
+
+def test_the_next_add_calls_the_watcher_once() -> None:
+    record = InFlight()
+    calls: list[int] = []
+    record.on_next_add(lambda: calls.append(record.requests))
+    record.add(3)
+    record.add(4)
+    assert calls == [1]  # once, with the request already counted
+    record.on_next_add(lambda: calls.append(-1))
+    record.on_next_add(None)  # forgotten
+    record.add(5)
+    assert calls == [1]

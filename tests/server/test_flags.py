@@ -200,6 +200,8 @@ def test_upstream_helm_chart_arguments_are_accepted(tmp_path: Path) -> None:
         (["-max-request-body-bytes", "1024"], "max_request_body_bytes", 1024),
         (["-shutdown-grace-period", "2.5s"], "shutdown_grace_seconds", 2.5),
         (["-refresh-metrics-interval=100ms"], "refresh_metrics_interval", 0.1),
+        (["-refresh-metrics-idle-interval=500ms"], "refresh_metrics_idle_interval", 0.5),
+        (["-refresh-metrics-idle-interval=0"], "refresh_metrics_idle_interval", 0.0),
         (["-metrics-staleness-threshold", "1m"], "metrics_staleness_threshold", 60.0),
         (["-scrape-metrics=false"], "scrape_metrics", False),
         (["-model-server-metrics-path", "/m"], "model_server_metrics_path", "/m"),
@@ -228,6 +230,10 @@ def test_flag_reaches_settings(argv: list[str], field: str, expected: Any) -> No
         (["-config-file", "a", "-config-text", "b"], "give --config-file or --config-text, not both"),
         (["-zap-encoder", "text"], "--zap-encoder must be console or json, got 'text'"),
         (["-max-request-body-bytes", "0"], "--max-request-body-bytes must be positive"),
+        (
+            ["-refresh-metrics-idle-interval=-1s"],
+            "--refresh-metrics-idle-interval cannot be negative (0 turns the backoff off)",
+        ),
         (["-h"], "help requested"),
     ],
 )
