@@ -92,23 +92,31 @@ class Breaker:
             self.opened += 1
 
 
+_Raw = msgspec.Raw | msgspec.UnsetType  # a field's JSON as it came, or absent
+
+
 class _Tokenize(msgspec.Struct, omit_defaults=True):
-    model: str | None = None
-    prompt: msgspec.Raw | None = None
-    messages: msgspec.Raw | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    tools: msgspec.Raw | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: msgspec.Raw | None = None
+    model: str | None | msgspec.UnsetType = msgspec.UNSET
+    prompt: _Raw = msgspec.UNSET
+    messages: _Raw = msgspec.UNSET
+    add_special_tokens: _Raw = msgspec.UNSET
+    add_generation_prompt: _Raw = msgspec.UNSET
+    continue_final_message: _Raw = msgspec.UNSET
+    tools: _Raw = msgspec.UNSET
+    chat_template: _Raw = msgspec.UNSET
+    chat_template_kwargs: _Raw = msgspec.UNSET
 
 
 class _Unsupported(msgspec.Struct):
-    documents: msgspec.Raw | None = None
-    reasoning_effort: msgspec.Raw | None = None
-    truncate_prompt_tokens: msgspec.Raw | None = None
-    kv_transfer_params: msgspec.Raw | None = None
+    documents: _Raw = msgspec.UNSET
+    reasoning_effort: _Raw = msgspec.UNSET
+    truncate_prompt_tokens: _Raw = msgspec.UNSET
+    truncation_side: _Raw = msgspec.UNSET
+    kv_transfer_params: _Raw = msgspec.UNSET
+
+
+def _given(value: object) -> bool:
+    return isinstance(value, msgspec.Raw) and bytes(value).strip() != b"null"
 
 
 _DECODE_TOKENIZE = msgspec.json.Decoder(_Tokenize).decode
@@ -136,21 +144,19 @@ def tokenize_body(api: str, body: bytes) -> bytes:
         fields = _DECODE_TOKENIZE(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise RemoteError("unsupported", f"body fields /tokenize cannot take as they are: {exc}") from exc
-    given = [k for k in _Unsupported.__struct_fields__ if getattr(unsupported, k) is not None]
+    given = [k for k in _Unsupported.__struct_fields__ if _given(getattr(unsupported, k))]
     if given:
         raise RemoteError("unsupported", f"/tokenize does not take {given}")
+    fields.model = msgspec.UNSET  # ids do not depend on the adapter; the base model is on every pod
     if api == "completions":
-        if fields.prompt is None or fields.messages is not None or not bytes(fields.prompt).lstrip().startswith(b'"'):
+        prompt = fields.prompt
+        if not _given(prompt) or not bytes(prompt).lstrip().startswith(b'"') or _given(fields.messages):
             raise RemoteError("unsupported", "/tokenize takes one string prompt")
-        fields.add_generation_prompt = fields.continue_final_message = None
-        fields.tools = fields.chat_template_kwargs = None
-        fields.chat_template = None
+        fields = _Tokenize(prompt=prompt, add_special_tokens=fields.add_special_tokens)
     elif api == "chat_completions":
-        if fields.messages is None:
+        if not _given(fields.messages):
             raise RemoteError("unsupported", "a chat request without messages")
-        fields.prompt = None
-        if fields.add_special_tokens is None:
-            fields.add_special_tokens = False  # /tokenize's default for messages is that of chat
+        fields.prompt = msgspec.UNSET
     else:
         raise RemoteError("unsupported", f"{api} requests have no prompt to tokenize")
     return _ENCODE(fields)
