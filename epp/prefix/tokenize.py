@@ -522,6 +522,11 @@ class ModelTokenizer:
         return out
 
     @property
+    def backend(self) -> Tokenizer:
+        """The HF ``tokenizers`` object (after the loading rules; not to be changed)."""
+        return self._tok
+
+    @property
     def incremental(self) -> bool:
         """Whether prefix reuse is on (an audit mismatch turns it off)."""
         return self._incremental
