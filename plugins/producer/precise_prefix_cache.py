@@ -59,9 +59,11 @@ Parameters (llm-d's names where they exist, plus the approximate producer's):
 Tokenization, where it runs: ``prepare_data`` (the framework's asynchronous role, awaited by the
 director before admission; see :mod:`epp.framework.roles`) computes the ids and leaves them in
 ``request.state[TOKENIZED_PROMPT]``; ``produce``, synchronous like every scheduling step, only reads
-them. A body under 32 KiB is tokenized inline (a thread hop costs more than it does); a larger one on
-the worker threads, awaited with ``timeout``. The remote call is awaited there too. Without
-``prepare_data`` (a scheduler that does not call it), ``produce`` tokenizes locally, inline.
+them. Decoding the body, rendering the template and looking up the reused prefix run on the event
+loop (they hold the GIL anyway); the encoding of what is left runs there too when it is under 16 KiB
+of text (a thread hop costs more), else on the worker threads, awaited with ``timeout``. The remote
+call is awaited there too. Without ``prepare_data`` (a scheduler that does not call it), ``produce``
+tokenizes locally, inline.
 
 Tokenizer metrics: ``epp_tokenize_duration_seconds{source}`` (``local`` or ``remote``, every
 attempt), ``epp_tokenize_fallbacks_total{reason}`` (requests scored approximately: ``no_tokenizer``,
@@ -89,6 +91,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
+import xxhash
 
 from epp.framework import (
     PREFIX_MATCH,
@@ -117,7 +120,9 @@ from epp.prefix.tokenize import (
 
 from .approx_prefix_cache import ApproxPrefixCacheProducer, PrefixParameters
 
-__all__ = ["TOKENIZED_PROMPT", "PreciseParameters", "PrecisePrefixCacheProducer", "Tokenizer", "TokenizerParameters"]
+__all__ = [
+    "TOKENIZED_PROMPT", "PreciseParameters", "PrecisePrefixCacheProducer", "Tokenizer", "TokenizerParameters",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +134,9 @@ TOKENIZED_PROMPT: StateKey[np.ndarray] = StateKey("tokenized-prompt")
 _OWN = ("kvEventsConfig", "podDiscoveryConfig", "tokenProcessorConfig", "maxBlocksPerPod", "discoverPods",
         "indexerConfig")  # fmt: skip
 _PREPARED: StateKey[bool] = StateKey("precise-prefix-cache/prepared")
-_INLINE_BYTES = 32 << 10  # bodies up to this are tokenized on the event loop (a thread hop costs ~0.1 ms)
+# Text up to this many bytes is encoded on the event loop: ~3k tokens, ~3 ms (HF tokenizers runs at ~1 µs per
+# token here), where a thread hop costs ~0.1 ms; longer text is encoded on the worker threads.
+_INLINE_CHARS = 16 << 10
 _TOKENIZED_APIS = {Api.COMPLETIONS: "completions", Api.CHAT_COMPLETIONS: "chat_completions"}
 
 
@@ -205,6 +212,50 @@ class TokenizerParameters:
                 found[""] = directory / self.file_name
                 break
         return found
+
+
+class _KeyCache:
+    """The block keys of recent prompts, so that a conversation's next turn chains only its new blocks.
+
+    A prompt's keys are a chain (each block's key hashes its parent's), so the keys of the blocks a
+    prompt shares with a recent one are that one's: prompts are grouped by their first block, the
+    longest common run of whole blocks is found by comparing the ids (numpy, ~50 µs for 100k tokens)
+    and only the blocks after it are hashed. Bounded by count (the newest kept).
+    """
+
+    def __init__(self, capacity: int = 64, per_group: int = 4) -> None:
+        self.capacity = capacity
+        self.per_group = per_group
+        self._groups: dict[tuple[int, int, int], list[tuple[np.ndarray, list[int]]]] = {}
+        self._order: list[tuple[int, int, int]] = []
+
+    def keys(self, ids: np.ndarray, block_size: int, seed: int, max_blocks: int) -> list[int]:
+        count = min(len(ids) // block_size, max_blocks)
+        if count == 0:
+            return []
+        ids = np.asarray(ids, dtype=np.uint32)
+        group = (xxhash.xxh3_64_intdigest(ids[:block_size].tobytes()), block_size, seed)
+        entries = self._groups.get(group, [])
+        best: list[int] = []
+        kept = []
+        for old_ids, old_keys in entries:
+            m = min(len(old_keys), count)
+            differ = np.flatnonzero(old_ids[: m * block_size] != ids[: m * block_size])
+            common = m if not len(differ) else int(differ[0]) // block_size
+            if common > len(best):
+                best = old_keys[:common]
+            if common < len(old_keys):  # not wholly a prefix of this prompt: still worth keeping
+                kept.append((old_ids, old_keys))
+        done = len(best)
+        keys = best + chain_keys(ids[done * block_size : count * block_size], block_size, seed,
+                                 parent=best[-1] if best else 0)  # fmt: skip
+        self._groups[group] = [(ids[: count * block_size], keys), *kept][: self.per_group]
+        if group in self._order:
+            self._order.remove(group)
+        self._order.append(group)
+        while len(self._order) > self.capacity:
+            self._groups.pop(self._order.pop(0), None)
+        return keys
 
 
 class _Tokenization:
@@ -317,19 +368,28 @@ class _Tokenization:
         return f"http://{host}:{endpoint.port}"
 
     async def _prepare_local(self, tokenizer: ModelTokenizer, api: str, body: bytes) -> np.ndarray | None:
-        started = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            if len(body) <= _INLINE_BYTES:
-                return self._local(tokenizer, api, body)
-            future = asyncio.get_running_loop().run_in_executor(self._pool(), self._local, tokenizer, api, body)
             try:
-                return await asyncio.wait_for(asyncio.shield(future), self.p.timeout)
-            except TimeoutError:
-                self._fallback("timeout")  # the thread goes on: the next turn finds its prefix cached
-                return None
+                plan = tokenizer.plan(api, body)  # decoding, rendering, the prefix cache: on the loop
+                if plan.pending <= _INLINE_CHARS:
+                    return plan.finish()
+                future = loop.run_in_executor(self._pool(), plan.finish)
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), self.p.timeout)
+                except TimeoutError:
+                    self._fallback("timeout")  # the thread goes on: the next turn finds its prefix cached
+                    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, not logged
+                    return None
+            except Unsupported:
+                self._fallback("unsupported")
+            except TemplateError:
+                self._fallback("template_error")
+            return None
         finally:
             if self._observe_local is not None:
-                self._observe_local(asyncio.get_running_loop().time() - started)
+                self._observe_local(loop.time() - started)
             due = tokenizer.pop_audit()
             if due is not None:
                 self._pool().submit(tokenizer.audit, *due)
@@ -385,6 +445,7 @@ class PrecisePrefixCacheProducer:
         self.tokenizer = tokenizer
         # The model's own tokenizer (local files, else the engine), unless a callable replaces it.
         self.tokenization = _Tokenization(name, p.tokenizer, handle) if tokenizer is None else None
+        self._keys = _KeyCache()
         self.approximate = ApproxPrefixCacheProducer(f"{name}/approximate", p.approximate, handle)
         self.index = KVEventIndex(seed=p.hash_seed, max_blocks_per_pod=p.max_blocks_per_pod)
         self.subscriber: KVEventSubscriber | None = None
@@ -483,7 +544,8 @@ class PrecisePrefixCacheProducer:
             return  # the approximate match stands for every pod
         block_size = self.index.block_size() or self.parameters.block_size
         max_blocks = max(1, self.parameters.approximate.max_prefix_tokens // block_size)
-        keys = chain_keys(token_ids, block_size, self.parameters.hash_seed, max_blocks)
+        ids = np.asarray(token_ids, dtype=np.uint32)
+        keys = self._keys.keys(ids, block_size, self.parameters.hash_seed, max_blocks)
         approx = request.state.get(PREFIX_MATCH)
         matched: dict[str, int] = {}
         if approx is not None and keys:
