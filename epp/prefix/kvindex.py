@@ -50,20 +50,15 @@ def _block_key(parent: int, tokens: Sequence[int] | np.ndarray, extra: object, s
 
 
 def chain_keys(
-    token_ids: Sequence[int] | np.ndarray,
-    block_size: int,
-    seed: int = 0,
-    max_blocks: int | None = None,
-    *,
-    parent: int = 0,
+    token_ids: Sequence[int] | np.ndarray, block_size: int, seed: int = 0, max_blocks: int | None = None
 ) -> list[int]:
-    """The keys of the whole blocks of ``token_ids`` (no extra keys), as stored events give them;
-    ``parent``: the key of the block before the first (0: these are a prompt's first blocks)."""
+    """The keys of the whole blocks of ``token_ids`` (no extra keys), as stored events give them."""
     tokens = np.asarray(token_ids, dtype=np.uint32)
     count = len(tokens) // block_size
     if max_blocks is not None:
         count = min(count, max_blocks)
     keys: list[int] = []
+    parent = 0
     for i in range(count):
         parent = _block_key(parent, tokens[i * block_size : (i + 1) * block_size], None, seed)
         keys.append(parent)

@@ -91,7 +91,6 @@ from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
-import xxhash
 
 from epp.framework import (
     PREFIX_MATCH,
@@ -212,50 +211,6 @@ class TokenizerParameters:
                 found[""] = directory / self.file_name
                 break
         return found
-
-
-class _KeyCache:
-    """The block keys of recent prompts, so that a conversation's next turn chains only its new blocks.
-
-    A prompt's keys are a chain (each block's key hashes its parent's), so the keys of the blocks a
-    prompt shares with a recent one are that one's: prompts are grouped by their first block, the
-    longest common run of whole blocks is found by comparing the ids (numpy, ~50 µs for 100k tokens)
-    and only the blocks after it are hashed. Bounded by count (the newest kept).
-    """
-
-    def __init__(self, capacity: int = 64, per_group: int = 4) -> None:
-        self.capacity = capacity
-        self.per_group = per_group
-        self._groups: dict[tuple[int, int, int], list[tuple[np.ndarray, list[int]]]] = {}
-        self._order: list[tuple[int, int, int]] = []
-
-    def keys(self, ids: np.ndarray, block_size: int, seed: int, max_blocks: int) -> list[int]:
-        count = min(len(ids) // block_size, max_blocks)
-        if count == 0:
-            return []
-        ids = np.asarray(ids, dtype=np.uint32)
-        group = (xxhash.xxh3_64_intdigest(ids[:block_size].tobytes()), block_size, seed)
-        entries = self._groups.get(group, [])
-        best: list[int] = []
-        kept = []
-        for old_ids, old_keys in entries:
-            m = min(len(old_keys), count)
-            differ = np.flatnonzero(old_ids[: m * block_size] != ids[: m * block_size])
-            common = m if not len(differ) else int(differ[0]) // block_size
-            if common > len(best):
-                best = old_keys[:common]
-            if common < len(old_keys):  # not wholly a prefix of this prompt: still worth keeping
-                kept.append((old_ids, old_keys))
-        done = len(best)
-        keys = best + chain_keys(ids[done * block_size : count * block_size], block_size, seed,
-                                 parent=best[-1] if best else 0)  # fmt: skip
-        self._groups[group] = [(ids[: count * block_size], keys), *kept][: self.per_group]
-        if group in self._order:
-            self._order.remove(group)
-        self._order.append(group)
-        while len(self._order) > self.capacity:
-            self._groups.pop(self._order.pop(0), None)
-        return keys
 
 
 class _Tokenization:
@@ -445,7 +400,6 @@ class PrecisePrefixCacheProducer:
         self.tokenizer = tokenizer
         # The model's own tokenizer (local files, else the engine), unless a callable replaces it.
         self.tokenization = _Tokenization(name, p.tokenizer, handle) if tokenizer is None else None
-        self._keys = _KeyCache()
         self.approximate = ApproxPrefixCacheProducer(f"{name}/approximate", p.approximate, handle)
         self.index = KVEventIndex(seed=p.hash_seed, max_blocks_per_pod=p.max_blocks_per_pod)
         self.subscriber: KVEventSubscriber | None = None
@@ -544,8 +498,7 @@ class PrecisePrefixCacheProducer:
             return  # the approximate match stands for every pod
         block_size = self.index.block_size() or self.parameters.block_size
         max_blocks = max(1, self.parameters.approximate.max_prefix_tokens // block_size)
-        ids = np.asarray(token_ids, dtype=np.uint32)
-        keys = self._keys.keys(ids, block_size, self.parameters.hash_seed, max_blocks)
+        keys = chain_keys(token_ids, block_size, self.parameters.hash_seed, max_blocks)
         approx = request.state.get(PREFIX_MATCH)
         matched: dict[str, int] = {}
         if approx is not None and keys:
