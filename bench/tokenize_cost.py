@@ -130,11 +130,13 @@ async def measure(picker: Picker, tokens: int, runs: int, seed: int) -> dict[str
         messages = conversation(rng, tokens, per_word)
         seen = await picker.request("/v1/chat/completions", chat_body(messages[:-2]), None)
         picker.hold(seen)
-        warm = await picker.request("/v1/chat/completions", chat_body(messages), results.setdefault("chat warm", {}))
+        warm = await picker.request("/v1/chat/completions", chat_body(messages),
+                                    results.setdefault("chat warm", {}))  # fmt: skip
         count["chat"] = len(warm.state[TOKENIZED_PROMPT])
         # completions, cold: plain text
         text = words(rng, int(tokens / per_word))
-        plain = await picker.request("/v1/completions", completion_body(text), results.setdefault("completions cold", {}))
+        plain = await picker.request("/v1/completions", completion_body(text),
+                                     results.setdefault("completions cold", {}))  # fmt: skip
         count["completions"] = len(plain.state[TOKENIZED_PROMPT])
         # completions, warm: a rendered chat, its previous version seen
         rendered = [tokenizer.chat_text(m) for m in (messages[:-2], messages)]

@@ -187,7 +187,7 @@ async def slow_engine() -> AsyncIterator[Endpoint]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         yield Endpoint("pod-a", "127.0.0.1", port)
     finally:
