@@ -60,11 +60,13 @@ def words(rng: random.Random, count: int) -> str:
 
 def conversation(rng: random.Random, tokens: int, tokens_per_word: float) -> list[dict[str, str]]:
     """A system prompt and turns of about 1% of ``tokens`` each, ending with a user message."""
-    turn = max(20, int(tokens * 0.005 / tokens_per_word))
+    turn = max(20, int(tokens * 0.005 / tokens_per_word))  # each message ~0.5% of the prompt
     messages = [{"role": "system", "content": f"conversation {rng.random()}: " + words(rng, turn * 10)}]
-    while sum(len(m["content"]) for m in messages) / 4.9 < tokens:
+    count = turn * 11  # words so far, counting the last user message
+    while count * tokens_per_word < tokens:
         messages.append({"role": "user", "content": words(rng, turn)})
         messages.append({"role": "assistant", "content": words(rng, turn)})
+        count += 2 * turn
     messages.append({"role": "user", "content": words(rng, turn)})
     return messages
 
@@ -141,7 +143,8 @@ async def measure(picker: Picker, tokens: int, runs: int, seed: int) -> dict[str
         # completions, warm: a rendered chat, its previous version seen
         rendered = [tokenizer.chat_text(m) for m in (messages[:-2], messages)]
         await picker.request("/v1/completions", completion_body(rendered[0]), None)
-        await picker.request("/v1/completions", completion_body(rendered[1]), results.setdefault("completions warm", {}))
+        await picker.request("/v1/completions", completion_body(rendered[1]),
+                             results.setdefault("completions warm", {}))  # fmt: skip
         del previous, run
     print(f"  ({count['chat']} chat tokens, {count['completions']} completions tokens)")
     return {k: {part: statistics.median(v) for part, v in parts.items()} for k, parts in results.items()}
