@@ -46,7 +46,7 @@ from epp.extproc.parsing import parse_request
 from epp.framework import Endpoint, Handle, InferenceRequest
 from epp.plugins.producer.precise_prefix_cache import TOKENIZED_PROMPT, PreciseParameters, PrecisePrefixCacheProducer
 from epp.prefix.kvwire import BlockStored
-from epp.testing.tokenizer import WORDS, write_tokenizer_dir
+from epp.testing.tokenizer import TEMPLATES, WORDS, write_tokenizer_dir
 
 MODEL = "bench/tiny"
 BLOCK = 16
@@ -173,9 +173,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--sizes", default="8000,100000")
     parser.add_argument("--profile", action="store_true", help="profile one warm chat request of the largest size")
+    parser.add_argument("--template", default="chatml-tools", choices=sorted(TEMPLATES),
+                        help="the chat template (epp.testing.tokenizer.TEMPLATES)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        write_tokenizer_dir(Path(root) / "tiny", template="chatml-tools", add_bos=False)
+        write_tokenizer_dir(Path(root) / "tiny", template=args.template, add_bos=False)
         picker = Picker(Path(root))
         for tokens in (int(s) for s in args.sizes.split(",")):
             print(f"{tokens} tokens, CPU ms per request (median of {args.runs}):")

@@ -432,26 +432,72 @@ class ModelTokenizer:
         if cuts is None or not self._incremental or self._cache.capacity <= 0:
             return Plan(len(text), lambda: self._encode(text))
         data = text.encode("utf-8", "surrogatepass")
-        marks = [(m.start(), m.end()) for m in cuts.finditer(data)]
-        if not marks:
+        view = memoryview(data)
+        # The last cut points first, found in a window at the end (a new turn adds a handful): a warm
+        # request never scans the whole text. Their digests come from one pass over the text.
+        tail = self._tail_marks(data)
+        if not tail:
             return Plan(len(text), lambda: self._encode(text))
-        hit = self._probe(data, marks)
-        if hit is None:
-            return Plan(len(data), lambda: self._whole(text, data, marks))
-        return Plan(len(data) - marks[hit[0]][0], lambda: self._extend(text, data, marks, hit))
+        digests = _digests(view, [end for _, end in tail])
+        for i in range(len(tail) - 1, -1, -1):
+            found = self._usable(digests[i])
+            if found is not None:
+                return self._warm_plan(text, data, tail, (i, *found), digests)
+        # Then the first cut points (a system prompt that other conversations share), then none.
+        marks = [(m.start(), m.end()) for m in cuts.finditer(data)]
+        for i in range(min(_PROBE_FIRST, len(marks)) - 1, -1, -1):
+            found = self._usable(xxhash.xxh3_128_intdigest(view[: marks[i][1]]))
+            if found is not None:
+                return self._warm_plan(text, data, marks, (i, *found), None)
+        return Plan(len(data), lambda: self._whole(text, data, marks))
 
-    def _whole(self, text: str, data: bytes, marks: list[tuple[int, int]]) -> np.ndarray:
+    def _warm_plan(
+        self, text: str, data: bytes, marks: list[tuple[int, int]], hit: tuple[int, _Doc, int], digests: _Digests
+    ) -> Plan:
+        return Plan(len(data) - marks[hit[0]][0], lambda: self._extend(text, data, marks, hit, digests))
+
+    def _tail_marks(self, data: bytes) -> list[tuple[int, int]]:
+        """The cut points of the text's last window holding more than :data:`_PROBE_LAST` of them (or of
+        the whole text), in order."""
+        assert self._cuts is not None
+        window = 16 << 10
+        while True:
+            start = max(0, len(data) - window)
+            marks = [(m.start(), m.end()) for m in self._cuts.finditer(data, start)]
+            if start == 0:
+                return marks
+            marks = marks[1:]  # the first may be the tail of a token cut by the window's edge
+            if len(marks) > _PROBE_LAST:
+                return marks[-_PROBE_LAST:] if len(marks) > 2 * _PROBE_LAST else marks
+            window *= 4
+
+    def _usable(self, digest: int) -> tuple[_Doc, int] | None:
+        found = self._cache.get(digest)
+        return found if found is not None and 0 < found[1] <= len(found[0].ids) else None
+
+    def _whole(self, text: str, data: bytes, marks: list[tuple[int, int]] | None = None) -> np.ndarray:
         ids = self._encode(text)
+        if marks is None:
+            assert self._cuts is not None
+            marks = [(m.start(), m.end()) for m in self._cuts.finditer(data)]
         self._remember(data, marks, ids, 0, None)
         return ids
 
-    def _extend(self, text: str, data: bytes, marks: list[tuple[int, int]], hit: tuple[int, _Doc, int]) -> np.ndarray:
+    def _extend(
+        self,
+        text: str,
+        data: bytes,
+        marks: list[tuple[int, int]],
+        hit: tuple[int, _Doc, int],
+        digests: list[int] | None,
+    ) -> np.ndarray:
+        """``marks`` run from some cut point through the text's last one (not necessarily from the first)."""
         index, doc, ntok = hit
         rest = self._encode(data[marks[index][0] :].decode("utf-8", "surrogatepass"))
         if not len(rest) or rest[0] != doc.ids[ntok - 1]:
             with self._stats_lock:
                 self._stats.unstable += 1
-            return self._whole(text, data, marks)
+            return self._whole(text, data)
         ids = np.concatenate((doc.ids[:ntok], rest[1:]))
         with self._stats_lock:
             self._stats.cache_hits += 1
@@ -459,22 +505,17 @@ class ModelTokenizer:
             self._warm += 1
             if self._audit_every and self._warm % self._audit_every == 0:
                 self._audit = (text, ids)
-        self._remember(data, marks, ids, index, (doc, ntok))
+        self._remember(data, marks, ids, index, (doc, ntok), digests)
         return ids
 
-    def _probe(self, data: bytes, marks: list[tuple[int, int]]) -> tuple[int, _Doc, int] | None:
-        count = len(marks)
-        order = list(range(count - 1, max(count - 1 - _PROBE_LAST, -1), -1))
-        order += [i for i in range(min(_PROBE_FIRST, count) - 1, -1, -1) if i < count - _PROBE_LAST]
-        view = memoryview(data)
-        for i in order:
-            found = self._cache.get(xxhash.xxh3_128_intdigest(view[: marks[i][1]]))
-            if found is not None and 0 < found[1] <= len(found[0].ids):
-                return i, found[0], found[1]
-        return None
-
     def _remember(
-        self, data: bytes, marks: list[tuple[int, int]], ids: np.ndarray, first: int, hit: tuple[_Doc, int] | None
+        self,
+        data: bytes,
+        marks: list[tuple[int, int]],
+        ids: np.ndarray,
+        first: int,
+        hit: tuple[_Doc, int] | None,
+        digests: list[int] | None = None,
     ) -> None:
         """Add cache entries at chosen cut points of ``data`` mapped to their place in ``ids``.
 
@@ -499,7 +540,8 @@ class ModelTokenizer:
                 with self._stats_lock:
                     self._stats.unmapped += 1
                 return
-            out.append((xxhash.xxh3_128_intdigest(view[: marks[i][1]]), at + 1))
+            digest = digests[i] if digests is not None else xxhash.xxh3_128_intdigest(view[: marks[i][1]])
+            out.append((digest, at + 1))
         if out or hit is not None:
             self._cache.put(_Doc(ids), out, hit)
 
@@ -686,6 +728,21 @@ class Plan:
 
 def _done(ids: np.ndarray) -> Plan:
     return Plan(0, lambda: ids)
+
+
+_Digests = list[int] | None
+
+
+def _digests(view: memoryview, ends: Sequence[int]) -> list[int]:
+    """``xxh3_128(view[:end])`` for each of the ascending ``ends``, in one pass over the text."""
+    hasher = xxhash.xxh3_128()
+    out = []
+    done = 0
+    for end in ends:
+        hasher.update(view[done:end])
+        out.append(hasher.intdigest())
+        done = end
+    return out
 
 
 def _rebuild_post_processor(tokenizer: Tokenizer, specials: Mapping[str, str], bos: bool, eos: bool) -> None:
