@@ -16,7 +16,9 @@ Modes:
     ``POST {url}/tokenize`` with the fields of the request that change its ids (vLLM's
     ``TokenizeCompletionRequest`` / ``TokenizeChatRequest``: ``model``, ``prompt`` or ``messages``,
     ``add_special_tokens``, ``add_generation_prompt``, ``continue_final_message``, ``tools``,
-    ``chat_template``, ``chat_template_kwargs``), answered ``{"tokens": [...]}``. A request using what
+    ``chat_template``, ``chat_template_kwargs``; not ``model``: the ids do not depend on an adapter,
+    which a pod may not serve, and the pod's first model is the pool's), answered ``{"tokens": [...]}``.
+    A request using what
     ``/tokenize`` does not take (``documents``, ``reasoning_effort``, ``truncate_prompt_tokens``, a
     list of prompts) is :class:`RemoteError` ``"unsupported"`` rather than a wrong answer.
 ``render``

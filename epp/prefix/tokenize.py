@@ -57,7 +57,8 @@ The cache maps ``xxh3_128(text[:c])`` (the UTF-8 text through a cut point ``c``)
 that prefix (a view into one shared array per tokenized text), in an LRU bounded in bytes
 (``cache_bytes``). A request's text is rendered whole (the template sees the whole conversation, so
 whether the first k messages render to a prefix of it is never assumed: a prefix hit *is* that
-check); its last 32 and first 8 cut points are probed, longest first; on a hit at cut ``c`` after
+check); its last 32 cut points (found in a window at the text's end, their digests from one pass
+over it) then its first 8 are probed, longest first; on a hit at cut ``c`` after
 token ``t`` (starting at ``a``), only ``text[a:]`` is encoded, and it must start with ``t`` (else the
 text is encoded whole, counted in ``unstable``). After tokenizing, entries are added at the text's
 first 8 and last 4 cut points (a hit adds only those after it), each mapped to its token by counting
@@ -70,7 +71,10 @@ difference turns the reuse off for this tokenizer and is counted (``audit_mismat
 Completions prompts reuse the same cache when they contain added tokens (a pre-rendered chat); plain
 text has no cut points and is tokenized whole each time.
 
-Costs (``bench/tokenize_cost.py``): see that script's docstring for the figures and the command.
+Costs (``python bench/tokenize_cost.py``, CPU, 2 shared cores): a cold 100k-token prompt ~150-170 ms
+(HF tokenizers, ~1.5 µs a token; off the event loop, on the producer's threads); a warm 100k-token
+conversation turn 2.8-3.8 ms (decoding 0.5, rendering 0.2-1.6 by template, lookup 0.2, encoding
+the ~1% new tokens ~1.2); the script's docstring has the whole table.
 """
 
 from __future__ import annotations
