@@ -663,6 +663,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
             del self.streams[stream.id]
             self._blocked.pop(stream.id, None)
             self._check_idle()
+        stream.call = None  # nothing more is delivered to it; and no cycle left for the GC to find
 
     def _stream_error(self, stream: Stream, code: int) -> None:
         self.write_frame(_RST_STREAM, 0, stream.id, struct.pack(">I", code))
@@ -672,7 +673,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
 
     def _cancel(self, stream: Stream) -> None:
         stream.ended = True
-        call = stream.call
+        call, stream.call = stream.call, None
         if call is not None:
             try:
                 call.cancel()
