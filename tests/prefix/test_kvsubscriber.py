@@ -126,7 +126,7 @@ async def test_eviction_storm_two_subscribers_end_identical(pub):
                 pub.removed(list(reversed(evict)))
             pub.flush()
         total = pub.seq
-        await _until(lambda: all(s._last.get(POD) == total - 1 for s in subs))
+        await _until(lambda: all(s.last_seq(POD) == total - 1 for s in subs))
         a, b = (s.index.blocks_of(POD) for s in subs)
         assert a == b and len(a) == len(live)
     finally:
@@ -148,7 +148,7 @@ async def test_bound_socket_accepts_only_pool_pods_from_their_address():
             stranger.cleared()
             stranger.flush()
             await asyncio.sleep(0.02)
-        await _until(lambda: sub.stats.rejected > 0)
+        await _until(lambda: sub.stats.rejected_total > 0)
         assert sub.index.pods() == [POD]
     finally:
         good.close()
