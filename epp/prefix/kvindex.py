@@ -395,6 +395,13 @@ class KVEventIndex:
             return frozenset()
         return frozenset(key for space in state.spaces.values() for key in space.counts)
 
+    def engine_hashes(self, pod: PodId) -> set[EngineHash]:
+        """The engine's hashes of the blocks ``pod`` holds, as its events named them (any space)."""
+        state = self._pods.get(pod)
+        if state is None:
+            return set()
+        return {h for space in state.spaces.values() for h in space.held}
+
     def stats(self) -> KVIndexStats:
         return KVIndexStats(
             pods=len(self._pods),

@@ -24,8 +24,10 @@ is a gap (``gaps``): with a replay endpoint for the pod (vLLM's ROUTER ``replay_
 batches are asked for (``[b"", start seq]``, answered ``[b"", topic, seq, payload]``… then an empty
 seq / ``-1`` end marker) and applied in order (``replays``), batches arriving meanwhile held back;
 without one, or when the replay does not cover the hole, the pod's blocks are dropped
-(:meth:`KVEventIndex.mark_unknown`). A lost connection (socket monitor) marks the pod unknown until
-fresh events arrive; its next message is then taken as the start of a new stream. A batch that does
+(:meth:`KVEventIndex.mark_unknown`). A stream whose first message is not seq 0 (the subscriber
+started late, or the server published before it connected: one real run's first delivered seq was
+281) is replayed from 0 where a replay endpoint exists. A lost connection (socket monitor) marks the
+pod unknown until fresh events arrive; its next message is then taken as the start of a new stream. A batch that does
 not decode is counted in ``decode_errors`` and skipped: a broken publisher never stops the subscriber.
 
 Event loop. Sockets are plain (synchronous) pyzmq sockets whose file descriptors are watched by the
@@ -109,7 +111,7 @@ class SubscriberStats:
     decode_errors: int = 0
     disconnects: int = 0
     rejected: Counter[str] = field(default_factory=Counter)  # reason -> messages dropped (or flagged)
-    lags: deque[float] = field(default_factory=lambda: deque(maxlen=_LAG_SAMPLES))  # recent, seconds
+    lags: deque[float] = field(default_factory=lambda: deque(maxlen=_LAG_SAMPLES), repr=False)  # recent, s
 
     @property
     def rejected_total(self) -> int:
@@ -119,10 +121,11 @@ class SubscriberStats:
 class _Stream:
     """What the subscriber knows of one pod's (one rank's) sequence."""
 
-    __slots__ = ("held_back", "last", "replaying")
+    __slots__ = ("held_back", "last", "replaying", "started")
 
     def __init__(self) -> None:
         self.last: int | None = None
+        self.started = False  # a first message was seen (a late start is replayed once)
         self.replaying = False
         self.held_back: list[tuple[int, EventBatch]] = []
 
@@ -254,7 +257,9 @@ class KVEventSubscriber:
         source.monitor = monitor
         source.monitor_fd = monitor.getsockopt(zmq.FD)
         self._watch(pod, source)
-        self._running_loop().add_reader(source.monitor_fd, self._monitor_readable, source)
+        loop = self._running_loop()
+        loop.add_reader(source.monitor_fd, self._monitor_readable, source)
+        loop.call_soon(self._monitor_readable, source)  # edge-triggered, as the data socket
         _log.info("KV events: following %s at %s%s", pod, endpoint,
                   f" (replay {replay_endpoint})" if replay_endpoint else "")
 
@@ -367,6 +372,10 @@ class KVEventSubscriber:
         if not ip:
             self._reject("topic", topic, f"topic {topic!r} names no pod address (expected kv@<ip>[:<port>]@<model>)")
             return
+        entries = self._allowed.get(ip)
+        if not entries:
+            self._reject("unknown_pod", topic, f"topic {topic!r}: the pool has no endpoint on {ip}")
+            return
         peer = frames[0].get("Peer-Address")
         if peer is None or _split(peer)[0] != ip:
             self._reject("peer", topic, f"topic {topic!r} came from {peer}, not from the pod's address {ip}")
@@ -379,7 +388,6 @@ class KVEventSubscriber:
             _log.debug("KV events for %s: %s", topic, error)
             return
         rank = batch.data_parallel_rank or 0
-        entries = self._allowed.get(ip, [])
         address: str | None = None
         rank_in_id: int | None = None
         if port is not None:
@@ -435,6 +443,13 @@ class KVEventSubscriber:
 
     def _sequence(self, pod: PodId, stream: _Stream, seq: int, batch: EventBatch) -> None:
         last = stream.last
+        if last is None and seq > 0 and pod in self._replay and not stream.started:
+            # The stream's first message is not its first batch (we subscribed late, or the server
+            # published before we connected): what it stored before can still be had.
+            stream.started = True
+            self._start_replay(pod, stream, 0, seq, batch)
+            return
+        stream.started = True
         if last is not None and seq <= last:
             self.stats.resets += 1
             self.index.clear_pod(pod)
@@ -475,8 +490,14 @@ class KVEventSubscriber:
             self.index.mark_unknown(pod)
         else:
             self.stats.replays += 1
+            deadline = time.perf_counter() + self._budget
             for seq in range(start, stop):
                 self._apply(pod, stream, seq, got[seq])
+                if time.perf_counter() > deadline:  # a long replay: a slice per loop turn, as draining
+                    await asyncio.sleep(0)
+                    if self._streams.get(pod) is not stream or not stream.replaying:
+                        return
+                    deadline = time.perf_counter() + self._budget
         # What arrived during the replay, in order, through the usual checks.
         while stream.held_back:
             held, stream.held_back = stream.held_back, []
