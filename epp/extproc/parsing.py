@@ -223,6 +223,7 @@ def parse_request(
         cache_salt=cache_salt,
         max_tokens=max_tokens,
         body_size=len(body),
+        body=body,
     )
 
 

@@ -126,6 +126,9 @@ class InferenceRequest:
         objective: the InferenceObjective the request names (``x-llm-d-inference-objective`` or
             ``x-gateway-inference-objective``); "" when none.
         priority: the objective's priority (0 by default; below 0 is sheddable).
+        body: the request body as received, for the OpenAI APIs routing parses (b"" otherwise): a
+            plugin that needs a field routing does not read (a tokenizer rendering the chat messages)
+            decodes it itself.
         state: per-request data plugins share (see :class:`RequestState`).
     """
 
@@ -143,6 +146,7 @@ class InferenceRequest:
     body_size: int = 0
     objective: str = ""
     priority: int = 0
+    body: bytes = field(default=b"", compare=False, repr=False)
     state: RequestState = field(default_factory=RequestState, compare=False, repr=False)
 
     @property

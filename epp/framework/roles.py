@@ -2,6 +2,11 @@
 
 Design
 ------
+0. **Data preparation** (:class:`PrepareData`), the only asynchronous role: ``await
+   plugin.prepare_data(request)`` runs before admission and scheduling, for work that waits on I/O or
+   runs on a thread pool (``precise-prefix-cache-producer`` tokenizes the prompt there, or asks the
+   engine's ``/tokenize``), and leaves its result in ``request.state`` for its own ``produce``. It
+   must bound its own time: the request waits for it. A failure is isolated like any other.
 1. **Data producers** (:class:`DataProducer`) run once per request over the candidates and put what
    they compute into ``request.state`` under the keys they declare in ``produces``
    (``approx-prefix-cache-producer`` puts each candidate's prefix match there).
@@ -66,6 +71,7 @@ __all__ = [
     "Filter",
     "Picker",
     "PreRequest",
+    "PrepareData",
     "Profile",
     "ProfileHandler",
     "ResponseComplete",
@@ -156,6 +162,21 @@ class SchedulingResult:
 
 
 # --- the roles ----------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class PrepareData(Protocol):
+    """Prepares per-request data before admission, asynchronously (I/O, a thread pool).
+
+    Called once per request that has a body, before admission and the scheduling cycle; what it
+    computes goes into ``request.state`` for the plugin's synchronous ``produce``. It must bound its
+    own time (the request waits for it) and should not raise: a failure is logged, counted, and the
+    request goes on without it.
+    """
+
+    name: str
+
+    async def prepare_data(self, request: InferenceRequest) -> None: ...
 
 
 @runtime_checkable
@@ -275,6 +296,7 @@ class ResponseComplete(Protocol):
 # The extension points, in the order a request meets them; also the ``extension_point`` label of
 # the plugin metrics.
 ROLES: tuple[tuple[str, type], ...] = (
+    ("PrepareData", PrepareData),
     ("DataProducer", DataProducer),
     ("ProfileHandler", ProfileHandler),
     ("Filter", Filter),

@@ -30,7 +30,9 @@ Admission, in ``route``, before anything else:
    ``x-llm-d-request-dropped-reason`` header; :data:`epp.errors.REFUSALS`);
    a client that goes away while queued cancels the awaiting task, which removes its entry.
 
-Only then is the pool snapshot taken, so the request is scheduled on what the pool looks like
+Before admission, plugins that prepare data asynchronously (:class:`epp.framework.PrepareData`: a
+tokenizer on a thread pool or behind the engine's ``/tokenize``) are awaited, each bounding its own
+time. Only then is the pool snapshot taken, so the request is scheduled on what the pool looks like
 when it leaves the queue. From the end of admission to the in-flight add there is no ``await``:
 the flow controller lets one request go per event-loop turn and reads saturation again on the
 next, by which time the released request already counts in flight. Capacity wakes the queue
@@ -121,6 +123,8 @@ class Director:
             request = replace(request, objective=objective, priority=priority)
         tokens = request.prompt_tokens
         check_prompt_fits(tokens, self.datastore.endpoints())
+        if request.body and getattr(self.scheduler, "prepares", False):
+            await self.scheduler.prepare(request)  # data that waits on I/O: before admission, never after
         admission = self.admission
         if admission is not None:
             admitting = time.time_ns() if trace is not None else 0

@@ -48,6 +48,7 @@ from epp.framework import (
     Endpoint,
     InferenceRequest,
     Outcome,
+    PrepareData,
     PreRequest,
     Profile,
     ProfileHandler,
@@ -166,6 +167,7 @@ class Scheduler:
         self._handler = _Site("ProfileHandler", handler, instrument) if handler is not None else None
         self._producers = [_Site("DataProducer", p, instrument) for p in producers]
         self._compiled = {p.name: _CompiledProfile(p, instrument) for p in profiles}
+        self._prepare = [_Site("PrepareData", h, instrument) for h in hooks if isinstance(h, PrepareData)]
         self._pre_request = [_Site("PreRequest", h, instrument) for h in hooks if isinstance(h, PreRequest)]
         self._received = [_Site("ResponseReceived", h, instrument) for h in hooks if isinstance(h, ResponseReceived)]
         self._complete = [_Site("ResponseComplete", h, instrument) for h in hooks if isinstance(h, ResponseComplete)]
@@ -178,6 +180,22 @@ class Scheduler:
         return next(iter(self.profiles.values()))
 
     # -- scheduling ---------------------------------------------------------------------------
+
+    @property
+    def prepares(self) -> bool:
+        """Whether a configured plugin prepares data (so :meth:`prepare` is worth awaiting)."""
+        return bool(self._prepare)
+
+    async def prepare(self, request: InferenceRequest) -> None:
+        """Await every ``prepare_data`` in turn (before admission; see :class:`epp.framework.PrepareData`)."""
+        clock = time.perf_counter
+        for site in self._prepare:
+            started = clock()
+            try:
+                await site.plugin.prepare_data(request)
+            except Exception:
+                site.failed(request, "exception", "raised", exc_info=True)
+            site.observe(clock() - started)
 
     def schedule(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> list[Endpoint]:
         """The endpoints to try, primary first; empty when no candidate survives."""

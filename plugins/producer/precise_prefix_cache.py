@@ -8,10 +8,12 @@ that endpoint for pods configured to connect to it (only pods of the pool, from 
 accepted). The events fill a :class:`epp.prefix.kvindex.KVEventIndex` keyed by this picker's hash of
 the blocks' token ids; a request is looked up with its own token ids, cut into the events' block size.
 
-Token ids come from a :data:`Tokenizer`: a callable from the request to its prompt's token ids (None
-when it cannot tell). None is configured by default, and then every pod is scored by the approximate
-index: tokenizing from the served model's local files (HF ``tokenizers`` with the chat template in
-jinja2) is the next step, not built yet, and nothing is ever downloaded.
+Token ids (see "Tokenization" below) come from the served model's own tokenizer files when the
+picker has them (:mod:`epp.prefix.tokenize`: HF ``tokenizers`` and the chat template rendered as
+vLLM renders it, a conversation's earlier turns reused), else from the engine's ``/tokenize`` (or
+render) endpoint (:mod:`epp.prefix.remote`), else not at all: that request is scored by the
+approximate index alone, and counted. A :data:`Tokenizer` callable given to the constructor
+replaces all of it (tests, embedding).
 
 A pool may mix pods that publish events with pods that do not: an inner
 :class:`ApproxPrefixCacheProducer` (same parameters) keeps running, and a pod's match is the precise one
@@ -25,6 +27,48 @@ Parameters (llm-d's names where they exist, plus the approximate producer's):
     tokenProcessorConfig.blockSize (int, default 16): tokens per block of a lookup before any event said.
     tokenProcessorConfig.hashSeed (int, default 0): the seed of this picker's block keys.
     maxBlocksPerPod (int, default 1048576): this project's bound on the blocks remembered per pod.
+    indexerConfig.tokenizersPoolConfig: the tokenizer (llm-d's section; its keys below).
+
+``indexerConfig.tokenizersPoolConfig`` (llm-d's names first, then this project's):
+    modelName (str): the served model whose tokenizer is loaded; requests for any model not in
+        ``local.modelTokenizerMap`` (its LoRA adapters among them) use it.
+    workersCount (int, default 2): threads that tokenize (a long prompt is tokenized off the event
+        loop; HF ``tokenizers`` releases the GIL while it encodes).
+    local.autoDiscoveryDir (str, default "/mnt/models"): where ``<modelName>/tokenizer.json`` is
+        looked for (also ``$LOCAL_TOKENIZER_DIR``; a directory holding ``tokenizer.json`` itself, or a
+        mounted ConfigMap of the model's tokenizer files, works too).
+    local.autoDiscoveryTokenizerFileName (str, default "tokenizer.json").
+    local.modelTokenizerMap (map model name -> path of a tokenizer.json, or of its directory).
+    hf, uds: accepted only null (or ``hf.enabled: false``): nothing is ever downloaded, and llm-d's
+        tokenizer sidecar is not used (the engine's ``/tokenize`` is the remote fallback).
+    minPrefixOverlapRatio: accepted, unused (a conversation's prefix is reused exactly, or not).
+    chatTemplate (str): the server's ``--chat-template``, a file or the template's text.
+    prefixCacheBytes (int, default 134217728): the bound of the reused-prefix cache, per model.
+    timeout (Go duration, default "500ms"): how long a request waits for its local tokenization;
+        past it the request goes on with the approximate match, and the tokenization finishes
+        anyway (the next turn of the conversation finds it cached).
+    remote.mode ("tokenize", "render" or "none"; default "tokenize"): the fallback when no local
+        files serve the model: the engine's ``/tokenize``, its render endpoints (vLLM with
+        ``--enable-scale-out``), or none.
+    remote.url (str): the engine to ask (``http://host:port``); default: the pool's pods in turn.
+    remote.timeout (Go duration, default "250ms"), remote.failureThreshold (int, default 5),
+    remote.cooldown (Go duration, default "5s"): the call's bound and its circuit breaker (after
+        that many consecutive failures no call is made for the cooldown, doubled each time a retry
+        fails, up to 16x).
+
+Tokenization, where it runs: ``prepare_data`` (the framework's asynchronous role, awaited by the
+director before admission; see :mod:`epp.framework.roles`) computes the ids and leaves them in
+``request.state[TOKENIZED_PROMPT]``; ``produce``, synchronous like every scheduling step, only reads
+them. A body under 32 KiB is tokenized inline (a thread hop costs more than it does); a larger one on
+the worker threads, awaited with ``timeout``. The remote call is awaited there too. Without
+``prepare_data`` (a scheduler that does not call it), ``produce`` tokenizes locally, inline.
+
+Tokenizer metrics: ``epp_tokenize_duration_seconds{source}`` (``local`` or ``remote``, every
+attempt), ``epp_tokenize_fallbacks_total{reason}`` (requests scored approximately: ``no_tokenizer``,
+``unsupported``, ``template_error``, ``timeout``, ``error``, ``status``, ``open``, ``rejected``),
+``epp_tokenize_breaker_open`` (1 while the remote breaker is open), and gauges
+``epp_tokenize_reused_tokens`` / ``epp_tokenize_encoded_tokens`` (tokens taken from the prefix cache
+/ tokenized), ``epp_tokenize_cache_bytes``, ``epp_tokenize_audit_mismatches``.
 
 Metrics (gauges, over the pool): ``epp_kv_events`` (events applied), ``epp_kv_event_gaps``,
 ``epp_kv_event_replays``, ``epp_kv_event_resets``, ``epp_kv_event_decode_errors``,
@@ -35,29 +79,267 @@ median of the last batches' publisher-to-index lag).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
+import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Self
+
+import numpy as np
 
 from epp.framework import (
     PREFIX_MATCH,
+    Api,
     Endpoint,
     Handle,
     InferenceRequest,
     PrefixMatch,
     SchedulingResult,
+    StateKey,
     check_parameters,
+    duration_parameter,
+    int_parameter,
+    str_parameter,
 )
 from epp.prefix.kvindex import KVEventIndex, chain_keys
 from epp.prefix.kvsubscriber import KVEventSubscriber, pod_id
+from epp.prefix.remote import Breaker, RemoteError, RemoteTokenizer
+from epp.prefix.tokenize import (
+    DEFAULT_CACHE_BYTES,
+    ModelTokenizer,
+    TemplateError,
+    TokenizerError,
+    Unsupported,
+)
 
 from .approx_prefix_cache import ApproxPrefixCacheProducer, PrefixParameters
 
-__all__ = ["PreciseParameters", "PrecisePrefixCacheProducer", "Tokenizer"]
+__all__ = ["TOKENIZED_PROMPT", "PreciseParameters", "PrecisePrefixCacheProducer", "Tokenizer", "TokenizerParameters"]
+
+log = logging.getLogger(__name__)
 
 Tokenizer = Callable[[InferenceRequest], Sequence[int] | None]
 
-_OWN = ("kvEventsConfig", "podDiscoveryConfig", "tokenProcessorConfig", "maxBlocksPerPod", "discoverPods")
+TOKENIZED_PROMPT: StateKey[np.ndarray] = StateKey("tokenized-prompt")
+"""The prompt's token ids as the engine computes them (``uint32``), when this producer could tell."""
+
+_OWN = ("kvEventsConfig", "podDiscoveryConfig", "tokenProcessorConfig", "maxBlocksPerPod", "discoverPods",
+        "indexerConfig")  # fmt: skip
+_PREPARED: StateKey[bool] = StateKey("precise-prefix-cache/prepared")
+_INLINE_BYTES = 32 << 10  # bodies up to this are tokenized on the event loop (a thread hop costs ~0.1 ms)
+_TOKENIZED_APIS = {Api.COMPLETIONS: "completions", Api.CHAT_COMPLETIONS: "chat_completions"}
+
+
+class TokenizerParameters:
+    """``indexerConfig.tokenizersPoolConfig`` (see the module docstring); errors name the key."""
+
+    def __init__(self, name: str, parameters: Mapping[str, Any]) -> None:
+        where = f"{name}: indexerConfig"
+        indexer = parameters.get("indexerConfig") or {}
+        if not isinstance(indexer, Mapping):
+            raise ValueError(f"{where} must be a mapping, got {indexer!r}")
+        check_parameters(where, indexer, ("tokenizersPoolConfig",))
+        pool = indexer.get("tokenizersPoolConfig") or {}
+        where = f"{where}.tokenizersPoolConfig"
+        if not isinstance(pool, Mapping):
+            raise ValueError(f"{where} must be a mapping, got {pool!r}")
+        check_parameters(where, pool, ("modelName", "workersCount", "local", "hf", "uds", "minPrefixOverlapRatio",
+                                       "chatTemplate", "prefixCacheBytes", "timeout", "remote"))  # fmt: skip
+        self.model_name = str_parameter(where, pool, "modelName", "", allow_empty=True)
+        self.workers = int_parameter(where, pool, "workersCount", 2, minimum=1)
+        hf = pool.get("hf")
+        if hf is not None and not (isinstance(hf, Mapping) and hf.get("enabled") is False):
+            raise ValueError(f"{where}: hf must be null or {{enabled: false}}: tokenizers are never downloaded here; "
+                             "give the model's files with local")  # fmt: skip
+        if pool.get("uds") is not None:
+            raise ValueError(f"{where}: uds (llm-d's tokenizer sidecar) is not supported; use local files, "
+                             "or remote (the engine's /tokenize)")  # fmt: skip
+        ratio = pool.get("minPrefixOverlapRatio", 0.8)
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio <= 1:
+            raise ValueError(f"{where}: minPrefixOverlapRatio must be a number in [0, 1], got {ratio!r}")
+        local = pool.get("local") or {}
+        if not isinstance(local, Mapping):
+            raise ValueError(f"{where}.local must be a mapping, got {local!r}")
+        check_parameters(f"{where}.local", local, ("autoDiscoveryDir", "autoDiscoveryTokenizerFileName",
+                                                   "modelTokenizerMap"))  # fmt: skip
+        default_dir = os.environ.get("LOCAL_TOKENIZER_DIR", "/mnt/models")
+        self.discovery_dir = str_parameter(f"{where}.local", local, "autoDiscoveryDir", default_dir)
+        self.file_name = str_parameter(f"{where}.local", local, "autoDiscoveryTokenizerFileName", "tokenizer.json")
+        mapping = local.get("modelTokenizerMap") or {}
+        if not isinstance(mapping, Mapping) or not all(isinstance(v, str) for v in mapping.values()):
+            raise ValueError(f"{where}.local.modelTokenizerMap must map model names to paths, got {mapping!r}")
+        self.model_map: dict[str, str] = dict(mapping)
+        template = pool.get("chatTemplate")
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"{where}: chatTemplate must be a string (a file or a template), got {template!r}")
+        self.chat_template: str | None = template
+        self.cache_bytes = int_parameter(where, pool, "prefixCacheBytes", DEFAULT_CACHE_BYTES, minimum=0)
+        self.timeout = duration_parameter(where, pool, "timeout", 0.5, positive=True)
+        remote = pool.get("remote") or {}
+        if not isinstance(remote, Mapping):
+            raise ValueError(f"{where}.remote must be a mapping, got {remote!r}")
+        rwhere = f"{where}.remote"
+        check_parameters(rwhere, remote, ("mode", "url", "timeout", "failureThreshold", "cooldown"))
+        self.remote_mode = str_parameter(rwhere, remote, "mode", "tokenize")
+        if self.remote_mode not in ("tokenize", "render", "none"):
+            raise ValueError(f"{rwhere}: mode must be tokenize, render or none, got {self.remote_mode!r}")
+        self.remote_url = str_parameter(rwhere, remote, "url", "", allow_empty=True).rstrip("/")
+        if self.remote_url and not self.remote_url.startswith(("http://", "https://")):
+            raise ValueError(f"{rwhere}: url must start with http:// or https://, got {self.remote_url!r}")
+        self.remote_timeout = duration_parameter(rwhere, remote, "timeout", 0.25, positive=True)
+        self.failure_threshold = int_parameter(rwhere, remote, "failureThreshold", 5, minimum=1)
+        self.cooldown = duration_parameter(rwhere, remote, "cooldown", 5.0, positive=True)
+
+    def tokenizer_files(self) -> dict[str, Path]:
+        """Model name -> its tokenizer.json ("" for ``modelName``'s), for those found."""
+        found: dict[str, Path] = {}
+        for model, path in self.model_map.items():
+            file = Path(path)
+            found[model] = file / self.file_name if file.is_dir() else file
+        root = Path(self.discovery_dir)
+        for directory in ([root / self.model_name] if self.model_name else []) + [root]:
+            if (directory / self.file_name).is_file():
+                found[""] = directory / self.file_name
+                break
+        return found
+
+
+class _Tokenization:
+    """The producer's tokenizers (local files, else the engine), their thread pool and metrics."""
+
+    def __init__(self, name: str, p: TokenizerParameters, handle: Handle | None) -> None:
+        self.p = p
+        self.handle = handle
+        self.local: dict[str, ModelTokenizer] = {}
+        for model, file in p.tokenizer_files().items():
+            try:
+                self.local[model] = ModelTokenizer.from_dir(
+                    file.parent, chat_template=p.chat_template, name=model or p.model_name,
+                    cache_bytes=p.cache_bytes, tokenizer_file=file.name,
+                )  # fmt: skip
+            except TokenizerError as exc:
+                raise ValueError(f"{name}: indexerConfig.tokenizersPoolConfig: {exc}") from exc
+        self._executor: ThreadPoolExecutor | None = None
+        self._turn = itertools.count()
+        observe_remote: Callable[[float], None] | None = None
+        self._observe_local: Callable[[float], None] | None = None
+        self._fallback: Callable[[str], None] = lambda reason: None
+        if handle is not None:
+            m = handle.metrics
+            duration = m.histogram(
+                "epp_tokenize_duration_seconds", "Time to a prompt's token ids, per attempt.", ("source",),
+                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            )  # fmt: skip
+            observe_remote = duration.labels("remote").observe
+            self._observe_local = duration.labels("local").observe
+            fallbacks = m.counter("epp_tokenize_fallbacks", "Requests scored by the approximate index for want of "
+                                  "token ids, by reason.", ("reason",))  # fmt: skip
+            self._fallback = lambda reason: fallbacks.labels(reason).inc()
+            self._export(handle)
+        self.remote: RemoteTokenizer | None = None
+        if p.remote_mode != "none":
+            self.remote = RemoteTokenizer(
+                mode=p.remote_mode, timeout=p.remote_timeout,
+                breaker=Breaker(p.failure_threshold, p.cooldown), observe=observe_remote,
+            )  # fmt: skip
+
+    def _export(self, handle: Handle) -> None:
+        def total(attr: str) -> Callable[[], float]:
+            return lambda: float(sum(getattr(t.stats(), attr) for t in self.local.values()))
+
+        m = handle.metrics
+        m.gauge_sum("epp_tokenize_reused_tokens", "Prompt tokens taken from the tokenizer's prefix cache.",
+                    total("reused_tokens"))  # fmt: skip
+        m.gauge_sum("epp_tokenize_encoded_tokens", "Prompt tokens the local tokenizer computed.",
+                    total("encoded_tokens"))  # fmt: skip
+        m.gauge_sum("epp_tokenize_cache_bytes", "Bytes held by the tokenizer's prefix cache.", total("cache_bytes"))
+        m.gauge_sum("epp_tokenize_audit_mismatches", "Reused prefixes that differed from a whole tokenization.",
+                    total("audit_mismatches"))  # fmt: skip
+        m.gauge_sum("epp_tokenize_breaker_open", "1 while the remote tokenizer's circuit breaker is open.",
+                    lambda: float(self.remote is not None and self.remote.breaker.state == "open"))  # fmt: skip
+
+    def tokenizer_for(self, model: str) -> ModelTokenizer | None:
+        found = self.local.get(model)
+        return found if found is not None else self.local.get("")
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.p.workers, thread_name_prefix="epp-tokenize")
+        return self._executor
+
+    def tokenize_inline(self, request: InferenceRequest) -> np.ndarray | None:
+        """Local tokenization on the calling thread (``produce`` without ``prepare_data``)."""
+        api = _TOKENIZED_APIS.get(request.api)
+        tokenizer = self.tokenizer_for(request.model)
+        if api is None or tokenizer is None or not request.body:
+            return None
+        return self._local(tokenizer, api, request.body)
+
+    def _local(self, tokenizer: ModelTokenizer, api: str, body: bytes) -> np.ndarray | None:
+        try:
+            return tokenizer.request_ids(api, body)
+        except Unsupported:
+            self._fallback("unsupported")
+        except TemplateError:
+            self._fallback("template_error")
+        return None
+
+    async def prepare(self, request: InferenceRequest) -> np.ndarray | None:
+        api = _TOKENIZED_APIS.get(request.api)
+        if api is None or not request.body:
+            return None
+        tokenizer = self.tokenizer_for(request.model)
+        if tokenizer is not None:
+            return await self._prepare_local(tokenizer, api, request.body)
+        if self.remote is None:
+            self._fallback("no_tokenizer")
+            return None
+        url = self.p.remote_url or self._pick_pod()
+        if url is None:
+            self._fallback("no_tokenizer")
+            return None
+        try:
+            return await self.remote.token_ids(url, api, request.body)
+        except RemoteError as exc:
+            self._fallback(exc.reason)
+            log.debug("remote tokenization failed (%s): %s", exc.reason, exc)
+            return None
+
+    def _pick_pod(self) -> str | None:
+        endpoints = self.handle.pool.endpoints() if self.handle is not None else ()
+        if not endpoints:
+            return None
+        endpoint = endpoints[next(self._turn) % len(endpoints)]
+        host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
+        return f"http://{host}:{endpoint.port}"
+
+    async def _prepare_local(self, tokenizer: ModelTokenizer, api: str, body: bytes) -> np.ndarray | None:
+        started = asyncio.get_running_loop().time()
+        try:
+            if len(body) <= _INLINE_BYTES:
+                return self._local(tokenizer, api, body)
+            future = asyncio.get_running_loop().run_in_executor(self._pool(), self._local, tokenizer, api, body)
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), self.p.timeout)
+            except TimeoutError:
+                self._fallback("timeout")  # the thread goes on: the next turn finds its prefix cached
+                return None
+        finally:
+            if self._observe_local is not None:
+                self._observe_local(asyncio.get_running_loop().time() - started)
+            due = tokenizer.pop_audit()
+            if due is not None:
+                self._pool().submit(tokenizer.audit, *due)
+
+    async def close(self) -> None:
+        if self.remote is not None:
+            await self.remote.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
 
 class PreciseParameters:
@@ -84,11 +366,12 @@ class PreciseParameters:
         self.block_size = integer(tokens, "blockSize", 16, 1)
         self.hash_seed = integer(tokens, "hashSeed", 0, 0)
         self.max_blocks_per_pod = integer(parameters, "maxBlocksPerPod", 1 << 20, 1)
+        self.tokenizer = TokenizerParameters(name, parameters)
         self.approximate = PrefixParameters.parse(name, {k: v for k, v in parameters.items() if k not in _OWN})
 
 
 class PrecisePrefixCacheProducer:
-    produces = (PREFIX_MATCH,)
+    produces = (PREFIX_MATCH, TOKENIZED_PROMPT)
 
     def __init__(
         self,
@@ -100,6 +383,8 @@ class PrecisePrefixCacheProducer:
         self.name = name
         self.parameters = p = parameters or PreciseParameters(name, {})
         self.tokenizer = tokenizer
+        # The model's own tokenizer (local files, else the engine), unless a callable replaces it.
+        self.tokenization = _Tokenization(name, p.tokenizer, handle) if tokenizer is None else None
         self.approximate = ApproxPrefixCacheProducer(f"{name}/approximate", p.approximate, handle)
         self.index = KVEventIndex(seed=p.hash_seed, max_blocks_per_pod=p.max_blocks_per_pod)
         self.subscriber: KVEventSubscriber | None = None
@@ -171,11 +456,30 @@ class PrecisePrefixCacheProducer:
             for endpoint in added:
                 self._follow(endpoint)
 
+    async def prepare_data(self, request: InferenceRequest) -> None:
+        """The prompt's token ids into ``request.state[TOKENIZED_PROMPT]`` (see "Tokenization")."""
+        if self.tokenization is None:
+            return
+        request.state[_PREPARED] = True
+        ids = await self.tokenization.prepare(request)
+        if ids is not None:
+            request.state[TOKENIZED_PROMPT] = ids
+
+    def _token_ids(self, request: InferenceRequest) -> Sequence[int] | np.ndarray | None:
+        if self.tokenizer is not None:
+            return self.tokenizer(request)
+        ids = request.state.get(TOKENIZED_PROMPT)
+        if ids is None and self.tokenization is not None and _PREPARED not in request.state:
+            ids = self.tokenization.tokenize_inline(request)  # no prepare_data ran (a bare scheduler)
+            if ids is not None:
+                request.state[TOKENIZED_PROMPT] = ids
+        return ids
+
     def produce(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
         self._ensure_subscriber()
         self.approximate.produce(request, candidates)
-        token_ids = self.tokenizer(request) if self.tokenizer is not None else None
-        if not token_ids:
+        token_ids = self._token_ids(request)
+        if token_ids is None or not len(token_ids):
             return  # the approximate match stands for every pod
         block_size = self.index.block_size() or self.parameters.block_size
         max_blocks = max(1, self.parameters.approximate.max_prefix_tokens // block_size)
@@ -200,3 +504,5 @@ class PrecisePrefixCacheProducer:
         if self.subscriber is not None:
             await self.subscriber.close()
             self.subscriber = None
+        if self.tokenization is not None:
+            await self.tokenization.close()

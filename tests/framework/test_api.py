@@ -17,7 +17,7 @@ EXPORTED = {
     "DEFAULT_PICKER", "DEFAULT_SATURATION_DETECTOR", "NEVER_SCRAPED", "NOT_LISTED", "NO_IN_FLIGHT", "PREFIX_MATCH", "ROLES",
     "Api", "CountedPicker", "DataProducer", "Duration", "Endpoint", "Filter", "Handle", "InFlightView",
     "InferenceRequest", "Metrics", "Outcome", "Picker", "PluginMetrics", "Pool", "PoolListener", "PreRequest",
-    "PrefixMatch", "Profile", "ProfileHandler", "RequestState", "ResponseComplete", "ResponseReceived",
+    "PrefixMatch", "PrepareData", "Profile", "ProfileHandler", "RequestState", "ResponseComplete", "ResponseReceived",
     "ScoredCandidates", "ScoredEndpoint", "SchedulingResult", "Scorer", "ServedModels", "StateKey", "WeightedScorer",
     "bool_parameter", "check_parameters", "declared_keys", "default_producer_of", "duration_parameter",
     "endpoint_in_flight", "float_parameter", "format_duration", "int_parameter", "lower_is_better",
