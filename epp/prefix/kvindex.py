@@ -70,7 +70,7 @@ def block_extra_keys(count: int, lora_name: str | None = None, cache_salt: str |
 
 
 def _chain(
-    tokens: Sequence[int] | np.ndarray, block_size: int, count: int, parent: int, seed: int,
+    tokens: list[int] | np.ndarray, block_size: int, count: int, parent: int, seed: int,
     extra: Sequence[Any] | None,
 ) -> list[int]:
     """Keys of the first ``count`` blocks, chained from ``parent``; ``extra`` one entry per block."""
@@ -109,7 +109,7 @@ def chain_keys(
     """The keys of the whole blocks of ``token_ids``, as stored events of the same request give them."""
     if block_size < 1:
         raise ValueError(f"block_size must be ≥ 1, got {block_size}")
-    tokens: Sequence[int] | np.ndarray
+    tokens: list[int] | np.ndarray
     if isinstance(token_ids, np.ndarray):
         tokens = np.ascontiguousarray(token_ids, dtype=np.uint32)
     else:
@@ -238,7 +238,7 @@ class KVEventIndex:
         where = self._where
         bit = state.bit
         added = 0
-        for engine_hash, key in zip(hashes, keys):
+        for engine_hash, key in zip(hashes, keys, strict=False):  # keys: the whole blocks only
             old = held.get(engine_hash)
             if old is not None:
                 if old == key:

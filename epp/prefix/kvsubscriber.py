@@ -139,7 +139,7 @@ class _Source:
         self.sock = sock
         self.pod = pod
         self.endpoint = endpoint
-        self.fd: int = sock.getsockopt(zmq.FD)
+        self.fd = int(sock.getsockopt(zmq.FD))
         self.monitor: zmq.Socket | None = None
         self.monitor_fd = -1
         self.scheduled = False
@@ -234,14 +234,16 @@ class KVEventSubscriber:
             entries.sort()
 
     def disallow(self, address: str) -> None:
-        ip, port = _split(address)
+        ip, _ = _split(address)
         entries = self._allowed.get(ip)
         if entries is not None:
             entries[:] = [e for e in entries if e[1] != address]
             if not entries:
                 del self._allowed[ip]
 
-    def follow(self, pod: PodId, endpoint: str, replay_endpoint: str | None = None, *, address: str | None = None) -> None:
+    def follow(
+        self, pod: PodId, endpoint: str, replay_endpoint: str | None = None, *, address: str | None = None
+    ) -> None:
         """Connect to ``pod``'s publisher at ``endpoint`` (``tcp://ip:port``). ``address`` is the pod's
         ``ip:port`` for the topic check (default: ``pod`` without its rank)."""
         if replay_endpoint:
@@ -255,7 +257,7 @@ class KVEventSubscriber:
         sock.connect(endpoint)
         source = _Source(sock, pod, endpoint)
         source.monitor = monitor
-        source.monitor_fd = monitor.getsockopt(zmq.FD)
+        source.monitor_fd = int(monitor.getsockopt(zmq.FD))
         self._watch(pod, source)
         loop = self._running_loop()
         loop.add_reader(source.monitor_fd, self._monitor_readable, source)
@@ -377,7 +379,7 @@ class KVEventSubscriber:
             self._reject("unknown_pod", topic, f"topic {topic!r}: the pool has no endpoint on {ip}")
             return
         peer = frames[0].get("Peer-Address")
-        if peer is None or _split(peer)[0] != ip:
+        if peer is None or _split(str(peer))[0] != ip:
             self._reject("peer", topic, f"topic {topic!r} came from {peer}, not from the pod's address {ip}")
             return
         try:

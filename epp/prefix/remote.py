@@ -96,7 +96,7 @@ _Raw = msgspec.Raw | msgspec.UnsetType  # a field's JSON as it came, or absent
 
 
 class _Tokenize(msgspec.Struct, omit_defaults=True):
-    model: str | None | msgspec.UnsetType = msgspec.UNSET
+    model: str | msgspec.UnsetType | None = msgspec.UNSET
     prompt: _Raw = msgspec.UNSET
     messages: _Raw = msgspec.UNSET
     add_special_tokens: _Raw = msgspec.UNSET

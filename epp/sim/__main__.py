@@ -16,10 +16,9 @@ import asyncio
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 import zmq
-
-from dataclasses import replace
 
 from epp.sim.config import EngineConfig, KVEventsConfig
 from epp.sim.pool import SimulatedPool

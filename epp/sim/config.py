@@ -82,7 +82,7 @@ class KVEventsConfig:
         for key, value in raw.items():
             if key not in known:
                 raise ValueError(f"--kv-events-config: unknown field {key!r} (fields: {', '.join(known)})")
-            kind = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int}.get(key, str)
+            kind = _FIELD_TYPES.get(key, str)
             ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
             if key == "replay_endpoint" and value is None:
                 ok = True
@@ -97,13 +97,18 @@ class KVEventsConfig:
 
     def for_pod(self, index: int) -> KVEventsConfig:
         """This configuration with the ports of pod ``index`` (port + index, as a DP rank's)."""
-        return replace(self, endpoint=_offset(self.endpoint, index), replay_endpoint=_offset(self.replay_endpoint, index))
+        endpoint = _offset(self.endpoint, index)
+        assert endpoint is not None
+        return replace(self, endpoint=endpoint, replay_endpoint=_offset(self.replay_endpoint, index))
 
     def as_json(self, endpoint: str, replay_endpoint: str | None) -> dict[str, object]:
         """What ``/kv_event_sources`` shows for the publisher: vLLM's fields, endpoints resolved."""
         return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
                 "replay_endpoint": replay_endpoint, "buffer_steps": self.buffer_steps, "hwm": self.hwm,
                 "max_queue_size": self.max_queue_size, "topic": self.topic}
+
+
+_FIELD_TYPES: dict[str, type] = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int}
 
 
 def _offset(endpoint: str | None, index: int) -> str | None:

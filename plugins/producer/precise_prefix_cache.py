@@ -2,11 +2,23 @@
 
 Where the approximate producer predicts what a pod holds from what this picker sent it, this one
 follows what the pods say they hold: a :class:`epp.prefix.kvsubscriber.KVEventSubscriber` connects to
-each pod's publisher (``tcp://<pod ip>:<socketPort>``, llm-d's ``podDiscoveryConfig.socketPort``, 5557,
-the port of vLLM's default ``endpoint: tcp://*:5557``), or, with ``kvEventsConfig.zmqEndpoint``, binds
-that endpoint for pods configured to connect to it (only pods of the pool, from their own address, are
-accepted). The events fill a :class:`epp.prefix.kvindex.KVEventIndex` keyed by this picker's hash of
-the blocks' token ids; a request is looked up with its own token ids, cut into the events' block size.
+each pod's publisher, or, with ``kvEventsConfig.zmqEndpoint``, binds that endpoint for pods configured
+to connect to it. The events fill a :class:`epp.prefix.kvindex.KVEventIndex` keyed by this picker's
+hash of the blocks' token ids; a request is looked up with its own token ids, cut into the events'
+block size, with its adapter's name and ``cache_salt`` as vLLM puts them in a block's extra keys.
+
+Pod identity comes from the pool, never from a topic alone. Connecting, the publisher of endpoint
+``ip:port`` is dialled at ``tcp://ip:<kv port>``, the port the pool gives it
+(:attr:`Endpoint.kv_events_port`: a static file's ``kv-events=PORT``, a pod's container port named
+``kv-events`` as llm-d's guides name it), else ``podDiscoveryConfig.socketPort`` (5557, vLLM's default
+``tcp://*:5557``); its replay socket at :attr:`Endpoint.kv_replay_port` (``kv-replay``) when given. The
+socket says whose events they are; a topic that names another pod is applied to the socket's pod and
+counted. Binding, a message is taken only when its topic names a pool endpoint (``kv@<ip>[:<port>]@<model>``,
+llm-d's ``kv@<pod ip>@<model>`` included) *and* it came from that endpoint's address. Each endpoint
+followed is logged (``KV events: following ...``); every message dropped or flagged is logged (at most
+once a minute per pod and reason) and counted in ``epp_kv_event_rejected_total{reason}``: ``topic``
+(not under ``topicFilter``, e.g. vLLM's default empty topic), ``identity`` (names another pod),
+``unknown_pod``, ``peer``, ``ambiguous``. A setup that would leave scores stuck at 0 shows there.
 
 Token ids (see "Tokenization" below) come from the served model's own tokenizer files when the
 picker has them (:mod:`epp.prefix.tokenize`: HF ``tokenizers`` and the chat template rendered as
@@ -22,8 +34,12 @@ scaled to the precise blocks. Matches count blocks weighted by medium (a CPU blo
 
 Parameters (llm-d's names where they exist, plus the approximate producer's):
     kvEventsConfig.zmqEndpoint (str): bind this endpoint for pods that connect (default: connect to pods).
-    kvEventsConfig.topicFilter (str, default "kv@"): the topic prefix subscribed to.
-    podDiscoveryConfig.socketPort (int, default 5557): the pods' publisher port (rank r on port + r).
+    kvEventsConfig.topicFilter (str, default "kv@"): the prefix a message's topic must have.
+    kvEventsConfig.concurrency, kvEventsConfig.discoverPods: accepted (llm-d's); one subscriber on the
+        picker's event loop serves every pod, and pods are always the pool's.
+    kvEventsConfig.podDiscoveryConfig.socketPort (int, default 5557; also at the top level): the pods'
+        publisher port when the pool does not name one. ``podLabelSelector``, ``podNamespace``:
+        accepted, unused (the pool's pods are followed).
     tokenProcessorConfig.blockSize (int, default 16): tokens per block of a lookup before any event said.
     tokenProcessorConfig.hashSeed (int, default 0): the seed of this picker's block keys.
     maxBlocksPerPod (int, default 1048576): this project's bound on the blocks remembered per pod.
@@ -70,10 +86,12 @@ attempt), ``epp_tokenize_fallbacks_total{reason}`` (requests scored approximatel
 ``epp_tokenize_reused_tokens`` / ``epp_tokenize_encoded_tokens`` (tokens taken from the prefix cache
 / tokenized), ``epp_tokenize_cache_bytes``, ``epp_tokenize_audit_mismatches``.
 
-Metrics (gauges, over the pool): ``epp_kv_events`` (events applied), ``epp_kv_event_gaps``,
+Metrics: gauges over the pool ``epp_kv_events`` (events applied), ``epp_kv_event_gaps``,
 ``epp_kv_event_replays``, ``epp_kv_event_resets``, ``epp_kv_event_decode_errors``,
-``epp_kv_event_pods_tracked``, ``epp_kv_event_index_blocks`` and ``epp_kv_event_lag_seconds`` (the
-median of the last batches' publisher-to-index lag).
+``epp_kv_event_disconnects``, ``epp_kv_event_pods_tracked`` (pods whose stream is followed without a
+hole), ``epp_kv_event_index_blocks``, ``epp_kv_event_lag_seconds`` (the median of the last batches'
+publisher-to-index lag); the counter ``epp_kv_event_rejected_total{reason}`` and the histogram
+``epp_kv_event_lag`` (seconds, per batch).
 """
 
 from __future__ import annotations
@@ -357,11 +375,20 @@ class PreciseParameters:
                 raise ValueError(f"{name}: {key} must be an integer ≥ {minimum}, got {value!r}")
             return value
 
-        events = section("kvEventsConfig", ("zmqEndpoint", "topicFilter", "concurrency"))
-        discovery = section("podDiscoveryConfig", ("socketPort",))
+        events = section("kvEventsConfig", ("zmqEndpoint", "topicFilter", "concurrency", "discoverPods",
+                                            "podDiscoveryConfig"))  # fmt: skip
+        discovery_keys = ("socketPort", "podLabelSelector", "podNamespace")
+        discovery = section("podDiscoveryConfig", discovery_keys)
+        nested = events.get("podDiscoveryConfig") or {}
+        if not isinstance(nested, Mapping):
+            raise ValueError(f"{name}: kvEventsConfig.podDiscoveryConfig must be a mapping, got {nested!r}")
+        check_parameters(f"{name}: kvEventsConfig.podDiscoveryConfig", nested, discovery_keys)
+        discovery = {**discovery, **nested}
         tokens = section("tokenProcessorConfig", ("blockSize", "hashSeed"))
         self.bind: str | None = events.get("zmqEndpoint") or None
         self.topic_filter = str(events.get("topicFilter", "kv@"))
+        if self.bind is not None and not isinstance(self.bind, str):
+            raise ValueError(f"{name}: kvEventsConfig.zmqEndpoint must be a string, got {self.bind!r}")
         self.socket_port = integer(discovery, "socketPort", 5557, 1)
         self.block_size = integer(tokens, "blockSize", 16, 1)
         self.hash_seed = integer(tokens, "hashSeed", 0, 0)
@@ -388,12 +415,14 @@ class PrecisePrefixCacheProducer:
         self.approximate = ApproxPrefixCacheProducer(f"{name}/approximate", p.approximate, handle)
         self.index = KVEventIndex(seed=p.hash_seed, max_blocks_per_pod=p.max_blocks_per_pod)
         self.subscriber: KVEventSubscriber | None = None
-        self._names: dict[str, str] = {}  # index pod id -> endpoint name
-        self._endpoints: dict[str, Endpoint] = {}
+        self._names: dict[str, str] = {}  # index pod id (an endpoint's hostport) -> endpoint name
+        self._endpoints: dict[str, Endpoint] = {}  # hostport -> endpoint
+        self._on_reject: Callable[[str], None] | None = None
+        self._on_lag: Callable[[float], None] | None = None
         if handle is not None:
+            self._export(handle)
             handle.pool.subscribe(self._pool_changed)
             self._pool_changed(tuple(handle.pool.endpoints()), ())
-            self._export(handle)
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> Self:
@@ -409,13 +438,21 @@ class PrecisePrefixCacheProducer:
         m.gauge_sum("epp_kv_event_replays", "KV-event holes filled from a replay endpoint.", stat("replays"))
         m.gauge_sum("epp_kv_event_resets", "KV-event publisher restarts (seq back to 0).", stat("resets"))
         m.gauge_sum("epp_kv_event_decode_errors", "KV-event messages that did not decode.", stat("decode_errors"))
-        m.gauge_sum("epp_kv_event_pods_tracked", "Pods in the precise prefix index.", lambda: self.index.stats().pods)
+        m.gauge_sum("epp_kv_event_disconnects", "KV-event publishers' connections lost.", stat("disconnects"))
+        m.gauge_sum("epp_kv_event_pods_tracked", "Pods whose KV-event stream is followed without a hole.",
+                    lambda: sum(1 for pod in self.index.pods() if self.index.known(pod)))  # fmt: skip
         blocks = "Blocks in the precise prefix index."
         m.gauge_sum("epp_kv_event_index_blocks", blocks, lambda: self.index.stats().blocks)
         m.gauge_sum("epp_kv_event_lag_seconds", "Median publisher-to-index lag of recent batches.", self._lag)
+        rejected = m.counter("epp_kv_event_rejected", "KV-event messages dropped, or applied but flagged "
+                             "(identity), because the pool does not confirm whose they are; by reason.", ("reason",))
+        self._on_reject = lambda reason: rejected.labels(reason).inc()
+        lag = m.histogram("epp_kv_event_lag", "Seconds from a KV-event batch's publication to its application.",
+                          buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0))  # fmt: skip
+        self._on_lag = lag.observe
 
     def _lag(self) -> float:
-        lags = self.subscriber.stats.lags if self.subscriber else []
+        lags = self.subscriber.stats.lags if self.subscriber else ()
         return statistics.median(lags) if lags else 0.0
 
     def _ensure_subscriber(self) -> KVEventSubscriber | None:
@@ -425,11 +462,19 @@ class PrecisePrefixCacheProducer:
             except RuntimeError:
                 return None  # built before the loop runs: the first pool change or request on it starts it
             p = self.parameters
-            self.subscriber = KVEventSubscriber(self.index, topic_filter=p.topic_filter, bind=p.bind)
+            self.subscriber = KVEventSubscriber(self.index, topic_filter=p.topic_filter, bind=p.bind,
+                                                on_reject=self._on_reject, on_lag=self._on_lag)  # fmt: skip
             self.subscriber.start()
             for endpoint in self._endpoints.values():
                 self._follow(endpoint)
         return self.subscriber
+
+    def publisher_of(self, endpoint: Endpoint) -> tuple[str, str | None]:
+        """Where ``endpoint``'s KV events are followed: its publisher, and its replay socket (or None)."""
+        host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
+        port = endpoint.kv_events_port or self.parameters.socket_port
+        replay = f"tcp://{host}:{endpoint.kv_replay_port}" if endpoint.kv_replay_port else None
+        return f"tcp://{host}:{port}", replay
 
     def _follow(self, endpoint: Endpoint) -> None:
         subscriber = self.subscriber
@@ -437,19 +482,35 @@ class PrecisePrefixCacheProducer:
             return
         if self.parameters.bind is not None:
             subscriber.allow(endpoint.hostport)
+            log.info("KV events: accepting %s (%s) on %s", endpoint.name, endpoint.hostport, subscriber.bound_endpoint)
         else:
-            host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
-            subscriber.follow(pod_id(endpoint.hostport), f"tcp://{host}:{self.parameters.socket_port}")
+            publisher, replay = self.publisher_of(endpoint)
+            subscriber.follow(pod_id(endpoint.hostport), publisher, replay, address=endpoint.hostport)
+
+    def _forget(self, endpoint: Endpoint) -> None:
+        subscriber = self.subscriber
+        pod = pod_id(endpoint.hostport)
+        if subscriber is None:
+            self.index.remove_pod(pod)
+        elif self.parameters.bind is not None:
+            subscriber.disallow(endpoint.hostport)
+            for known in self.index.pods():  # the endpoint's streams, every rank
+                if known == pod or known.startswith(pod + "@"):
+                    subscriber.forget(known)
+        else:
+            subscriber.unfollow(pod)
 
     def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
-        still_here = {endpoint.hostport for endpoint in added}
         for endpoint in removed:
-            if endpoint.hostport not in still_here:
-                self._endpoints.pop(endpoint.hostport, None)
+            old = self._endpoints.get(endpoint.hostport)
+            if old == endpoint:
+                del self._endpoints[endpoint.hostport]
                 self._names.pop(pod_id(endpoint.hostport), None)
-                if self.subscriber is not None:
-                    self.subscriber.unfollow(pod_id(endpoint.hostport))
+                self._forget(endpoint)
         for endpoint in added:
+            old = self._endpoints.get(endpoint.hostport)
+            if old is not None and self.publisher_of(old) != self.publisher_of(endpoint):
+                self._forget(old)  # the same address, its publisher elsewhere now: follow it there
             self._endpoints[endpoint.hostport] = endpoint
             self._names[pod_id(endpoint.hostport)] = endpoint.name
         if self._ensure_subscriber() is not None:
@@ -481,21 +542,31 @@ class PrecisePrefixCacheProducer:
         token_ids = self._token_ids(request)
         if token_ids is None or not len(token_ids):
             return  # the approximate match stands for every pod
-        block_size = self.index.block_size() or self.parameters.block_size
-        max_blocks = max(1, self.parameters.approximate.max_prefix_tokens // block_size)
-        keys = chain_keys(token_ids, block_size, self.parameters.hash_seed, max_blocks)
-        approx = request.state.get(PREFIX_MATCH)
+        p = self.parameters
+        sizes = sorted(self.index.block_sizes()) or [p.block_size]
+        block_size = sizes[0]
+        max_tokens = p.approximate.max_prefix_tokens
+        salt = request.cache_salt or None
+        lora = request.adapter or None
         matched: dict[str, int] = {}
-        if approx is not None and keys:
-            for name in approx.matched:
-                matched[name] = int(approx.share(name) * len(keys))
-        for pod, (_, weighted) in self.index.match(keys).items():
-            name = self._names.get(pod, pod)
-            matched[name] = int(weighted + 1e-9)
-        for pod, name in self._names.items():
-            if self.index.known(pod) and pod not in self.index.match(keys[:1]):
-                matched.pop(name, None)  # a known pod without the first block holds nothing of it
-        request.state[PREFIX_MATCH] = PrefixMatch(len(keys), matched, block_size)
+        blocks = 0
+        for size in sizes:  # pods of different engines may use different block sizes
+            keys = chain_keys(token_ids, size, p.hash_seed, max(1, max_tokens // size), lora_name=lora, cache_salt=salt)
+            if size == block_size:
+                blocks = len(keys)
+                approx = request.state.get(PREFIX_MATCH)
+                if approx is not None and blocks:
+                    for name in approx.matched:  # pods the events do not cover keep the approximate match
+                        matched[name] = int(approx.share(name) * blocks)
+                for pod in self.index.pods():
+                    if self.index.known(pod):
+                        matched.pop(self._names.get(pod.split("@", 1)[0], pod), None)
+            for pod, (_, weighted) in self.index.match(keys).items():
+                name = self._names.get(pod.split("@", 1)[0], pod)  # a DP rank's stream counts for its endpoint
+                run = int(weighted * size / block_size + 1e-9)
+                if run > matched.get(name, 0):
+                    matched[name] = run
+        request.state[PREFIX_MATCH] = PrefixMatch(blocks, matched, block_size)
 
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
         self.approximate.pre_request(request, result)
