@@ -40,7 +40,7 @@ for the numbers and the command).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,10 +161,13 @@ class KVEventIndex:
         seed: int = 0,
         max_blocks_per_pod: int = 1 << 20,
         media_weights: Mapping[str, float] = DEFAULT_MEDIA_WEIGHTS,
+        on_store: Callable[[PodId, list[int]], None] | None = None,
     ) -> None:
         if max_blocks_per_pod < 1:
             raise ValueError(f"max_blocks_per_pod must be ≥ 1, got {max_blocks_per_pod}")
         self.seed = seed
+        self.on_store = on_store
+        """Called with a pod and the keys of each BlockStored applied for it (in-flight bookkeeping)."""
         self.max_blocks_per_pod = max_blocks_per_pod
         self._weights = dict(media_weights)
         self._pods: dict[PodId, _Pod] = {}
@@ -234,6 +237,8 @@ class KVEventIndex:
             parent = found
         state.block_size = size
         keys = _chain(tokens, size, count, parent, self.seed, event.extra_keys)
+        if self.on_store is not None:
+            self.on_store(pod, keys)
         held, counts, weight = space.held, space.counts, space.weight
         where = self._where
         bit = state.bit
@@ -387,6 +392,11 @@ class KVEventIndex:
             if pod is not None:
                 result[pod] = (run, run - loss.get(bit, 0.0))
         return result
+
+    def holds(self, pod: PodId, key: int) -> bool:
+        """Whether ``pod`` holds the block ``key`` (in any space)."""
+        state = self._pods.get(pod)
+        return state is not None and bool(self._where.get(key, 0) & state.bit)
 
     def blocks_of(self, pod: PodId) -> frozenset[int]:
         """The keys ``pod`` holds (in any space)."""

@@ -1,7 +1,8 @@
 """``python -m epp.sim``: serve simulated vLLM pods until SIGTERM or SIGINT.
 
 Prints one line per pod, ``pod-<i> http://127.0.0.1:<port>``, once every pod listens, followed by
-``kv-events=<endpoint>`` when the pod publishes KV events; exits 0 on a signal.
+``kv-events=<endpoint>`` (and ``kv-replay=<endpoint>``) when the pod publishes KV events; exits 0 on
+a signal.
 
 ``--kv-events-config`` takes vLLM's JSON (``{"enable_kv_cache_events": true, "publisher": "zmq",
 "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": ..., "topic": "kv@127.0.0.1@m"}``); pod ``i``
@@ -100,7 +101,11 @@ async def _serve(pool: SimulatedPool) -> int:
     try:
         for pod in pool:
             publisher = pod.engine.publisher
-            extra = f" kv-events={publisher.endpoint}" if publisher is not None else ""
+            extra = ""
+            if publisher is not None:
+                extra = f" kv-events={publisher.endpoint}"
+                if publisher.replay_endpoint is not None:
+                    extra += f" kv-replay={publisher.replay_endpoint}"
             print(f"{pod.name} {pod.url}{extra}", flush=True)
         await stop.wait()
     finally:

@@ -43,6 +43,10 @@ Parameters (llm-d's names where they exist, plus the approximate producer's):
     tokenProcessorConfig.blockSize (int, default 16): tokens per block of a lookup before any event said.
     tokenProcessorConfig.hashSeed (int, default 0): the seed of this picker's block keys.
     maxBlocksPerPod (int, default 1048576): this project's bound on the blocks remembered per pod.
+    inFlightTTL (Go duration, default "30s"; "0s": off): this project's. The blocks a request sent to a
+        pod will compute count as that pod's from the moment it is sent until the pod's events store
+        them (a prefill's length, usually), or for this long if they never do: without it, a second
+        request of a prefix arriving while the first is prefilling would not find it anywhere.
     indexerConfig.tokenizersPoolConfig: the tokenizer (llm-d's section; its keys below).
 
 ``indexerConfig.tokenizersPoolConfig`` (llm-d's names first, then this project's):
@@ -101,6 +105,8 @@ import itertools
 import logging
 import os
 import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -145,8 +151,67 @@ TOKENIZED_PROMPT: StateKey[np.ndarray] = StateKey("tokenized-prompt")
 """The prompt's token ids as the engine computes them (``uint32``), when this producer could tell."""
 
 _OWN = ("kvEventsConfig", "podDiscoveryConfig", "tokenProcessorConfig", "maxBlocksPerPod", "discoverPods",
-        "indexerConfig")  # fmt: skip
+        "indexerConfig", "inFlightTTL")  # fmt: skip
+
+
+class _InFlight:
+    """Blocks a pod is computing for requests this picker sent it, until its events announce them.
+
+    A pod publishes a block when it has computed it (vLLM: at the end of the engine step), so for the
+    length of a prefill the events cannot know what a request just sent there will leave in the cache;
+    a second request of the same prefix arriving meanwhile would be sent elsewhere and pay the prefix
+    again. So the blocks a request will add (those past what the events say the picked pod holds) are
+    recorded here for that pod, and dropped as soon as the pod's events store them (``confirm``), or
+    after ``ttl`` seconds if they never do (the request failed, or never reached the pod).
+    """
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl = ttl
+        self._clock = clock
+        self._where: dict[int, dict[str, float]] = {}  # key -> endpoint name -> expiry
+        self._queue: deque[tuple[float, str, list[int]]] = deque()  # in expiry order (one ttl)
+
+    def add(self, name: str, keys: list[int]) -> None:
+        if not keys or self.ttl <= 0:
+            return
+        expiry = self._clock() + self.ttl
+        where = self._where
+        for key in keys:
+            holders = where.get(key)
+            if holders is None:
+                where[key] = {name: expiry}
+            else:
+                holders[name] = expiry
+        self._queue.append((expiry, name, keys))
+
+    def confirm(self, name: str, keys: list[int]) -> None:
+        where = self._where
+        for key in keys:
+            holders = where.get(key)
+            if holders is not None and holders.pop(name, None) is not None and not holders:
+                del where[key]
+
+    def prune(self) -> None:
+        now = self._clock()
+        queue, where = self._queue, self._where
+        while queue and queue[0][0] <= now:
+            expiry, name, keys = queue.popleft()
+            for key in keys:
+                holders = where.get(key)
+                if holders is not None and holders.get(name) == expiry:
+                    del holders[name]
+                    if not holders:
+                        del where[key]
+
+    def holders(self, key: int) -> Mapping[str, float]:
+        return self._where.get(key) or {}
+
+    def __len__(self) -> int:
+        return len(self._where)
 _PREPARED: StateKey[bool] = StateKey("precise-prefix-cache/prepared")
+# The request's keys (in the reference block size) and, per endpoint, the blocks the events said it
+# held at scheduling: what pre_request records as in flight on the endpoint picked.
+_LOOKUP: StateKey[tuple[list[int], dict[str, int]]] = StateKey("precise-prefix-cache/lookup")
 _INLINE_BYTES = 32 << 10  # bodies up to this are tokenized on the event loop (a thread hop costs ~0.1 ms)
 _TOKENIZED_APIS = {Api.COMPLETIONS: "completions", Api.CHAT_COMPLETIONS: "chat_completions"}
 
@@ -393,6 +458,7 @@ class PreciseParameters:
         self.block_size = integer(tokens, "blockSize", 16, 1)
         self.hash_seed = integer(tokens, "hashSeed", 0, 0)
         self.max_blocks_per_pod = integer(parameters, "maxBlocksPerPod", 1 << 20, 1)
+        self.in_flight_ttl = duration_parameter(name, parameters, "inFlightTTL", 30.0)
         self.tokenizer = TokenizerParameters(name, parameters)
         self.approximate = PrefixParameters.parse(name, {k: v for k, v in parameters.items() if k not in _OWN})
 
@@ -413,9 +479,11 @@ class PrecisePrefixCacheProducer:
         # The model's own tokenizer (local files, else the engine), unless a callable replaces it.
         self.tokenization = _Tokenization(name, p.tokenizer, handle) if tokenizer is None else None
         self.approximate = ApproxPrefixCacheProducer(f"{name}/approximate", p.approximate, handle)
-        self.index = KVEventIndex(seed=p.hash_seed, max_blocks_per_pod=p.max_blocks_per_pod)
+        self.in_flight = _InFlight(p.in_flight_ttl)
+        self.index = KVEventIndex(seed=p.hash_seed, max_blocks_per_pod=p.max_blocks_per_pod, on_store=self._stored)
         self.subscriber: KVEventSubscriber | None = None
         self._names: dict[str, str] = {}  # index pod id (an endpoint's hostport) -> endpoint name
+        self._pods_by_name: dict[str, str] = {}  # endpoint name -> index pod id
         self._endpoints: dict[str, Endpoint] = {}  # hostport -> endpoint
         self._on_reject: Callable[[str], None] | None = None
         self._on_lag: Callable[[float], None] | None = None
@@ -450,6 +518,11 @@ class PrecisePrefixCacheProducer:
         lag = m.histogram("epp_kv_event_lag", "Seconds from a KV-event batch's publication to its application.",
                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0))  # fmt: skip
         self._on_lag = lag.observe
+
+    def _stored(self, pod: str, keys: list[int]) -> None:
+        name = self._names.get(pod.split("@", 1)[0])
+        if name is not None:
+            self.in_flight.confirm(name, keys)
 
     def _lag(self) -> float:
         lags = self.subscriber.stats.lags if self.subscriber else ()
@@ -506,6 +579,7 @@ class PrecisePrefixCacheProducer:
             if old == endpoint:
                 del self._endpoints[endpoint.hostport]
                 self._names.pop(pod_id(endpoint.hostport), None)
+                self._pods_by_name.pop(endpoint.name, None)
                 self._forget(endpoint)
         for endpoint in added:
             old = self._endpoints.get(endpoint.hostport)
@@ -513,6 +587,7 @@ class PrecisePrefixCacheProducer:
                 self._forget(old)  # the same address, its publisher elsewhere now: follow it there
             self._endpoints[endpoint.hostport] = endpoint
             self._names[pod_id(endpoint.hostport)] = endpoint.name
+            self._pods_by_name[endpoint.name] = pod_id(endpoint.hostport)
         if self._ensure_subscriber() is not None:
             for endpoint in added:
                 self._follow(endpoint)
@@ -549,27 +624,56 @@ class PrecisePrefixCacheProducer:
         salt = request.cache_salt or None
         lora = request.adapter or None
         matched: dict[str, int] = {}
-        blocks = 0
+        precise: dict[str, int] = {}
+        keys: list[int] = []
         for size in sizes:  # pods of different engines may use different block sizes
-            keys = chain_keys(token_ids, size, p.hash_seed, max(1, max_tokens // size), lora_name=lora, cache_salt=salt)
+            size_keys = chain_keys(token_ids, size, p.hash_seed, max(1, max_tokens // size), lora_name=lora,
+                                   cache_salt=salt)  # fmt: skip
             if size == block_size:
-                blocks = len(keys)
+                keys = size_keys
                 approx = request.state.get(PREFIX_MATCH)
-                if approx is not None and blocks:
+                if approx is not None and keys:
                     for name in approx.matched:  # pods the events do not cover keep the approximate match
-                        matched[name] = int(approx.share(name) * blocks)
+                        matched[name] = int(approx.share(name) * len(keys))
                 for pod in self.index.pods():
                     if self.index.known(pod):
                         matched.pop(self._names.get(pod.split("@", 1)[0], pod), None)
-            for pod, (_, weighted) in self.index.match(keys).items():
+            for pod, (_, weighted) in self.index.match(size_keys).items():
                 name = self._names.get(pod.split("@", 1)[0], pod)  # a DP rank's stream counts for its endpoint
                 run = int(weighted * size / block_size + 1e-9)
                 if run > matched.get(name, 0):
-                    matched[name] = run
-        request.state[PREFIX_MATCH] = PrefixMatch(blocks, matched, block_size)
+                    matched[name] = precise[name] = run
+        self._add_in_flight(keys, matched)
+        request.state[_LOOKUP] = (keys, precise)
+        request.state[PREFIX_MATCH] = PrefixMatch(len(keys), matched, block_size)
+
+    def _add_in_flight(self, keys: list[int], matched: dict[str, int]) -> None:
+        """Extend each endpoint's match by the blocks it is computing for requests sent to it."""
+        in_flight = self.in_flight
+        if not len(in_flight) or not keys:
+            return
+        in_flight.prune()
+        names = set(in_flight.holders(keys[0]))
+        names.update(name for name, run in matched.items() if 0 < run < len(keys))
+        for name in names:
+            pod = self._pods_by_name.get(name)
+            run = matched.get(name, 0)
+            while run < len(keys) and (name in in_flight.holders(keys[run]) or
+                                       (pod is not None and self.index.holds(pod, keys[run]))):  # fmt: skip
+                run += 1
+            if run > matched.get(name, 0):
+                matched[name] = run
 
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
         self.approximate.pre_request(request, result)
+        lookup = request.state.get(_LOOKUP)
+        endpoints = result.endpoints
+        if lookup is None or not endpoints:
+            return
+        keys, precise = lookup
+        name = endpoints[0].name
+        if name in self._pods_by_name:  # a pod whose events are followed
+            self.in_flight.add(name, keys[precise.get(name, 0) :])
 
     async def close(self) -> None:
         if self.subscriber is not None:
