@@ -20,10 +20,11 @@ Policies, each on the same trace with a fresh simulator and router:
 Workloads: routing_quality's ``a`` (shared prefix), ``b`` (multi-turn), ``c`` (no sharing), and three
 that separate the designs:
 
-* ``p``, **cache pressure**: workload a's shape with ``--pressure-groups`` (48) system prompts and
-  pods holding ``--pressure-fraction`` (0.19) of their working set each (the pool 1.5 times it):
-  pods evict all the time, and only a router that knows what they still hold avoids sending a
-  prompt where its prefix is gone;
+* ``p``, **cache pressure**: workload a's shape with ``--pressure-groups`` (48) system prompts, pods
+  holding ``--pressure-fraction`` (0.13) of their working set each (the pool 1.04 times it) and
+  answers of ``--pressure-max-tokens`` (256) tokens, which the pods cache and the approximate index
+  does not count: pods evict system prompts all the time, and only a router that knows what they
+  still hold avoids sending a prompt where its prefix is gone;
 * ``u``, **unseen traffic**: workload a, each item sent either through the gateway or (with
   probability ``--unseen-share``, 0.5) straight to a pod chosen by a second, independent router
   (sticky per system prompt: a hash of it): traffic the picker never sees. Hit rate and TTFT are of
@@ -55,7 +56,6 @@ import contextlib
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,7 +119,8 @@ schedulingProfiles:
 @dataclass(frozen=True)
 class Knobs:
     pressure_groups: int = 48
-    pressure_fraction: float = 0.19
+    pressure_fraction: float = 0.13
+    pressure_max_tokens: int = 256
     unseen_share: float = 0.5
     hot_groups: int = 16
     hot_zipf: float = 1.1
@@ -135,6 +136,7 @@ class Run:
 
     workload: rq.Workload
     blocks: int
+    opts: rq.Options
     direct: frozenset[int] = frozenset()  # indexes of items sent straight to a pod
 
     def gateway(self) -> rq.Workload:
@@ -172,20 +174,21 @@ def _hot_workload(opts: rq.Options, knobs: Knobs) -> rq.Workload:
 
 def make_run(kind: str, opts: rq.Options, knobs: Knobs) -> Run:
     if kind in rq.WORKLOADS:
-        return Run(rq.make_workload(kind, opts), rq.num_gpu_blocks(opts))
+        return Run(rq.make_workload(kind, opts), rq.num_gpu_blocks(opts), opts)
     if kind == "p":
-        popts = replace(opts, groups=knobs.pressure_groups)
+        popts = replace(opts, groups=knobs.pressure_groups, max_tokens=knobs.pressure_max_tokens or opts.max_tokens)
         workload = replace(rq.make_workload("a", popts), name="p")
         blocks = rq.num_gpu_blocks(replace(popts, cache_fraction=knobs.pressure_fraction))
-        return Run(workload, blocks)
+        return Run(workload, blocks, popts)
     if kind == "u":
         workload = replace(rq.make_workload("a", opts), name="u")
         coin = np.random.default_rng([opts.seed, 55]).random(len(workload.items))
-        return Run(workload, rq.num_gpu_blocks(opts), frozenset(int(i) for i in np.flatnonzero(coin < knobs.unseen_share)))
+        direct = frozenset(int(i) for i in np.flatnonzero(coin < knobs.unseen_share))
+        return Run(workload, rq.num_gpu_blocks(opts), opts, direct)
     if kind == "h":
         workload = _hot_workload(opts, knobs)
         longest = max(t.prompt_tokens for item in workload.items for t in item.turns) + opts.max_tokens
-        return Run(workload, max(rq.num_gpu_blocks(opts), 4 * -(-longest // BLOCK_SIZE)))
+        return Run(workload, max(rq.num_gpu_blocks(opts), 4 * -(-longest // BLOCK_SIZE)), opts)
     raise ValueError(f"unknown workload {kind!r}: choose from {', '.join(WORKLOADS)}")
 
 
@@ -304,7 +307,8 @@ async def _direct(run: Run, pods: Sequence[str], opts: rq.Options, tally: Counte
 
 async def _load(url: str, run: Run, pods: Sequence[str], opts: rq.Options) -> tuple[list[rq.Record], int, Counter[str]]:
     tally: Counter[str] = Counter()
-    (records, unfinished), _ = await asyncio.gather(rq._drive(url, run.gateway(), opts), _direct(run, pods, opts, tally))
+    gateway = rq._drive(url, run.gateway(), opts)
+    (records, unfinished), _ = await asyncio.gather(gateway, _direct(run, pods, opts, tally))
     return records, unfinished, tally
 
 
@@ -318,7 +322,8 @@ class Row:
     direct_requests: int = 0
 
 
-def run_policy(run: Run, policy: str, opts: rq.Options, oracle_rate: float) -> Row:
+def run_policy(run: Run, policy: str, oracle_rate: float) -> Row:
+    opts = run.opts
     sim = _Simulator(opts, run.blocks)
     picker: PickerProcess | None = None
     envoy: EnvoyProcess | None = None
@@ -448,11 +453,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--pressure-groups", type=int, default=k.pressure_groups)
     parser.add_argument("--pressure-fraction", type=float, default=k.pressure_fraction)
+    parser.add_argument("--pressure-max-tokens", type=int, default=k.pressure_max_tokens)
     parser.add_argument("--unseen-share", type=float, default=k.unseen_share)
     parser.add_argument("--hot-groups", type=int, default=k.hot_groups)
     parser.add_argument("--hot-zipf", type=float, default=k.hot_zipf)
     parser.add_argument("--hot-load", type=float, default=k.hot_load)
-    parser.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "precise_routing.json")
+    results = Path(__file__).resolve().parent / "results"
+    parser.add_argument("--json", type=Path, default=results / "precise_routing.json")
     args = parser.parse_args(argv)
     duration, drain = (3.0, 15.0) if args.quick else (args.duration, args.drain)
     kinds = [w for w in args.workloads.split(",") if w]
@@ -469,17 +476,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = [p for p in policies if p not in skipped]
     opts = rq.Options(pods=args.pods, duration=duration, drain=drain, load=args.load, time_scale=args.time_scale,
                       max_tokens=args.max_tokens, seed=args.seed)
-    knobs = Knobs(args.pressure_groups, args.pressure_fraction, args.unseen_share, args.hot_groups, args.hot_zipf,
-                  args.hot_load)
+    knobs = Knobs(args.pressure_groups, args.pressure_fraction, args.pressure_max_tokens, args.unseen_share,
+                  args.hot_groups, args.hot_zipf, args.hot_load)
     rows: list[Row] = []
     started = time.perf_counter()
     for kind in kinds:
         run = make_run(kind, opts, knobs)
-        bound = oracle(run, opts.seed)
+        bound = oracle(run, run.opts.seed)
         print(f"workload {kind} ({WORKLOADS[kind]}): {run.workload.requests} requests "
               f"({len(run.direct)} bypassing the gateway), {run.blocks} blocks per pod, oracle {bound:.1%}", flush=True)
         for policy in policies:
-            row = run_policy(run, policy, opts, bound)
+            row = run_policy(run, policy, bound)
             r = row.result
             print(f"  {policy:<14} hit {r.hit_rate:.1%} ({r.hit_rate / bound if bound else 0:.1%} of the oracle), "
                   f"TTFT P50 {r.ttft_p50_ms:.0f} P90 {r.ttft_p90_ms:.0f} ms, {r.completed}/{r.requests} done, "

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from epp.datalayer.datastore import Datastore
-from epp.framework import PREFIX_MATCH, Endpoint, Handle, InferenceRequest
-from epp.plugins.producer.precise_prefix_cache import PreciseParameters, PrecisePrefixCacheProducer
+from epp.framework import PREFIX_MATCH, Endpoint, Handle, InferenceRequest, SchedulingResult
+from epp.plugins.producer.precise_prefix_cache import PreciseParameters, PrecisePrefixCacheProducer, _InFlight
 from epp.plugins.scorer.prefix_cache import PrefixCacheScorer
 from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.config import KVEventsConfig
@@ -136,7 +136,8 @@ async def _post(url: str, prompt: str) -> None:
 async def _caught_up(producer: PrecisePrefixCacheProducer, pool: SimulatedPool) -> None:
     assert producer.subscriber is not None
     for _ in range(500):
-        if all(producer.subscriber.last_seq(f"127.0.0.1:{pod.port}") == pod.engine.publisher.seq - 1 for pod in pool):
+        if all(pod.engine.publisher.seq == 0 or producer.subscriber.last_seq(f"127.0.0.1:{pod.port}")
+               == pod.engine.publisher.seq - 1 for pod in pool):
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the subscriber did not catch up")
@@ -197,3 +198,47 @@ def test_llm_d_parameters_are_accepted_where_llm_d_puts_them() -> None:
     assert producer.publisher_of(Endpoint("a", "10.0.0.1", 8000)) == ("tcp://10.0.0.1:6000", None)
     assert producer.publisher_of(Endpoint("a", "fd00::1", 8000, kv_events_port=5557, kv_replay_port=5558)) == (
         "tcp://[fd00::1]:5557", "tcp://[fd00::1]:5558")
+
+
+async def test_a_prefix_sent_to_a_pod_counts_there_until_its_events_store_it() -> None:
+    async with SimulatedPool(2, [_sim_config(seed=1, time_scale=1.0), _sim_config(seed=2, time_scale=1.0)]) as pool:
+        endpoints = _pool_endpoints(pool)
+        producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", {}), Handle(Datastore(endpoints)),
+                                              tokenizer=_sim_tokens)
+        try:
+            prompt = "w" * 4 * 200
+            first = _ask(prompt)
+            producer.produce(first, endpoints)
+            assert first.state[PREFIX_MATCH].matched == {}
+            producer.pre_request(first, SchedulingResult({"default": [endpoints[1]]}, "default"))  # sent to pod-1
+            second = _ask(prompt)
+            producer.produce(second, endpoints)  # before pod-1 has computed anything: in flight there
+            blocks = len(render_completion(prompt)) // 16
+            assert second.state[PREFIX_MATCH].matched == {"pod-1": blocks}
+            assert len(producer.in_flight) == blocks
+            await _post(pool.url(1), prompt)  # pod-1 computes it and says so
+            await _caught_up(producer, pool)
+            assert len(producer.in_flight) == 0  # confirmed by the events: they alone decide from now on
+            third = _ask(prompt)
+            producer.produce(third, endpoints)
+            assert third.state[PREFIX_MATCH].matched == {"pod-1": blocks}
+        finally:
+            await producer.close()
+
+
+def test_in_flight_blocks_expire_when_no_event_confirms_them() -> None:
+    now = [0.0]
+    in_flight = _InFlight(30.0, clock=lambda: now[0])
+    in_flight.add("a", [1, 2, 3])
+    in_flight.add("b", [1])
+    now[0] = 29.0
+    in_flight.prune()
+    assert dict(in_flight.holders(1)) == {"a": 30.0, "b": 30.0}
+    in_flight.confirm("b", [1])
+    now[0] = 30.0
+    in_flight.prune()
+    assert len(in_flight) == 0
+    assert PreciseParameters("p", {"inFlightTTL": "0s"}).in_flight_ttl == 0.0
+    off = _InFlight(0.0)
+    off.add("a", [1])
+    assert len(off) == 0
