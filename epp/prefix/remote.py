@@ -150,7 +150,8 @@ def tokenize_body(api: str, body: bytes) -> bytes:
     fields.model = msgspec.UNSET  # ids do not depend on the adapter; the base model is on every pod
     if api == "completions":
         prompt = fields.prompt
-        if not _given(prompt) or not bytes(prompt).lstrip().startswith(b'"') or _given(fields.messages):
+        one_string = isinstance(prompt, msgspec.Raw) and bytes(prompt).lstrip().startswith(b'"')
+        if not one_string or _given(fields.messages):
             raise RemoteError("unsupported", "/tokenize takes one string prompt")
         fields = _Tokenize(prompt=prompt, add_special_tokens=fields.add_special_tokens)
     elif api == "chat_completions":

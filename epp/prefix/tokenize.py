@@ -79,7 +79,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,7 @@ __all__ = [
     "DEFAULT_CACHE_BYTES",
     "ChatOptions",
     "ModelTokenizer",
+    "Plan",
     "TemplateError",
     "TokenizeStats",
     "TokenizerError",
@@ -422,29 +423,35 @@ class ModelTokenizer:
 
     def content_ids(self, text: str) -> np.ndarray:
         """The ids of ``text`` without the post-processor's special tokens, reusing cached prefixes."""
+        return self._content_plan(text).finish()
+
+    def _content_plan(self, text: str) -> Plan:
         with self._stats_lock:
             self._stats.requests += 1
         cuts = self._cuts
         if cuts is None or not self._incremental or self._cache.capacity <= 0:
-            return self._encode(text)
+            return Plan(len(text), lambda: self._encode(text))
         data = text.encode("utf-8", "surrogatepass")
         marks = [(m.start(), m.end()) for m in cuts.finditer(data)]
         if not marks:
-            return self._encode(text)
+            return Plan(len(text), lambda: self._encode(text))
         hit = self._probe(data, marks)
         if hit is None:
-            ids = self._encode(text)
-            self._remember(data, marks, ids, 0, None)
-            return ids
+            return Plan(len(data), lambda: self._whole(text, data, marks))
+        return Plan(len(data) - marks[hit[0]][0], lambda: self._extend(text, data, marks, hit))
+
+    def _whole(self, text: str, data: bytes, marks: list[tuple[int, int]]) -> np.ndarray:
+        ids = self._encode(text)
+        self._remember(data, marks, ids, 0, None)
+        return ids
+
+    def _extend(self, text: str, data: bytes, marks: list[tuple[int, int]], hit: tuple[int, _Doc, int]) -> np.ndarray:
         index, doc, ntok = hit
-        start = marks[index][0]
-        rest = self._encode(data[start:].decode("utf-8", "surrogatepass"))
+        rest = self._encode(data[marks[index][0] :].decode("utf-8", "surrogatepass"))
         if not len(rest) or rest[0] != doc.ids[ntok - 1]:
             with self._stats_lock:
                 self._stats.unstable += 1
-            ids = self._encode(text)
-            self._remember(data, marks, ids, 0, None)
-            return ids
+            return self._whole(text, data, marks)
         ids = np.concatenate((doc.ids[:ntok], rest[1:]))
         with self._stats_lock:
             self._stats.cache_hits += 1
@@ -564,7 +571,11 @@ class ModelTokenizer:
         truncation_side: str | None = None,
     ) -> np.ndarray:
         """A completions prompt's ids."""
-        return self._truncated(self.content_ids(prompt), add_special_tokens, truncate_prompt_tokens, truncation_side)
+        return self._completion_plan(prompt, add_special_tokens, truncate_prompt_tokens, truncation_side).finish()
+
+    def _completion_plan(self, prompt: str, add: bool, keep: int | None, side: str | None) -> Plan:
+        content = self._content_plan(prompt)
+        return Plan(content.pending, lambda: self._truncated(content.finish(), add, keep, side))
 
     def chat_text(self, messages: Sequence[Any], options: ChatOptions | None = None) -> str:
         """The text the chat template renders (see :func:`epp.prefix.chat.render_chat`)."""
@@ -580,11 +591,17 @@ class ModelTokenizer:
         truncation_side: str | None = None,
     ) -> np.ndarray:
         """A chat request's ids, from its messages as JSON values."""
-        content = self.content_ids(self.chat_text(messages, options))
-        return self._truncated(content, add_special_tokens, truncate_prompt_tokens, truncation_side)
+        content = self._content_plan(self.chat_text(messages, options))
+        return self._truncated(content.finish(), add_special_tokens, truncate_prompt_tokens, truncation_side)
 
     def request_ids(self, api: str, body: bytes) -> np.ndarray:
         """The engine's prompt ids for a ``completions`` or ``chat_completions`` request body."""
+        return self.plan(api, body).finish()
+
+    def plan(self, api: str, body: bytes) -> Plan:
+        """:meth:`request_ids` but for the encoding, which :meth:`Plan.finish` does (the part worth a
+        thread: HF tokenizers releases the GIL while it encodes); ``Plan.pending`` says how much text
+        is left to encode. Raises as :meth:`request_ids` does."""
         try:
             if api == "completions":
                 return self._completion_request(_DECODE_COMPLETION(body))
@@ -596,26 +613,21 @@ class ModelTokenizer:
             raise Unsupported(f"body is not JSON msgspec reads: {exc}") from exc
         raise Unsupported(f"{api} requests have no prompt to tokenize here")
 
-    def _completion_request(self, body: _CompletionBody) -> np.ndarray:
+    def _completion_request(self, body: _CompletionBody) -> Plan:
         if body.prompt_embeds is not None:
             raise Unsupported("prompt_embeds")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt:
             first = prompt[0]
             if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-                return self._given_ids(prompt, body)
+                return _done(self._given_ids(prompt, body))
             if isinstance(first, list) and all(isinstance(p, int) and not isinstance(p, bool) for p in first):
-                return self._given_ids(first, body)
+                return _done(self._given_ids(first, body))
             if isinstance(first, str):
                 prompt = first
         if not isinstance(prompt, str):
             raise Unsupported("prompt is not a string, a list of strings or token ids")
-        return self.completion_ids(
-            prompt,
-            add_special_tokens=body.add_special_tokens,
-            truncate_prompt_tokens=body.truncate_prompt_tokens,
-            truncation_side=body.truncation_side,
-        )
+        return self._completion_plan(prompt, body.add_special_tokens, body.truncate_prompt_tokens, body.truncation_side)
 
     @staticmethod
     def _given_ids(ids: list[int], body: _CompletionBody) -> np.ndarray:
@@ -629,12 +641,12 @@ class ModelTokenizer:
             raise Unsupported("truncate_prompt_tokens -1 needs the model's length")
         return array[:keep] if side == "right" else array[len(array) - keep :]
 
-    def _chat_request(self, body: _ChatBody) -> np.ndarray:
+    def _chat_request(self, body: _ChatBody) -> Plan:
         reused = (body.kv_transfer_params or {}).get("prompt_token_ids")
         if reused is not None and not body.echo:
             if isinstance(reused, list) and reused and all(type(i) is int and 0 <= i < 1 << 32 for i in reused):
                 self._text_only(body.messages)
-                return np.array(reused, dtype=np.uint32)
+                return _done(np.array(reused, dtype=np.uint32))
             raise TemplateError("`kv_transfer_params['prompt_token_ids']` must be a non-empty list of ids")
         options = ChatOptions(
             tools=body.tools,
@@ -645,13 +657,9 @@ class ModelTokenizer:
             continue_final_message=body.continue_final_message,
             reasoning_effort=body.reasoning_effort,
         )
-        return self.chat_ids(
-            body.messages,
-            options,
-            add_special_tokens=body.add_special_tokens,
-            truncate_prompt_tokens=body.truncate_prompt_tokens,
-            truncation_side=body.truncation_side,
-        )
+        content = self._content_plan(self.chat_text(body.messages, options))
+        add, keep, side = body.add_special_tokens, body.truncate_prompt_tokens, body.truncation_side
+        return Plan(content.pending, lambda: self._truncated(content.finish(), add, keep, side))
 
     @staticmethod
     def _text_only(messages: list[Any]) -> None:
@@ -660,6 +668,24 @@ class ModelTokenizer:
             if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") not in _TEXT_TYPES
                                                  for p in content):  # fmt: skip
                 raise Unsupported("multimodal content")
+
+
+class Plan:
+    """A request's ids but for the encoding: ``pending`` characters (UTF-8 bytes) are left to encode,
+    which :meth:`finish` does (at most once), returning the ids."""
+
+    __slots__ = ("_finish", "pending")
+
+    def __init__(self, pending: int, finish: Callable[[], np.ndarray]) -> None:
+        self.pending = pending
+        self._finish = finish
+
+    def finish(self) -> np.ndarray:
+        return self._finish()
+
+
+def _done(ids: np.ndarray) -> Plan:
+    return Plan(0, lambda: ids)
 
 
 def _rebuild_post_processor(tokenizer: Tokenizer, specials: Mapping[str, str], bos: bool, eos: bool) -> None:

@@ -21,8 +21,10 @@ from dataclasses import replace
 
 import zmq
 
+from epp.prefix.tokenize import TokenizerError
 from epp.sim.config import EngineConfig, KVEventsConfig
 from epp.sim.pool import SimulatedPool
+from epp.sim.tokens import model_tokenizer
 
 _DEFAULTS = EngineConfig()
 
@@ -37,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=_DEFAULTS.time_scale,
                    help="wall seconds per simulated second (0.1 = 10x faster)")
     p.add_argument("--model", default=_DEFAULTS.model, help="served (base) model name")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenize prompts with this model directory's tokenizer.json and chat template "
+                        "(as the picker's precise producer does); default: 4 bytes per token")
     p.add_argument("--lora-adapters", default="", help="comma-separated adapter names served by every pod")
     p.add_argument("--enable-lora", action="store_true", help="allow /v1/load_lora_adapter without adapters")
     p.add_argument("--enable-scale-out", action="store_true",
@@ -62,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
+        tokenizer=args.tokenizer,
         lora_adapters=tuple(a for a in args.lora_adapters.split(",") if a),
         enable_lora=args.enable_lora,
         enable_scale_out=args.enable_scale_out,
@@ -116,8 +122,10 @@ async def _serve(pool: SimulatedPool) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.tokenizer is not None:
+            model_tokenizer(args.tokenizer)  # a broken directory stops start-up, naming the file
         pool = SimulatedPool(args.pods, _configs(args), base_port=args.base_port, host=args.host)
-    except ValueError as exc:
+    except (ValueError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_serve(pool))

@@ -128,6 +128,10 @@ class EngineConfig:
     """Configuration of one simulated pod (see the module docstring for the meaning of the constants)."""
 
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    tokenizer: str | None = None
+    """A model directory (``tokenizer.json``, chat template): prompts are tokenized by it, as the
+    picker's precise producer tokenizes them (:func:`epp.sim.tokens.model_prompts`); None: the
+    simulator's own 4-bytes-per-token stand-in."""
     lora_adapters: tuple[str, ...] = ()
     max_loras: int = 1
     max_num_seqs: int = 256

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from epp.sim.tokens import render_chat, render_completion
+from epp.sim.tokens import model_prompts, render_chat, render_completion
 
 __all__ = [
     "BadRequest",
@@ -72,8 +72,16 @@ class BadRequest(Exception):
     """A body the simulator cannot serve; the message says why (answered with 400)."""
 
 
-def completion_prompts(prompt: str | list[str | int]) -> list[np.ndarray]:
-    """Prompt token ids of a completions ``prompt``: one array per choice."""
+def completion_prompts(
+    prompt: str | list[str | int], *, tokenizer: str | None = None, body: bytes = b""
+) -> list[np.ndarray]:
+    """Prompt token ids of a completions ``prompt``: one array per choice. With ``tokenizer`` (a model
+    directory, ``EngineConfig.tokenizer``), the model's tokenizer reads the request ``body``."""
+    if tokenizer is not None:
+        try:
+            return model_prompts(tokenizer, "completions", body)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
     if isinstance(prompt, str):
         return [render_completion(prompt)]
     if prompt and all(isinstance(p, str) for p in prompt):
@@ -83,8 +91,16 @@ def completion_prompts(prompt: str | list[str | int]) -> list[np.ndarray]:
     raise BadRequest("prompt must be a string, a non-empty list of strings or a list of token ids")
 
 
-def chat_prompt(messages: list[Message], *, add_generation_prompt: bool = True) -> np.ndarray:
-    """Prompt token ids of a chat ``messages`` list, through the simulator's chat template."""
+def chat_prompt(
+    messages: list[Message], *, add_generation_prompt: bool = True, tokenizer: str | None = None, body: bytes = b""
+) -> np.ndarray:
+    """Prompt token ids of a chat ``messages`` list, through the simulator's chat template, or with
+    ``tokenizer`` (a model directory) through the model's tokenizer and template, from the ``body``."""
+    if tokenizer is not None:
+        try:
+            return model_prompts(tokenizer, "chat_completions", body)[0]
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
     if not messages:
         raise BadRequest("messages must not be empty")
     rendered: list[tuple[str, str]] = []

@@ -5,7 +5,7 @@
   ``{"count", "max_model_len", "tokens", "token_strs"}`` as vLLM does, with the very token ids a generation
   request of that prompt would get (:mod:`epp.sim.openai`), so a router may compute the pod's block hashes.
   ``token_strs`` (``return_token_strs``) is given for string prompts only: the simulator's chat template
-  has no text form.
+  has no text form (with the model's own tokenizer, ``EngineConfig.tokenizer``, for both).
 * ``POST /v1/completions/render`` and ``POST /v1/chat/completions/render`` (and the other scale-out routes
   of vLLM 0.32: ``/v1/messages/render``, ``/v1/responses/render``, the ``.../derender`` pair and
   ``/inference/v1/generate``) answer 403 ``PermissionDeniedError`` unless the pod runs with
@@ -36,7 +36,7 @@ from epp.sim.openai import (
     error_response,
     json_response,
 )
-from epp.sim.tokens import BYTES_PER_TOKEN
+from epp.sim.tokens import BYTES_PER_TOKEN, model_tokenizer
 
 __all__ = ["RENDER_PATHS", "SCALE_OUT_PATHS", "add_token_routes"]
 
@@ -73,15 +73,23 @@ def _token_strs(prompt: str, with_bos: bool) -> list[str]:
 
 
 async def _tokenize(request: web.Request) -> web.Response:
+    raw = await request.read()
+    tokenizer = request.app[_ENGINE].config.tokenizer
     try:
-        body = msgspec.json.decode(await request.read(), type=_TokenizeBody)
+        body = msgspec.json.decode(raw, type=_TokenizeBody)
     except msgspec.DecodeError as exc:
         return error_response(400, f"invalid request body: {exc}", "BadRequestError")
     if (refused := _serves(request, body.model)) is not None:
         return refused
     strs: list[str] | None = None
     try:
-        if body.prompt is not None and body.messages is None:
+        if tokenizer is not None and (body.prompt is None) != (body.messages is None):
+            ids = (completion_prompts(body.prompt, tokenizer=tokenizer, body=raw)[0] if body.prompt is not None
+                   else chat_prompt([], tokenizer=tokenizer, body=raw))  # fmt: skip
+            if body.return_token_strs:
+                backend = model_tokenizer(tokenizer).backend
+                strs = [backend.id_to_token(int(i)) or "" for i in ids]
+        elif body.prompt is not None and body.messages is None:
             with_bos = body.add_special_tokens is not False
             ids = completion_prompts(body.prompt)[0]
             ids = ids if with_bos else ids[1:]
@@ -114,8 +122,10 @@ async def _render(request: web.Request) -> web.Response:
     if not request.app[_ENGINE].config.enable_scale_out:
         return error_response(403, _DISABLED, "PermissionDeniedError")
     chat = request.path == "/v1/chat/completions/render"
+    raw = await request.read()
+    tokenizer = request.app[_ENGINE].config.tokenizer
     try:
-        body = msgspec.json.decode(await request.read(), type=ChatBody if chat else CompletionBody)
+        body = msgspec.json.decode(raw, type=ChatBody if chat else CompletionBody)
     except msgspec.DecodeError as exc:
         return error_response(400, f"invalid request body: {exc}", "BadRequestError")
     if (refused := _serves(request, body.model)) is not None:
@@ -123,8 +133,9 @@ async def _render(request: web.Request) -> web.Response:
     try:
         if isinstance(body, ChatBody):
             max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-            return json_response(_generate_request(body.model, chat_prompt(body.messages), max_tokens, body.stream))
-        prompts = completion_prompts(body.prompt)
+            ids = chat_prompt(body.messages, tokenizer=tokenizer, body=raw)
+            return json_response(_generate_request(body.model, ids, max_tokens, body.stream))
+        prompts = completion_prompts(body.prompt, tokenizer=tokenizer, body=raw)
     except BadRequest as exc:
         return error_response(400, str(exc), "BadRequestError")
     return json_response([_generate_request(body.model, ids, body.max_tokens, body.stream) for ids in prompts])

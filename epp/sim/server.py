@@ -116,12 +116,13 @@ class _Generation:
         try:
             if parsed.n != 1:
                 raise BadRequest("the simulator supports n=1 only")
+            tokenizer = self.engine.config.tokenizer
             if isinstance(parsed, ChatBody):
-                prompts = [chat_prompt(parsed.messages)]
+                prompts = [chat_prompt(parsed.messages, tokenizer=tokenizer, body=body)]
                 if parsed.max_completion_tokens is not None:
                     max_tokens = parsed.max_completion_tokens
             else:
-                prompts = completion_prompts(parsed.prompt)
+                prompts = completion_prompts(parsed.prompt, tokenizer=tokenizer, body=body)
             self.reqs = [
                 self.engine.new_request(parsed.model, ids, max_tokens=max_tokens, ignore_eos=parsed.ignore_eos,
                                         sink=self.sink)

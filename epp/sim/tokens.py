@@ -16,6 +16,12 @@ What is simulated
   ids, so a follow-up chat turn that quotes the assistant's answer hits the KV blocks cached for it, as it does
   on vLLM. The words and the number of tokens are a pure function of (seed, model, prompt, max_tokens,
   ignore_eos): the same request gives the same answer on any pod, in any order.
+* **The served model's own tokenizer instead** (``python -m epp.sim --tokenizer DIR``,
+  ``EngineConfig.tokenizer``): prompts are tokenized by :mod:`epp.prefix.tokenize` from the model
+  directory's ``tokenizer.json`` and chat template, exactly as the picker's precise producer computes
+  them (so the precise path can be exercised against the simulator): :func:`model_prompts`. Output
+  words stay the 4-byte ones above, so a reply quoted back re-tokenizes differently from the ids the
+  pod generated (as it can on vLLM too); prompts of the same text still share their ids.
 * **Length.** Unless ``ignore_eos`` is set, the model emits end-of-sequence with a fixed probability
   ``1 / mean_output_tokens`` per token (a geometric length); the request stops at ``max_tokens`` otherwise.
 """
@@ -26,11 +32,19 @@ import itertools
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
+import msgspec
 import numpy as np
 import xxhash
 
-__all__ = ["BYTES_PER_TOKEN", "OutputPlan", "plan_output", "render_chat", "render_completion", "tokenize"]
+from epp.prefix.tokenize import ModelTokenizer, TemplateError, Unsupported
+
+__all__ = [
+    "BYTES_PER_TOKEN", "OutputPlan", "model_prompts", "model_tokenizer", "plan_output", "render_chat",
+    "render_completion", "tokenize",
+]  # fmt: skip
 
 BYTES_PER_TOKEN = 4
 """Bytes of UTF-8 text per token: the ~4 characters per token rule of thumb for English."""
@@ -85,6 +99,35 @@ def render_chat(messages: Sequence[tuple[str, str]], *, add_generation_prompt: b
     if add_generation_prompt:
         parts.append(_header("assistant"))
     return np.concatenate(parts)
+
+
+@lru_cache(maxsize=8)
+def model_tokenizer(directory: str) -> ModelTokenizer:
+    """The served model's tokenizer, loaded once per process (pods of one process share it and its
+    prefix cache); :class:`epp.prefix.tokenize.TokenizerError` names the file at fault."""
+    return ModelTokenizer.from_dir(directory)
+
+
+class _Prompts(msgspec.Struct):
+    prompt: Any = None
+    add_special_tokens: bool = True
+
+
+def model_prompts(directory: str, api: str, body: bytes) -> list[np.ndarray]:
+    """Prompt token ids of a request body through the model's tokenizer: one array per prompt (a
+    completions list of strings gives one each, as vLLM runs them). ValueError says why not."""
+    tokenizer = model_tokenizer(directory)
+    try:
+        if api == "completions":
+            prompts = msgspec.json.decode(body, type=_Prompts)
+            if isinstance(prompts.prompt, list) and len(prompts.prompt) > 1 and all(
+                isinstance(p, str) for p in prompts.prompt
+            ):
+                add = prompts.add_special_tokens
+                return [tokenizer.completion_ids(p, add_special_tokens=add) for p in prompts.prompt]
+        return [tokenizer.request_ids(api, body)]
+    except (Unsupported, TemplateError, msgspec.DecodeError) as exc:
+        raise ValueError(f"the model's tokenizer cannot take this request: {exc}") from exc
 
 
 # Every three-letter lowercase word: 26**3 = 17,576 output "tokens", each 4 bytes with its separator.

@@ -79,9 +79,11 @@ Parameters (llm-d's names where they exist, plus the approximate producer's):
 Tokenization, where it runs: ``prepare_data`` (the framework's asynchronous role, awaited by the
 director before admission; see :mod:`epp.framework.roles`) computes the ids and leaves them in
 ``request.state[TOKENIZED_PROMPT]``; ``produce``, synchronous like every scheduling step, only reads
-them. A body under 32 KiB is tokenized inline (a thread hop costs more than it does); a larger one on
-the worker threads, awaited with ``timeout``. The remote call is awaited there too. Without
-``prepare_data`` (a scheduler that does not call it), ``produce`` tokenizes locally, inline.
+them. Decoding the body, rendering the template and looking up the reused prefix run on the event
+loop (they hold the GIL anyway); the encoding of what is left runs there too when it is under 16 KiB
+of text (a thread hop costs more), else on the worker threads, awaited with ``timeout``. The remote
+call is awaited there too. Without ``prepare_data`` (a scheduler that does not call it), ``produce``
+tokenizes locally, inline.
 
 Tokenizer metrics: ``epp_tokenize_duration_seconds{source}`` (``local`` or ``remote``, every
 attempt), ``epp_tokenize_fallbacks_total{reason}`` (requests scored approximately: ``no_tokenizer``,
@@ -141,7 +143,9 @@ from epp.prefix.tokenize import (
 
 from .approx_prefix_cache import ApproxPrefixCacheProducer, PrefixParameters
 
-__all__ = ["TOKENIZED_PROMPT", "PreciseParameters", "PrecisePrefixCacheProducer", "Tokenizer", "TokenizerParameters"]
+__all__ = [
+    "TOKENIZED_PROMPT", "PreciseParameters", "PrecisePrefixCacheProducer", "Tokenizer", "TokenizerParameters",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +156,15 @@ TOKENIZED_PROMPT: StateKey[np.ndarray] = StateKey("tokenized-prompt")
 
 _OWN = ("kvEventsConfig", "podDiscoveryConfig", "tokenProcessorConfig", "maxBlocksPerPod", "discoverPods",
         "indexerConfig", "inFlightTTL")  # fmt: skip
+
+_PREPARED: StateKey[bool] = StateKey("precise-prefix-cache/prepared")
+# The request's keys (in the reference block size) and, per endpoint, the blocks the events said it
+# held at scheduling: what pre_request records as in flight on the endpoint picked.
+_LOOKUP: StateKey[tuple[list[int], dict[str, int]]] = StateKey("precise-prefix-cache/lookup")
+# Text up to this many bytes is encoded on the event loop: ~3k tokens, ~3 ms (HF tokenizers runs at ~1 µs per
+# token here), where a thread hop costs ~0.1 ms; longer text is encoded on the worker threads.
+_INLINE_CHARS = 16 << 10
+_TOKENIZED_APIS = {Api.COMPLETIONS: "completions", Api.CHAT_COMPLETIONS: "chat_completions"}
 
 
 class _InFlight:
@@ -208,12 +221,6 @@ class _InFlight:
 
     def __len__(self) -> int:
         return len(self._where)
-_PREPARED: StateKey[bool] = StateKey("precise-prefix-cache/prepared")
-# The request's keys (in the reference block size) and, per endpoint, the blocks the events said it
-# held at scheduling: what pre_request records as in flight on the endpoint picked.
-_LOOKUP: StateKey[tuple[list[int], dict[str, int]]] = StateKey("precise-prefix-cache/lookup")
-_INLINE_BYTES = 32 << 10  # bodies up to this are tokenized on the event loop (a thread hop costs ~0.1 ms)
-_TOKENIZED_APIS = {Api.COMPLETIONS: "completions", Api.CHAT_COMPLETIONS: "chat_completions"}
 
 
 class TokenizerParameters:
@@ -400,19 +407,28 @@ class _Tokenization:
         return f"http://{host}:{endpoint.port}"
 
     async def _prepare_local(self, tokenizer: ModelTokenizer, api: str, body: bytes) -> np.ndarray | None:
-        started = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            if len(body) <= _INLINE_BYTES:
-                return self._local(tokenizer, api, body)
-            future = asyncio.get_running_loop().run_in_executor(self._pool(), self._local, tokenizer, api, body)
             try:
-                return await asyncio.wait_for(asyncio.shield(future), self.p.timeout)
-            except TimeoutError:
-                self._fallback("timeout")  # the thread goes on: the next turn finds its prefix cached
-                return None
+                plan = tokenizer.plan(api, body)  # decoding, rendering, the prefix cache: on the loop
+                if plan.pending <= _INLINE_CHARS:
+                    return plan.finish()
+                future = loop.run_in_executor(self._pool(), plan.finish)
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), self.p.timeout)
+                except TimeoutError:
+                    self._fallback("timeout")  # the thread goes on: the next turn finds its prefix cached
+                    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, not logged
+                    return None
+            except Unsupported:
+                self._fallback("unsupported")
+            except TemplateError:
+                self._fallback("template_error")
+            return None
         finally:
             if self._observe_local is not None:
-                self._observe_local(asyncio.get_running_loop().time() - started)
+                self._observe_local(loop.time() - started)
             due = tokenizer.pop_audit()
             if due is not None:
                 self._pool().submit(tokenizer.audit, *due)

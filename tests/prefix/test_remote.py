@@ -110,7 +110,7 @@ async def stub() -> AsyncIterator[tuple[str, dict[str, object]]]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         yield f"http://127.0.0.1:{port}", behaviour
     finally:

@@ -180,13 +180,13 @@ def test_a_token_that_does_not_split_the_text_is_never_cut_at(tmp_path: Path) ->
     tok = ModelTokenizer.from_dir(directory)
     tok.backend.add_tokens([AddedToken("<w>", single_word=True, normalized=False)])
     fresh = ModelTokenizer(tok.backend, tok.chat)
-    cuts = fresh._cut_ids  # noqa: SLF001 (what the probes let through)
+    cuts = fresh._cut_ids  # what the probes let through
     assert b"<w>" not in cuts and b"</s>" in cuts
 
 
 def test_audits_compare_with_a_whole_tokenization_and_a_mismatch_turns_reuse_off(llama_dir: Path) -> None:
     tok = ModelTokenizer.from_dir(llama_dir)
-    tok._audit_every = 1  # noqa: SLF001
+    tok._audit_every = 1
     messages = [{"role": "user", "content": "one"}]
     tok.chat_ids(messages)
     messages += [{"role": "assistant", "content": "two"}, {"role": "user", "content": "three"}]

@@ -5,7 +5,8 @@ own environment does not install)::
 
     python tests/realvllm/make_model.py OUT_DIR
 
-Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a generated corpus, the
+Nothing is downloaded: the tokenizer is a byte-level BPE trained on a generated corpus (by
+``epp/testing/tokenizer.py``'s ``train_bpe``, which the unit tests use too), the
 model's weights come from a seeded generator, and the adapter's two safetensors tensors per target
 module are written directly in peft's on-disk layout (peft is not in that venv). The same seed
 gives the same files, so a CI cache keyed on this script's content stays valid.
@@ -23,10 +24,12 @@ attention supports), a 512-token vocabulary the model's embedding matches exactl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import sys
 from pathlib import Path
+from types import ModuleType
 
 __all__ = ["make_model"]
 
@@ -36,93 +39,38 @@ _HIDDEN = 128
 _LAYERS = 2
 _HEADS = 2
 _RANK = 8
-_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '</s>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-_WORDS = [
-    "the",
-    "a",
-    "pod",
-    "model",
-    "cache",
-    "token",
-    "request",
-    "prompt",
-    "answer",
-    "server",
-    "route",
-    "pick",
-    "queue",
-    "prefix",
-    "adapter",
-    "lora",
-    "envoy",
-    "picker",
-    "score",
-    "filter",
-    "weight",
-    "load",
-    "time",
-    "first",
-    "last",
-    "stream",
-    "chunk",
-    "one",
-    "two",
-    "three",
-    "four",
-    "five",
-    "six",
-    "seven",
-    "eight",
-    "nine",
-    "ten",
-    "hello",
-    "world",
-    "system",
-    "user",
-    "assistant",
-]
 
 
-def _corpus(rng: random.Random) -> list[str]:
-    # Words, numbers and punctuation enough that the BPE fills its vocabulary with merges.
-    lines = []
-    for _ in range(4000):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 20))]
-        words.append(str(rng.randint(0, 9999)))
-        lines.append(" ".join(words) + rng.choice([".", "?", "!", ","]))
-    return lines
+def _shared_tokenizer_module() -> ModuleType:
+    # epp/testing/tokenizer.py trains the BPE (the unit tests' tokenizer is the same one); loaded by
+    # path because this script runs in the vLLM virtualenv, where epp is not installed.
+    path = Path(__file__).resolve().parents[2] / "epp" / "testing" / "tokenizer.py"
+    spec = importlib.util.spec_from_file_location("_epp_testing_tokenizer", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _tokenizer(out: Path, rng: random.Random) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_VOCAB,
-        special_tokens=["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(rng), trainer=trainer)
+    shared = _shared_tokenizer_module()
+    assert shared.SEED == _SEED
+    del rng  # the corpus comes from random.Random(_SEED), as it did when it was drawn here
+    tok = shared.train_bpe(_VOCAB)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
     )
-    fast.chat_template = _CHAT_TEMPLATE
+    template = shared.TEMPLATES["tiny"]
+    fast.chat_template = template
     fast.model_max_length = 4096
     fast.save_pretrained(out)
     # transformers 5 writes the template to chat_template.jinja only; older readers look in
     # tokenizer_config.json, so it goes in both.
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = _CHAT_TEMPLATE
+    cfg["chat_template"] = template
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     return int(tok.get_vocab_size())
 

@@ -4,7 +4,8 @@
 # serve. It exports EPP_VLLM_PYTHON and EPP_VLLM_MODELS; tests/realvllm skip when they are unset.
 #
 # Cache: $EPP_VLLM_CACHE, default $HOME/.cache/epp. The venv is reused when its marker names the
-# same pin; the model is regenerated when make_model.py changes (its hash names the directory).
+# same pin; the model is regenerated when make_model.py or the tokenizer trainer it loads
+# (epp/testing/tokenizer.py) changes (their hash names the directory).
 # Fresh machine, measured: ~91 s install, 3.5 GB.
 set -euo pipefail
 _here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -22,7 +23,7 @@ if [ "$(cat "$_venv/.epp-pin" 2>/dev/null || true)" != "$_pin" ]; then
     "$_venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
     echo "$_pin" > "$_venv/.epp-pin"
 fi
-_hash="$(sha256sum "$_here/make_model.py" | cut -c1-12)"
+_hash="$(cat "$_here/make_model.py" "$_here/../../epp/testing/tokenizer.py" | sha256sum | cut -c1-12)"
 _models="$_cache/models-$_hash"
 if [ ! -f "$_models/READY" ]; then
     "$_venv/bin/python" "$_here/make_model.py" "$_models" >/dev/null

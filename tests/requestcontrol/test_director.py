@@ -428,3 +428,26 @@ async def test_the_director_applies_the_capacity_limit_before_scheduling() -> No
         await stack.route(prompt="x" * 20000)  # 5000 tokens: larger than any cache
     assert excinfo.value.status == 413
     assert len(spy.seen) == 1  # refused before admission: it never queued
+
+
+async def test_data_is_prepared_before_admission_for_requests_with_a_body() -> None:
+    order: list[str] = []
+
+    class OrderedAdmission(SpyAdmission):
+        async def admit(self, request: AdmissionRequest) -> float:
+            order.append("admit")
+            return await super().admit(request)
+
+    class Preparing(RecordingScheduler):
+        prepares = True
+
+        async def prepare(self, request: InferenceRequest) -> None:
+            order.append(f"prepare {request.body!r}")
+
+    stack = Stack(config(flow_control=False))
+    stack.director.admission = OrderedAdmission()
+    stack.director.scheduler = Preparing(stack.director.scheduler)  # type: ignore[assignment]
+    with_body = InferenceRequest("r", "POST", "/v1/completions", model="m", prompt="hi", body=b'{"prompt": "hi"}')
+    (await stack.director.route(with_body)).finish()
+    (await stack.route()).finish()  # no body: nothing to prepare
+    assert order == ["prepare b'{\"prompt\": \"hi\"}'", "admit", "admit"]

@@ -81,3 +81,10 @@ def test_cli_rejects_a_bad_kv_events_config() -> None:
         result = subprocess.run([sys.executable, "-m", "epp.sim", "--kv-events-config", config], capture_output=True,
                                 text=True, cwd=REPO, timeout=30, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_cli_names_the_tokenizer_file_it_cannot_read(tmp_path: Path) -> None:
+    args = [sys.executable, "-m", "epp.sim", "--tokenizer", str(tmp_path)]
+    result = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=30,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2 and "tokenizer.json" in result.stderr

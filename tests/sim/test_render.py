@@ -1,13 +1,17 @@
 """The token endpoints of a simulated pod (epp.sim.render): /tokenize and the scale-out render routes."""
 
+import json
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 import epp.sim.render
+from epp.prefix.tokenize import ModelTokenizer
 from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.render import SCALE_OUT_PATHS
+from epp.testing.tokenizer import write_tokenizer_dir
 
 MODEL = EngineConfig().model
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
@@ -107,3 +111,32 @@ async def test_render_with_scale_out_gives_the_prompt_tokens(make_pool, session)
     assert status == 404
     status, answer = await _post(session, url + "/inference/v1/generate", {"token_ids": [1]})
     assert status == 501 and "not simulated" in answer["error"]["message"]
+
+
+async def test_with_the_models_tokenizer_every_route_gives_the_pickers_ids(
+    session: aiohttp.ClientSession, make_pool: Callable[..., object], tmp_path: Path
+) -> None:
+    directory = write_tokenizer_dir(tmp_path, template="chatml-tools", add_bos=True)
+    tokenizer = ModelTokenizer.from_dir(directory)
+    pool = await make_pool(tokenizer=str(directory), enable_scale_out=True)
+    url = pool.url(0)  # type: ignore[attr-defined]
+    chat = {"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    expected = tokenizer.request_ids("chat_completions", json.dumps(chat).encode()).tolist()
+    status, reply = await _post(session, f"{url}/tokenize", {**chat, "return_token_strs": True})
+    assert status == 200 and reply["tokens"] == expected  # type: ignore[index]
+    assert reply["token_strs"][0] == "<|im_start|>"  # type: ignore[index]
+    status, reply = await _post(session, f"{url}/v1/chat/completions/render", chat)
+    assert status == 200 and reply["token_ids"] == expected  # type: ignore[index]
+    status, reply = await _post(session, f"{url}/v1/chat/completions", {**chat, "max_tokens": 2})
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(expected)  # type: ignore[index]
+    prompt = {"model": MODEL, "prompt": ["hello world", "one two"], "max_tokens": 2}
+    status, reply = await _post(session, f"{url}/v1/completions/render", prompt)
+    assert status == 200 and [r["token_ids"] for r in reply] == [  # type: ignore[union-attr]
+        tokenizer.completion_ids(p).tolist() for p in prompt["prompt"]]  # fmt: skip
+    status, reply = await _post(session, f"{url}/tokenize", {"model": MODEL, "prompt": "hi", "add_special_tokens": False})
+    without_bos = tokenizer.completion_ids("hi", add_special_tokens=False).tolist()
+    assert status == 200 and reply["tokens"] == without_bos  # type: ignore[index]
+    part = {"type": "image_url", "image_url": {"url": "x"}}
+    image = {"model": MODEL, "messages": [{"role": "user", "content": [part]}]}
+    status, reply = await _post(session, f"{url}/v1/chat/completions", image)
+    assert status == 400 and "tokenizer cannot take" in reply["error"]["message"]  # type: ignore[index]
