@@ -1,8 +1,9 @@
-"""Routing quality: prefix-cache hit rate, TTFT and throughput of each routing policy, on one trace.
+"""Routing quality and routing CPU: hit rate, TTFT, throughput and CPU per request of each policy, on one trace.
 
 Everything runs on 127.0.0.1: a real Envoy, the picker (``epp serve``, a child process) and the vLLM
-simulator (``python -m epp.sim``, a child process, 8 pods by default). The client is this process
-(asyncio + aiohttp), streaming OpenAI chat completions through Envoy.
+simulator (``python -m epp.sim``, a child process, 8 pods by default), or in Envoy's and the picker's
+place one of the peers, sglang-router or vllm-router (:mod:`epp.testing.peers`). The client is this
+process (asyncio + aiohttp), streaming OpenAI chat completions through Envoy or the peer.
 
 Workloads (generated from ``--seed``; no downloads; text is 4 characters per token, the simulator's
 tokeniser, and every request asks for ``--max-tokens`` tokens with ``ignore_eos`` so output length is
@@ -22,7 +23,15 @@ Policies, each run on the same trace with a freshly started simulator, picker an
 and a cold prefix index): ``rr`` Envoy alone, round robin over the pool (no ext_proc); ``queue-kv`` the
 picker with queue-scorer 2 + kv-cache-utilization-scorer 2 (``deploy/config/queue-kv-only.yaml``);
 ``default`` the picker with no config: upstream's default profile (queue 2, KV 2, prefix 3);
-``config:PATH`` the picker with any other config file, to try a variant on the same trace.
+``config:PATH`` the picker with any other config file, to try a variant on the same trace;
+``sglang-router`` and ``vllm-router`` the peers (PyPI; ``pip install -e '.[bench]'``) with their
+``cache_aware`` policy, the client sending to the router instead of Envoy (``sglang-router:round_robin``
+and the like for their other policies). sglang-router's cache_aware keeps a radix tree of request text
+per pod; vllm-router's builds its tree from token ids it asks the pods for, posting each request to
+*every* pod's ``/v1/chat/completions/render`` (8 renders per request here: that work lands on the pods,
+whose CPU doubles in its runs), so the simulator always runs with ``--enable-scale-out`` (the render
+endpoints, as real vLLM needs too; nothing else changes); the run reads the router's counters and
+prints how many token-id inputs it got and warns if any request was routed without them.
 
 **Oracle** (a bound on the hit rate, computed from the trace with the simulator's own tokeniser,
 output generator and block hashes): requests in trace order, one cache of unlimited size shared by
@@ -37,14 +46,15 @@ measured rate exceed it slightly: a preempted request is counted again by the si
 readmitted (preemptions are printed), and requests admitted out of arrival order. Workload b's turns
 are ordered by the client, and a and c are order-free: any order gives the same oracle.)
 
-Measured per policy: hit rate = Δ``vllm:prefix_cache_hits_total`` / Δ``vllm:prefix_cache_queries_total``
+Measured per run: hit rate = Δ``vllm:prefix_cache_hits_total`` / Δ``vllm:prefix_cache_queries_total``
 summed over the pods (the simulator's counters, in tokens); TTFT P50/P90, client-side, from sending
 the request to the first SSE chunk that carries a generated token (a chunk without one, such as
 the chat role chunk, is skipped); throughput = completed requests/s and
 output tokens/s from the first send to the last completion; the CPU (user+system, from /proc) each
-process used during the load, in cores. Diagnostics: stickiness (share of requests of a group or
-session that went to the same pod as the previous one of that family), pod imbalance (busiest pod's
-requests / mean), preemptions, how late the client sent (P99 lag: a late client means a busy CPU).
+process used during the load, in cores, and the routing CPU (below). Diagnostics: stickiness (share
+of requests of a group or session that went to the same pod as the previous one of that family), pod
+imbalance (busiest pod's requests / mean), preemptions, how late the client sent (P99 lag: a late
+client means a busy CPU).
 
 Load. Open loop by default: Poisson arrivals (sessions for b) at ``--load`` (0.7) times the pool's
 capacity *without any cache hit*, computed from the simulator's cost model (``epp.sim.config``: 40 µs
@@ -61,12 +71,59 @@ of it. That is the regime routing is for. If every pod held every prefix (``--nu
 the simulator's default), round robin would only pay each prefix's first miss once per pod instead of
 once per pool, and its hit rate would approach the oracle's as a run gets longer.
 
+Routing CPU (issue 14's side-by-side figure): **CPU-seconds per 1,000 completed requests** of the
+processes that route, user + system from /proc over the load (first send to last answer), divided by
+the requests completed: the picker (its scrape worker included) *above its idle rate*, and Envoy
+apart; a peer router whole (it is the whole proxy: HTTP in, routing, HTTP out); Envoy alone for
+``rr``. The picker's idle rate is measured on the same pool just before each load: ``--idle-window``
+(5) seconds of no traffic after Envoy admitted it, CPU / wall = cores, printed beside the figure;
+idle x the load's wall time is subtracted. The pods and the client are not routing and not counted.
+The picker's idle rate at another pool size (the issue's target is at 100 pods) comes from
+``bench/scrape_cost.py``'s stand-in pods: ``--idle-pods 100`` (``--skip-routing`` for that alone).
+Each output token is one streamed SSE event, and every event crosses Envoy -> picker -> Envoy
+(issue 14: ~0.1-0.25 ms of picker CPU each), while a peer relays it in-process: keep outputs short
+(``--max-tokens``, default 16, as in the issue's measurement) to compare the cost of *routing*;
+longer outputs measure the per-chunk cost instead. ``--rounds N`` runs every workload x policy N
+times, the policies alternating within each round (and each round starting one policy further on);
+the tables show medians, the CPU table each round's figure too.
+
 Run: ``python bench/routing_quality.py`` (about 6 minutes: 3 workloads x 3 policies x 30 s of
 arrivals plus start-up and drain; ~0.15 cores for round robin, ~0.5-0.7 with the picker, all four
 processes together, on the 2-core development machine), ``--quick`` for about a minute (3 s of
 arrivals per run: too few requests per group for stable figures; for development). Prints the
 table and each run's CPU, writes ``--json`` and a PNG chart (``--png``; needs matplotlib:
 ``pip install -e '.[bench]'``). Everything it starts is stopped when it ends or fails.
+
+The side-by-side CPU run: ``python bench/routing_quality.py --cpu-comparison --idle-pods 100``
+(= ``--policies rr,default,sglang-router,vllm-router --rounds 3 --max-tokens 16 --duration 20
+--drain 30``, explicit flags win; ~17 minutes here). It prints the routing-quality table (medians),
+the routing-CPU table, each policy's median over all runs, and the issue's target line: the picker's
+CPU above idle against sglang-router's, target ≤ 0.5.
+
+Measured (2-core shared machine, other benches running; sglang-router 0.3.2, vllm-router 0.1.17;
+picker on grpc.aio, before the lead's own HTTP/2 transport), ``--cpu-comparison --idle-pods 100``,
+16 minutes; medians of 3 rounds, routing CPU-seconds per 1,000 requests (per-workload a / b / c):
+
+=====================  ====================  =========================  ===========================
+policy                 routing CPU-s / 1k    a / b / c                  hit rate a / b, TTFT P90 c
+=====================  ====================  =========================  ===========================
+Envoy alone (rr)       1.47                  1.47 / 1.32 / 1.52         23% / 18%, 539 ms
+Envoy + picker         8.63 (picker 5.18,    9.41 / 7.48 / 8.63         89% / 74.5%, 514 ms
+ (default profile)     Envoy 3.24)
+sglang-router          2.04                  2.13 / 1.68 / 2.12         89% / 75.6%, 855 ms
+vllm-router            3.73                  3.73 / 2.84 / 3.73         89% / 75.6%, 876 ms
+=====================  ====================  =========================  ===========================
+
+The picker's idle rate: 0.030-0.036 cores at 8 simulated pods, 0.131 cores at 100 stand-in pods
+(1,687 of 2,000 scrapes/s achieved on the busy machine). Target (issue 14): the picker above idle ≤
+0.5 x sglang-router's whole proxy: 5.18 / 2.04 = 2.54, not met (5.1x the target). Envoy spends 2.2x
+more CPU per request in front of the picker (3.24) than alone (1.47): the ext_proc messages, one
+per streamed chunk among them. Routing quality is level with the peers on shared prefixes and
+multi-turn (hit rates at the oracle's bound); without sharing, the peers' cache_aware (below its
+match threshold) sends a request to the pod with the smallest prefix tree and weighs load only once
+pods differ by more than 64 requests and 1.5x (their defaults), and their TTFT P90 is ~1.65x the
+picker's. vllm-router renders every request on all 8 pods (8.0 token-id inputs per request, none
+missing), which doubles the simulated pods' CPU in its runs.
 """
 
 from __future__ import annotations
@@ -74,12 +131,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import importlib.util
 import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
@@ -97,6 +158,10 @@ from epp.sim.kvcache import BLOCK_SIZE, block_hashes, model_seed
 from epp.sim.tokens import BYTES_PER_TOKEN, plan_output, render_chat
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
+from epp.testing.peers import KINDS as PEER_KINDS
+from epp.testing.peers import POLICIES as PEER_POLICIES
+from epp.testing.peers import PeerRouter, render_counts, unavailable
+from epp.testing.peers import version as peer_version
 
 __all__ = [
     "POLICIES",
@@ -104,10 +169,13 @@ __all__ = [
     "Options",
     "Result",
     "Workload",
+    "format_cpu_table",
     "format_table",
     "main",
     "make_workload",
+    "median_results",
     "oracle_hit_rate",
+    "routing_cpu_per_1k",
     "run",
     "write_chart",
 ]
@@ -118,7 +186,9 @@ _COST = EngineConfig()  # the simulator's default cost model, which the child pr
 MODEL = _COST.model
 
 WORKLOADS = {"a": "shared prefix", "b": "multi-turn chat", "c": "no sharing"}
-POLICIES = {"rr": "round robin", "queue-kv": "queue + KV", "default": "prefix + queue + KV"}
+POLICIES = {"rr": "round robin", "queue-kv": "queue + KV", "default": "prefix + queue + KV",
+            "sglang-router": "sglang-router", "vllm-router": "vllm-router"}
+_PEER_POLICY = "cache_aware"  # the peers' prefix-aware policy; KIND:POLICY picks another
 
 # Workload shapes (tokens); see the module docstring.
 _SYSTEM_TOKENS = (2048, 6144)
@@ -249,7 +319,7 @@ def make_workload(kind: str, opts: Options) -> Workload:
     items = items[:n_items]
     gaps = np.random.default_rng([opts.seed, 99]).exponential(turns_per_item / rate, size=n_items)
     arrivals = np.cumsum(gaps) - gaps[0]  # the first item arrives at once
-    items = [Item(i.family, i.turns, i.think_s, float(at)) for i, at in zip(items, arrivals)]
+    items = [Item(i.family, i.turns, i.think_s, float(at)) for i, at in zip(items, arrivals, strict=True)]
     working_set = sum(len(p) // BYTES_PER_TOKEN for p in group_prompts)
     return Workload(kind, tuple(items), rate, capacity, working_set)
 
@@ -322,7 +392,7 @@ async def _send(session: aiohttp.ClientSession, url: str, turn: Turn, record: Re
                 usage = chunk.get("usage")
                 if usage:
                     record.tokens = int(usage.get("completion_tokens", 0))
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return False
     record.done = time.perf_counter()
@@ -399,7 +469,7 @@ class Result:
     ttft_p90_ms: float
     req_per_s: float
     tokens_per_s: float
-    cpu_cores: dict[str, float] = field(default_factory=dict)
+    cpu_cores: dict[str, float] = field(default_factory=dict)  # each process's CPU during the load / wall
     stickiness: float | None = None
     imbalance: float = 0.0
     preemptions: int = 0
@@ -407,6 +477,10 @@ class Result:
     wrong_answers: int = 0
     wall_s: float = 0.0
     first_error: str = ""
+    round: int = 0
+    cpu_s: dict[str, float] = field(default_factory=dict)  # each process's CPU-seconds during the load
+    idle_cores: dict[str, float] = field(default_factory=dict)  # picker and Envoy before the load, no traffic
+    router_stats: dict[str, float] = field(default_factory=dict)  # vllm-router: token-id inputs, decisions
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -431,14 +505,18 @@ async def _sim_counters(pods: Sequence[str]) -> Counter[str]:
 
 
 class _Simulator:
-    """``python -m epp.sim`` as a child process."""
+    """``python -m epp.sim`` as a child process, with the render endpoints vllm-router's cache_aware
+    asks for token ids (``--enable-scale-out``; they change nothing else). Its stderr goes to a file,
+    shown if it fails: sglang-router probes each pod for gRPC at start, which aiohttp logs as a bad
+    request with a traceback."""
 
     def __init__(self, opts: Options, num_gpu_blocks: int) -> None:
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "epp.sim", "--pods", str(opts.pods), "--seed", str(opts.seed),
              "--time-scale", str(opts.time_scale), "--num-gpu-blocks", str(num_gpu_blocks),
-             "--max-model-len", str(num_gpu_blocks * BLOCK_SIZE)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+             "--max-model-len", str(num_gpu_blocks * BLOCK_SIZE), "--enable-scale-out"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
         )
         assert self.process.stdout is not None
         self.pods = []
@@ -446,8 +524,12 @@ class _Simulator:
             line = self.process.stdout.readline()
             if not line:
                 self.stop()
-                raise RuntimeError(f"the simulator exited with status {self.process.wait()}")
+                raise RuntimeError(f"the simulator exited with status {self.process.wait()}:\n{self.stderr_tail()}")
             self.pods.append(line.split()[1].removeprefix("http://"))
+
+    def stderr_tail(self, chars: int = 4000) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-chars:]
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -457,6 +539,7 @@ class _Simulator:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._stderr.close()
 
 
 def num_gpu_blocks(opts: Options) -> int:
@@ -469,42 +552,65 @@ def num_gpu_blocks(opts: Options) -> int:
     return max(1024, round(opts.cache_fraction * working_set_blocks))
 
 
-def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, blocks: int) -> Result:
+def _peer(policy: str) -> tuple[str, str] | None:
+    """(router kind, its policy) for a peer policy (``sglang-router``, ``vllm-router:round_robin``), else None."""
+    kind, _, peer_policy = policy.partition(":")
+    return (kind, peer_policy or _PEER_POLICY) if kind in PEER_KINDS else None
+
+
+def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, blocks: int, *,
+               round_: int = 0) -> Result:
     """Start a cold simulator, the policy's gateway, send the workload, and measure."""
     _check_policy(policy)
     sim = _Simulator(opts, blocks)
     picker: PickerProcess | None = None
     envoy: EnvoyProcess | None = None
+    router: PeerRouter | None = None
+    idle: dict[str, float] = {}
+    stats: dict[str, float] = {}
     try:
-        if policy == "rr":
-            bootstrap = render_round_robin(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
-                                                            pool_endpoints=tuple(sim.pods)))
+        peer = _peer(policy)
+        pids = {"simulator": sim.process.pid}
+        if peer is not None:
+            # The client talks to the router, which proxies to the pods itself: no Envoy.
+            router = PeerRouter.start(peer[0], sim.pods, policy=peer[1])
+            url = router.url
+            pids[peer[0]] = router.pid
         else:
-            config = _QUEUE_KV_CONFIG if policy == "queue-kv" else policy.removeprefix("config:")
-            extra = ["--config-file", str(config)] if policy != "default" else []
-            picker = PickerProcess(sim.pods, extra_args=extra)
-            picker.start()
-            bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
-                                                picker_port=picker.grpc_port))
-        envoy = EnvoyProcess(bootstrap, concurrency=1)
-        envoy.start()
-        if picker is not None:
-            wait_for_picker(envoy)
-            time.sleep(_SETTLE_S)
-        url = f"http://127.0.0.1:{envoy.listen_port}"
-        pids = {"simulator": sim.process.pid, "envoy": envoy.pid}
-        if picker is not None:
-            pids["picker"] = picker.pid
+            if policy == "rr":
+                bootstrap = render_round_robin(BootstrapOptions(listen_address="127.0.0.1", listen_port=0,
+                                                                admin_port=0, pool_endpoints=tuple(sim.pods)))
+            else:
+                config = _QUEUE_KV_CONFIG if policy == "queue-kv" else policy.removeprefix("config:")
+                extra = ["--config-file", str(config)] if policy != "default" else []
+                picker = PickerProcess(sim.pods, extra_args=extra)
+                picker.start()
+                bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
+                                                    picker_port=picker.grpc_port))
+            envoy = EnvoyProcess(bootstrap, concurrency=1)
+            envoy.start()
+            url = f"http://127.0.0.1:{envoy.listen_port}"
+            pids["envoy"] = envoy.pid
+            if picker is not None:
+                wait_for_picker(envoy)
+                time.sleep(_SETTLE_S)
+                pids["picker"] = picker.pid
+                # The picker's idle rate (scraping every pod, no traffic), on this very pool, subtracted below.
+                idle = _idle_cores({"picker": picker.pid, "envoy": envoy.pid}, opts.idle_window)
         before = asyncio.run(_sim_counters(sim.pods))
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
         client0 = time.process_time()
         wall0 = time.perf_counter()
         records, unfinished = _run_loop(_drive(url, workload, opts))
         wall = time.perf_counter() - wall0
-        cpu = {name: (cpu_seconds(pid) - cpu0[name]) / wall for name, pid in pids.items()}
-        cpu["client"] = (time.process_time() - client0) / wall
+        cpu_s = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
+        cpu_s["client"] = time.process_time() - client0
         after = asyncio.run(_sim_counters(sim.pods))
+        if router is not None and router.kind == "vllm-router":
+            stats = render_counts(router.metrics())
     finally:
+        if router is not None:
+            router.stop()
         if envoy is not None:
             envoy.stop()
         if picker is not None:
@@ -512,7 +618,34 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
             with contextlib.suppress(OSError):
                 os.unlink(picker.log_path)
         sim.stop()
-    return _summarise(workload, policy, records, unfinished, before, after, cpu, oracle, wall)
+    result = _summarise(workload, policy, records, unfinished, before, after,
+                        {k: v / wall for k, v in cpu_s.items()}, oracle, wall)
+    return dataclasses.replace(result, round=round_, cpu_s={k: round(v, 3) for k, v in cpu_s.items()},
+                               idle_cores={k: round(v, 4) for k, v in idle.items()}, router_stats=stats)
+
+
+def _idle_cores(pids: dict[str, int], window: float) -> dict[str, float]:
+    """Each process's CPU per wall second over ``window`` seconds of no traffic."""
+    cpu0, t0 = {name: cpu_seconds(pid) for name, pid in pids.items()}, time.perf_counter()
+    time.sleep(window)
+    elapsed = time.perf_counter() - t0
+    return {name: (cpu_seconds(pid) - cpu0[name]) / elapsed for name, pid in pids.items()}
+
+
+_ROUTING = ("picker", "envoy", *PEER_KINDS)  # the processes that route (the pods and the client do not)
+
+
+def routing_cpu_per_1k(r: Result) -> dict[str, float]:
+    """CPU-seconds per 1,000 completed requests of each routing process of ``r``: the picker's above
+    its idle rate (idle cores x the load's wall time subtracted), Envoy's and a peer router's whole."""
+    if not r.completed:
+        return {}
+    per = {}
+    for name in _ROUTING:
+        if name in r.cpu_s:
+            used = r.cpu_s[name] - (r.idle_cores.get(name, 0.0) * r.wall_s if name == "picker" else 0.0)
+            per[name] = used / r.completed * 1000
+    return per
 
 
 def _run_loop(coro: Any) -> Any:
@@ -572,7 +705,7 @@ def _summarise(workload: Workload, policy: str, records: list[Record], unfinishe
 class Options:
     pods: int = 8
     workloads: tuple[str, ...] = tuple(WORKLOADS)
-    policies: tuple[str, ...] = tuple(POLICIES)
+    policies: tuple[str, ...] = ("rr", "queue-kv", "default")  # the peers when asked (they install apart)
     duration: float = 30.0  # wall seconds of arrivals per (workload, policy)
     drain: float = 30.0  # wall seconds after that before unfinished requests are cut off
     load: float = 0.7
@@ -585,12 +718,14 @@ class Options:
     cache_fraction: float = 0.25
     num_gpu_blocks: int = 0
     seed: int = 1
+    rounds: int = 1  # each round runs every workload x policy once; policies alternate within a round
+    idle_window: float = 5.0  # wall seconds of the picker's idle rate, measured before each load
 
     def __post_init__(self) -> None:
-        for name in ("pods", "groups", "max_tokens"):
+        for name in ("pods", "groups", "max_tokens", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("duration", "time_scale", "load", "cache_fraction", "zipf_s"):
+        for name in ("duration", "time_scale", "load", "cache_fraction", "zipf_s", "idle_window"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if self.drain < 0 or self.users < 0 or self.num_gpu_blocks < 0:
@@ -605,24 +740,43 @@ class Options:
 
 
 def _check_policy(policy: str) -> None:
+    peer = _peer(policy)
     if policy.startswith("config:"):
         if not Path(policy.removeprefix("config:")).is_file():
             raise ValueError(f"policy {policy!r}: no such file")
+    elif peer is not None:
+        if peer[1] not in PEER_POLICIES[peer[0]]:
+            raise ValueError(f"policy {policy!r}: {peer[0]} policies are {', '.join(PEER_POLICIES[peer[0]])}")
     elif policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)} or config:PATH")
+        raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}, "
+                         f"{'|'.join(PEER_KINDS)}:POLICY or config:PATH")
 
 
 def _label(policy: str) -> str:
+    peer = _peer(policy)
+    if peer is not None:
+        return peer[0] if peer[1] == _PEER_POLICY else f"{peer[0]} {peer[1]}"
     return POLICIES.get(policy) or Path(policy.removeprefix("config:")).stem
 
 
 def run(opts: Options, *, log: Any = print) -> list[Result]:
-    """Every policy on every workload; one :class:`Result` per pair, in order."""
+    """Every policy on every workload, ``opts.rounds`` times; one :class:`Result` per run, in run order.
+
+    Within a round the policies alternate on each workload (the same trace), and each round starts the
+    policy list one further along, so that no policy always runs first on a machine whose load drifts."""
+    for policy in opts.policies:
+        peer = _peer(policy)
+        if peer is not None and (why := unavailable(peer[0])) is not None:
+            raise RuntimeError(f"policy {policy}: {why}")
     blocks = num_gpu_blocks(opts)
     log(f"pool: {opts.pods} simulated pods, {blocks} KV blocks ({blocks * BLOCK_SIZE} tokens) each, "
         f"time scale {opts.time_scale}; load: " + (f"closed loop, {opts.users} users" if opts.users else
-                                                   f"open loop, Poisson, {opts.load:.0%} of no-hit capacity"))
-    results = []
+                                                   f"open loop, Poisson, {opts.load:.0%} of no-hit capacity")
+        + f"; {opts.max_tokens} output tokens per request")
+    peers = sorted({p[0] for p in map(_peer, opts.policies) if p is not None})
+    if peers:
+        log("peers: " + ", ".join(f"{kind} {peer_version(kind)}" for kind in peers))
+    workloads = []
     for kind in opts.workloads:
         workload = make_workload(kind, opts)
         longest = max(t.prompt_tokens for item in workload.items for t in item.turns) + opts.max_tokens
@@ -633,13 +787,127 @@ def run(opts: Options, *, log: Any = print) -> list[Result]:
         log(f"workload {kind} ({WORKLOADS[kind]}): {len(workload.items)} items, {workload.requests} requests, "
             f"{workload.rate_per_s / opts.time_scale:.1f} req/s wall offered "
             f"(no-hit capacity {workload.capacity_per_s / opts.time_scale:.1f}), oracle hit rate {oracle:.1%}")
-        for policy in opts.policies:
-            result = run_policy(workload, policy, opts, oracle, blocks)
-            log(f"  {policy:<9} done in {result.wall_s:.0f}s: hit {result.hit_rate:.1%}, TTFT P90 "
-                f"{result.ttft_p90_ms:.0f} ms, CPU " + ", ".join(f"{k} {v:.2f}" for k, v in result.cpu_cores.items())
-                + f" = {sum(result.cpu_cores.values()):.2f} cores")
-            results.append(result)
+        workloads.append((workload, oracle))
+    results = []
+    for round_ in range(opts.rounds):
+        if opts.rounds > 1:
+            log(f"round {round_ + 1} of {opts.rounds}")
+        shift = round_ % len(opts.policies)
+        policies = opts.policies[shift:] + opts.policies[:shift]
+        for workload, oracle in workloads:
+            for policy in policies:
+                result = run_policy(workload, policy, opts, oracle, blocks, round_=round_)
+                log(f"  {workload.name} {policy:<13} {result.wall_s:3.0f}s: hit {result.hit_rate:.1%}, TTFT P90 "
+                    f"{result.ttft_p90_ms:.0f} ms; CPU-s per 1k requests "
+                    + (", ".join(f"{k} {v:.2f}" for k, v in routing_cpu_per_1k(result).items()) or "-")
+                    + (f" (picker idle {result.idle_cores['picker']:.3f} cores)" if "picker" in result.idle_cores
+                       else "")
+                    + "; cores " + ", ".join(f"{k} {v:.2f}" for k, v in result.cpu_cores.items()))
+                if result.router_stats:
+                    log("    vllm-router: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(result.router_stats.items()))
+                        + f" ({result.router_stats.get('input:render', 0) / max(result.requests, 1):.1f} renders "
+                          "per request: input:render counts token ids received from a pod)")
+                if (warning := _router_warning(result)) is not None:
+                    log(f"  warning: {warning}")
+                results.append(result)
     return results
+
+
+def _router_warning(r: Result) -> str | None:
+    """vllm-router's cache_aware without token ids from the pods routes blind: say so."""
+    if _peer(r.policy) != ("vllm-router", _PEER_POLICY):
+        return None
+    missing = r.router_stats.get("decision:missing_tokens", 0.0)
+    if missing or not r.router_stats.get("input:render", 0.0):
+        return (f"{r.workload}/{r.policy}: vllm-router routed {missing:.0f} requests without token ids "
+                f"(inputs {r.router_stats}): are the pods' render endpoints on (--enable-scale-out)?")
+    return None
+
+
+_SUMMED = ("requests", "completed", "errors", "unfinished", "preemptions", "wrong_answers")
+
+
+def median_results(results: Sequence[Result]) -> list[Result]:
+    """One :class:`Result` per (workload, policy), in first-seen order: the median over its rounds of
+    every measured figure (each CPU entry apart), the counts (requests, errors, ...) summed. A single
+    round is returned as it is."""
+    groups: dict[tuple[str, str], list[Result]] = defaultdict(list)
+    for r in results:
+        groups[(r.workload, r.policy)].append(r)
+    merged = []
+    for runs in groups.values():
+        if len(runs) == 1:
+            merged.append(runs[0])
+            continue
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(Result):
+            values = [getattr(r, f.name) for r in runs]
+            if f.name in _SUMMED:
+                changes[f.name] = sum(values)
+            elif isinstance(values[0], dict):
+                keys = dict.fromkeys(k for v in values for k in v)
+                changes[f.name] = {k: statistics.median(v[k] for v in values if k in v) for k in keys}
+            elif isinstance(values[0], float) or f.name == "stickiness":
+                present = [v for v in values if v is not None and math.isfinite(v)]
+                changes[f.name] = statistics.median(present) if present else values[0]
+        changes["round"] = -1  # a median, not a run
+        changes["first_error"] = next((r.first_error for r in runs if r.first_error), "")
+        merged.append(dataclasses.replace(runs[0], **changes))
+    return merged
+
+
+def format_cpu_table(results: Sequence[Result], pods: int) -> str:
+    """CPU-seconds per 1,000 completed requests of each policy's routing processes, per workload: the
+    median over rounds, each round's figure in brackets; the picker's idle rate beside it; then each
+    policy over every workload and round, and the issue's target (picker ≤ half of sglang-router)."""
+    by_pair: dict[tuple[str, str], list[Result]] = defaultdict(list)
+    for r in results:
+        by_pair[(r.workload, r.policy)].append(r)
+    head = (f"{'workload':<18} {'policy':<20} {'routing CPU-s / 1k req':>22}   {'per round':<24} "
+            f"{'picker':>7} {'envoy':>6} {'router':>6}   {'picker idle':>11}")
+    lines = [head, "-" * len(head)]
+    last_kind = ""
+    for (kind, policy), runs in by_pair.items():
+        totals = [sum(routing_cpu_per_1k(r).values()) for r in runs if r.completed]
+        parts = [routing_cpu_per_1k(r) for r in runs if r.completed]
+
+        def median_of(name: str, parts: list[dict[str, float]] = parts) -> str:
+            values = [p[name] for p in parts if name in p]
+            return f"{statistics.median(values):6.2f}" if values else f"{'-':>6}"
+
+        router = next((k for k in PEER_KINDS if any(k in p for p in parts)), "")
+        idle = [r.idle_cores["picker"] for r in runs if "picker" in r.idle_cores]
+        label = f"{kind} {WORKLOADS[kind]}" if kind != last_kind else ""
+        last_kind = kind
+        lines.append(
+            f"{label:<18} {_label(policy):<20} {statistics.median(totals) if totals else math.nan:22.2f}   "
+            f"{'[' + ' '.join(f'{t:.2f}' for t in totals) + ']':<24} "
+            f"{median_of('picker'):>7} {median_of('envoy'):>6} {median_of(router) if router else '-':>6}   "
+            + (f"{statistics.median(idle):6.3f} cores" if idle else f"{'-':>11}")
+        )
+    lines.append("")
+    lines.append("each policy over every workload and round (median of runs): routing CPU-s per 1k requests")
+    overall: dict[str, float] = {}
+    for policy in dict.fromkeys(r.policy for r in results):
+        per_run = [routing_cpu_per_1k(r) for r in results if r.policy == policy and r.completed]
+        if not per_run:
+            continue
+        overall[policy] = statistics.median(sum(p.values()) for p in per_run)
+        names = dict.fromkeys(k for p in per_run for k in p)
+        split = ", ".join(f"{n} {statistics.median(p[n] for p in per_run if n in p):.2f}" for n in names)
+        idle = [r.idle_cores["picker"] for r in results if r.policy == policy and "picker" in r.idle_cores]
+        lines.append(f"  {_label(policy):<20} {overall[policy]:6.2f}   ({split})"
+                     + (f"; picker idle {statistics.median(idle):.3f} cores at {pods} pods" if idle else ""))
+    pickers = [p for p in overall if _peer(p) is None and p != "rr"]
+    if "sglang-router" in overall and pickers:
+        for policy in pickers:
+            picker = statistics.median(routing_cpu_per_1k(r).get("picker", math.nan) for r in results
+                                       if r.policy == policy and r.completed)
+            ratio = picker / overall["sglang-router"]
+            lines.append(f"  target (issue 14): picker above idle / sglang-router ≤ 0.5: {_label(policy)} "
+                         f"{picker:.2f} / {overall['sglang-router']:.2f} = {ratio:.2f} "
+                         + ("(met)" if ratio <= 0.5 else f"(not met: {ratio / 0.5:.1f}x the target)"))
+    return "\n".join(lines)
 
 
 def format_table(results: Sequence[Result]) -> str:
@@ -714,7 +982,7 @@ def write_chart(results: Sequence[Result], path: Path) -> bool:
     axes[1].yaxis.set_minor_formatter(ScalarFormatter())
     axes[1].tick_params(axis="y", which="minor", labelsize="x-small")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(policies) + 1, frameon=False)
-    fig.suptitle("Routing quality: Envoy + epp + simulated vLLM pool")
+    fig.suptitle("Routing quality on a simulated vLLM pool")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -737,15 +1005,46 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    d = Options()
+def idle_at(pods: int, window: float) -> dict[str, float]:
+    """The picker's idle rate with ``pods`` stand-in pods, from ``bench/scrape_cost.py``'s farm (full-size
+    vLLM pages, one loopback address per pod): ``cores_on`` the picker and its scrape worker scraping
+    every 50 ms, ``cores_off`` the same picker with scraping off, ``scrapes_per_s_on`` achieved."""
+    spec = importlib.util.spec_from_file_location("scrape_cost", _ROOT / "bench" / "scrape_cost.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cost: dict[str, float] = module.measure_cost(pods, window)
+    return cost
+
+
+def _format_idle(cost: dict[str, float]) -> str:
+    return (f"picker idle rate at {cost['pods']:.0f} pods (scrape_cost.py's farm): {cost['cores_on']:.3f} cores "
+            f"({cost['cores_off']:.3f} with scraping off; {cost['scrapes_per_s_on']:.0f} scrapes/s of "
+            f"{cost['pods'] * 20:.0f} wanted)")
+
+
+# --cpu-comparison: issue 14's side-by-side CPU figure, sized to fit ~30 minutes on a shared 2-core machine.
+_CPU_COMPARISON = {"policies": "rr,default,sglang-router,vllm-router", "rounds": 3, "max_tokens": 16,
+                   "duration": 20.0, "drain": 30.0}
+
+
+def _parser(preset: bool = False) -> argparse.ArgumentParser:
+    d = dataclasses.replace(Options(), **{k: v for k, v in _CPU_COMPARISON.items() if k != "policies"},
+                            policies=tuple(str(_CPU_COMPARISON["policies"]).split(","))) if preset else Options()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="about a minute: 3 s of arrivals per run, 15 s drain")
+    p.add_argument("--cpu-comparison", action="store_true",
+                   help="issue 14's side-by-side CPU run; its defaults: " + ", ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in _CPU_COMPARISON.items())
+                   + " (explicit flags win); ~17 min on a 2-core machine")
     p.add_argument("--pods", type=int, default=d.pods)
     p.add_argument("--workloads", default=",".join(d.workloads), help="comma-separated, of " + ",".join(WORKLOADS))
     p.add_argument("--policies", default=",".join(d.policies),
-                   help=f"comma-separated, of {','.join(POLICIES)}, or config:PATH (the picker with that config)")
+                   help=f"comma-separated, of {','.join(POLICIES)}; config:PATH (the picker with that config); "
+                        f"sglang-router and vllm-router are their {_PEER_POLICY}, KIND:POLICY another of theirs")
+    p.add_argument("--rounds", type=int, default=d.rounds,
+                   help="run every workload x policy this many times (policies alternating); tables show medians")
     p.add_argument("--duration", type=float, default=d.duration, help="wall seconds of arrivals per run")
     p.add_argument("--drain", type=float, default=d.drain, help="wall seconds after that before cutting off")
     p.add_argument("--load", type=float, default=d.load, help="offered load, fraction of the no-hit capacity")
@@ -754,18 +1053,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", type=int, default=d.groups, help="system prompts of workload a")
     p.add_argument("--popularity", choices=("uniform", "zipf"), default=d.popularity, help="group popularity (a)")
     p.add_argument("--zipf-s", type=float, default=d.zipf_s, help="exponent of the zipf popularity")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="output tokens per request, each one streamed event (keep it short to compare routing CPU)")
     p.add_argument("--cache-fraction", type=float, default=d.cache_fraction,
                    help="KV cache per pod, as a fraction of workload a's prefix working set")
     p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help="KV blocks per pod (overrides)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--idle-window", type=float, default=d.idle_window,
+                   help="seconds of the picker's idle CPU (no traffic, same pool) before each load")
+    p.add_argument("--idle-pods", default="",
+                   help="also measure the picker's idle rate at these pool sizes (comma-separated, e.g. 100) "
+                        "on bench/scrape_cost.py's stand-in pods")
+    p.add_argument("--skip-routing", action="store_true", help="only the --idle-pods measurement")
     p.add_argument("--json", type=Path, default=_ROOT / "bench" / "results" / "routing_quality.json")
     p.add_argument("--png", type=Path, default=_ROOT / "bench" / "results" / "routing_quality.png")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    preset = "--cpu-comparison" in (sys.argv[1:] if argv is None else argv)
+    args = _parser(preset).parse_args(argv)
     duration, drain = (3.0, 15.0) if args.quick else (args.duration, args.drain)
     try:
         opts = Options(
@@ -774,24 +1081,48 @@ def main(argv: Sequence[str] | None = None) -> int:
             load=args.load, users=args.users, time_scale=args.time_scale, groups=args.groups,
             popularity=args.popularity, zipf_s=args.zipf_s, max_tokens=args.max_tokens,
             cache_fraction=args.cache_fraction, num_gpu_blocks=args.num_gpu_blocks, seed=args.seed,
+            rounds=args.rounds, idle_window=args.idle_window,
         )
+        idle_pods = [int(n) for n in args.idle_pods.split(",") if n.strip()]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if not args.skip_routing and not (opts.workloads and opts.policies):
+        print("error: give at least one workload and one policy (or --skip-routing with --idle-pods)", file=sys.stderr)
+        return 2
     started = time.perf_counter()
+    idle: list[dict[str, float]] = []
     try:
-        results = run(opts)
-    except (ValueError, RuntimeError, TimeoutError, OSError) as exc:  # EnvoyError is a RuntimeError
+        for pods in idle_pods:
+            idle.append(idle_at(pods, opts.idle_window * 2))
+            print(_format_idle(idle[-1]), flush=True)
+        results = [] if args.skip_routing else run(opts)
+    except (ValueError, RuntimeError, TimeoutError, OSError) as exc:  # EnvoyError, PeerError are RuntimeErrors
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print()
-    print(format_table(results))
-    print(f"\n{time.perf_counter() - started:.0f} s in all; latencies are wall clock at time scale {opts.time_scale}")
+    if results:
+        medians = median_results(results)
+        rounds = f", median of {opts.rounds} rounds" if opts.rounds > 1 else ""
+        print(f"\nRouting quality ({opts.pods} pods, {opts.max_tokens} output tokens per request{rounds})")
+        print(format_table(medians))
+        print(f"\nRouting CPU: CPU-seconds per 1,000 completed requests (user + system, /proc) of the processes that"
+              f" route: picker above its idle rate (measured {opts.idle_window:g} s before each load, same pool,"
+              f" subtracted x the load's wall time) and Envoy apart; a peer router whole (it is the proxy);"
+              f" rr is Envoy alone. Not counted: the simulated pods and the client.")
+        print(format_cpu_table(results, opts.pods))
+        print(f"\n{time.perf_counter() - started:.0f} s in all; latencies are wall clock at time scale "
+              f"{opts.time_scale}")
+    for cost in idle if results else ():  # printed again below a long run's tables
+        print(_format_idle(cost))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    report = {"options": asdict(opts), "results": [asdict(r) for r in results]}
+    report = {"options": asdict(opts), "results": [asdict(r) for r in results],
+              "medians": [asdict(r) for r in median_results(results)], "idle_at": idle,
+              "peers": {k: peer_version(k) for k in PEER_KINDS}}
     args.json.write_text(json.dumps(_json_safe(report), indent=1, allow_nan=False))
     print(f"results: {args.json}")
-    if write_chart(results, args.png):
+    if not results:
+        return 0
+    if write_chart(median_results(results), args.png):
         print(f"chart: {args.png}")
     else:
         print("chart: skipped (pip install matplotlib, or -e '.[bench]')")

@@ -6,6 +6,7 @@ invariants only: the numbers themselves are the benchmark's business, not the te
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -17,6 +18,7 @@ import pytest
 from epp.sim import Engine, EngineConfig
 from epp.sim.request import Sink
 from epp.sim.tokens import render_chat
+from epp.testing.peers import unavailable
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "routing_quality.py"
 
@@ -32,7 +34,8 @@ def _load_bench():
 
 rq = _load_bench()
 
-_TINY = dict(pods=2, groups=4, duration=0.5, drain=20.0, time_scale=0.25, max_tokens=4, num_gpu_blocks=1024)
+_TINY = dict(pods=2, groups=4, duration=0.5, drain=20.0, time_scale=0.25, max_tokens=4, num_gpu_blocks=1024,
+             idle_window=0.2)
 
 
 def _turn(*messages: tuple[str, str], max_tokens: int = 4, seed: int = 1):
@@ -94,7 +97,7 @@ def test_traces_are_deterministic_and_sized_by_the_load() -> None:
         ("system", p) for p in rq._group_prompts(np.random.default_rng([opts.seed, 0]), opts.groups)
     }
     for item in rq.make_workload("b", opts).items:
-        for before, after in zip(item.turns, item.turns[1:]):
+        for before, after in zip(item.turns, item.turns[1:], strict=False):
             assert after.messages[: len(before.messages)] == before.messages
             assert after.messages[len(before.messages)] == ("assistant", before.answer)
     assert len({item.turns[0].messages[0] for item in rq.make_workload("c", opts).items}) == len(
@@ -138,7 +141,10 @@ def test_smoke_run_through_envoy_the_picker_and_the_simulator() -> None:
         assert 0 < r.ttft_p50_ms <= r.ttft_p90_ms
         assert r.req_per_s > 0 and r.tokens_per_s == pytest.approx(r.req_per_s * opts.max_tokens)
         expected = {"simulator", "envoy", "client"} | ({"picker"} if r.policy != "rr" else set())
-        assert set(r.cpu_cores) == expected
+        assert set(r.cpu_cores) == set(r.cpu_s) == expected
+        # Routing CPU: Envoy, and the picker's with its idle rate (measured before the load) apart.
+        assert set(rq.routing_cpu_per_1k(r)) == expected - {"simulator", "client"}
+        assert set(r.idle_cores) == ({"picker", "envoy"} if r.policy != "rr" else set())
     # Prefix affinity: a group's requests after the first mostly stay on one pod. Not always: the
     # default profile also weighs queues, and on a loaded machine a pod's scraped queue can outweigh
     # a prefix (seen: 6 of 7 stayed, under a load average of 13 on 2 cores).
@@ -171,3 +177,76 @@ def test_without_matplotlib_the_chart_is_skipped_and_nothing_written(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes ``import matplotlib`` raise ImportError
     assert rq.write_chart([_result("a", "rr", 0.5)], tmp_path / "chart.png") is False
     assert not (tmp_path / "chart.png").exists()
+
+
+@pytest.mark.parametrize("kind", ["sglang-router", "vllm-router"])
+def test_smoke_run_through_a_peer_router_on_the_same_trace(kind: str) -> None:
+    if (why := unavailable(kind)) is not None:
+        pytest.skip(f"{why}: the peer comparison cannot run here")
+    opts = rq.Options(**_TINY)
+    workload = rq.make_workload("a", opts)
+    r = rq.run_policy(workload, kind, opts, rq.oracle_hit_rate(workload, seed=opts.seed), rq.num_gpu_blocks(opts))
+    assert (r.workload, r.policy) == ("a", kind)
+    assert r.completed == r.requests > 0 and r.errors == r.unfinished == 0, r
+    assert r.wrong_answers == 0  # what the trace predicted came back through the router
+    assert 0.0 < r.hit_rate <= r.oracle_hit_rate + 1e-9  # cache_aware: a group's prompt stays on its pod
+    # The client talked to the router alone (no Envoy, no picker); its CPU is the routing CPU, whole.
+    assert set(r.cpu_cores) == set(r.cpu_s) == {"simulator", kind, "client"}
+    assert set(rq.routing_cpu_per_1k(r)) == {kind} and r.idle_cores == {}
+    if kind == "vllm-router":
+        # Its cache_aware got token ids from every pod's render endpoint for every request.
+        assert r.router_stats["input:render"] == r.requests * opts.pods
+        assert r.router_stats.get("decision:missing_tokens", 0) == 0
+        assert rq._router_warning(r) is None
+    assert rq._router_warning(dataclasses.replace(r, policy="vllm-router", router_stats={})) is not None
+
+
+def _cpu_result(policy: str, round_: int, cpu_s: dict[str, float], idle: dict[str, float] | None = None,
+                p90: float = 40.0) -> object:
+    return rq.Result("a", policy, 100, 100, 0, 0, 0.5, 0.9, 20.0, p90, 5.0, 80.0, {"client": 0.1}, wall_s=10.0,
+                     round=round_, cpu_s=cpu_s, idle_cores=idle or {})
+
+
+def test_routing_cpu_is_per_thousand_completed_requests_and_the_picker_is_counted_above_its_idle_rate() -> None:
+    r = _cpu_result("default", 0, {"picker": 0.9, "envoy": 0.3, "simulator": 5.0, "client": 1.0},
+                    {"picker": 0.04, "envoy": 0.001})
+    per = rq.routing_cpu_per_1k(r)
+    assert per == pytest.approx({"picker": (0.9 - 0.04 * 10.0) / 100 * 1000, "envoy": 3.0})  # pods, client: not routing
+    assert rq.routing_cpu_per_1k(_cpu_result("sglang-router", 0, {"sglang-router": 0.2, "simulator": 1})) == {
+        "sglang-router": pytest.approx(2.0)}
+    assert rq.routing_cpu_per_1k(dataclasses.replace(r, completed=0)) == {}
+
+
+def test_rounds_are_summarised_by_medians_and_the_cpu_table_checks_the_target() -> None:
+    runs = [_cpu_result("default", i, {"picker": p, "envoy": 0.3}, {"picker": 0.01}, p90=p90)
+            for i, (p, p90) in enumerate([(0.5, 40.0), (0.7, 60.0), (0.6, 50.0)])]
+    runs += [_cpu_result("sglang-router", i, {"sglang-router": c}) for i, c in enumerate([0.2, 0.3, 0.1])]
+    medians = rq.median_results(runs)
+    assert [(m.policy, m.round) for m in medians] == [("default", -1), ("sglang-router", -1)]
+    assert medians[0].ttft_p90_ms == 50.0 and medians[0].requests == 300 and medians[0].cpu_s["picker"] == 0.6
+    assert rq.median_results(runs[:1]) == runs[:1]
+    table = rq.format_cpu_table(runs, pods=8)
+    # picker above idle: (0.6 - 0.01 x 10) / 100 x 1000 = 5.0 per 1k; sglang-router 2.0: ratio 2.5, target 0.5.
+    assert re.search(r"prefix \+ queue \+ KV\s+8\.00\s+\[7\.00 9\.00 8\.00\]\s+5\.00\s+3\.00\s+-\s+0\.010 cores", table)
+    assert re.search(r"sglang-router\s+2\.00\s+\[2\.00 3\.00 1\.00\]\s+-\s+-\s+2\.00", table)
+    assert "picker idle 0.010 cores at 8 pods" in table
+    assert "prefix + queue + KV 5.00 / 2.00 = 2.50 (not met: 5.0x the target)" in table
+
+
+@pytest.mark.parametrize(
+    "policy, message",
+    [("sglang-router:kv_aware", "sglang-router policies are"), ("haproxy", "unknown policy 'haproxy'")],
+)
+def test_peer_policies_are_checked_like_the_others(policy: str, message: str) -> None:
+    assert rq.Options(**{**_TINY, "policies": ("vllm-router:round_robin",)}).policies == ("vllm-router:round_robin",)
+    assert rq._label("vllm-router:round_robin") == "vllm-router round_robin"
+    assert rq._label("vllm-router") == "vllm-router"
+    with pytest.raises(ValueError, match=message):
+        rq.Options(**{**_TINY, "policies": (policy,)})
+
+
+def test_the_cpu_comparison_preset_sets_issue_14s_run_and_explicit_flags_win() -> None:
+    args = rq._parser(preset=True).parse_args(["--cpu-comparison", "--rounds", "1"])
+    assert args.policies == "rr,default,sglang-router,vllm-router"
+    assert (args.rounds, args.max_tokens, args.duration) == (1, 16, 20.0)
+    assert rq._parser().parse_args([]).rounds == 1
