@@ -12,8 +12,8 @@ vLLM's endpoint setting implies:
   per pod and reason) and counted in ``stats.rejected[reason]``, so a misconfigured pod is a log line
   and a metric, not scores silently stuck at 0.
 * **bind** (``bind=...``): pods connect to the subscriber's one bound socket; a message is accepted only
-  when its topic ``kv@<ip>[:<port>]@<model>`` names a pod the pool has (:meth:`allow`) *and* the TCP peer
-  address is that pod's ip. A topic with the ip alone (llm-d's) names the pool's one endpoint on that
+  when its topic ``kv@<ip>[:<port>]@<model>`` (or ``kv@<pod name>@<model>``) names a pod the pool has
+  (:meth:`allow`) *and* the TCP peer address is that pod's ip. A topic with the ip alone (llm-d's) names the pool's one endpoint on that
   ip, or, when the pool has one endpoint per data-parallel rank on that ip, the rank's (by port
   order). Anything else is dropped, logged and counted (``unknown_pod``, ``peer``, ``ambiguous``,
   ``topic``).
@@ -179,6 +179,7 @@ class KVEventSubscriber:
         self._replay: dict[PodId, str] = {}
         self._addresses: dict[PodId, str] = {}  # connect mode: pod -> its ip:port, for the topic check
         self._allowed: dict[str, list[tuple[int, str]]] = {}  # bind mode: ip -> [(port, hostport)], by port
+        self._named: dict[str, str] = {}  # bind mode: a pod's name -> its hostport
         self._sources: dict[str, _Source] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned: dict[tuple[str, str], float] = {}
@@ -223,8 +224,9 @@ class KVEventSubscriber:
         source = self._sources.get("bind")
         return None if source is None else source.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def allow(self, address: str) -> None:
-        """Accept messages for pod ``ip:port`` on the bound socket."""
+    def allow(self, address: str, names: tuple[str, ...] = ()) -> None:
+        """Accept messages for pod ``ip:port`` on the bound socket; ``names`` are other names its topic
+        may give it instead of its ip (its pod's name: llm-d's guides also write ``kv@$(POD_NAME)@model``)."""
         ip, port = _split(address)
         if not ip or port is None:
             raise ValueError(f"pod address {address!r} is not ip:port")
@@ -232,8 +234,12 @@ class KVEventSubscriber:
         if (port, address) not in entries:
             entries.append((port, address))
             entries.sort()
+        for name in names:
+            self._named[name] = address
 
     def disallow(self, address: str) -> None:
+        for name in [n for n, a in self._named.items() if a == address]:
+            del self._named[name]
         ip, _ = _split(address)
         entries = self._allowed.get(ip)
         if entries is not None:
@@ -358,8 +364,8 @@ class KVEventSubscriber:
                          f"kv@<pod ip>@<model>, or the producer's kvEventsConfig.topicFilter)")
             return
         named = topic_address(topic.decode("utf-8", "replace"))
-        if named:
-            ip, port = _split(named)
+        ip, port = _split(named)
+        if ip:  # a topic naming the pod otherwise (its pod name) cannot be checked here
             own_ip, own_port = _split(self._addresses.get(pod, pod))
             if ip != own_ip or (port is not None and port != own_port):
                 # The socket says which pod this is; the topic disagrees: applied, but flagged.
@@ -371,8 +377,12 @@ class KVEventSubscriber:
         topic = frames[0].bytes.decode("utf-8", "replace")
         named = topic_address(topic)
         ip, port = _split(named)
+        if not ip and named in self._named:  # the pod's name, not its ip
+            named = self._named[named]
+            ip, port = _split(named)
         if not ip:
-            self._reject("topic", topic, f"topic {topic!r} names no pod address (expected kv@<ip>[:<port>]@<model>)")
+            self._reject("topic", topic, f"topic {topic!r} names no pool pod (expected kv@<ip>[:<port>]@<model> "
+                         "or kv@<pod name>@<model>)")
             return
         entries = self._allowed.get(ip)
         if not entries:

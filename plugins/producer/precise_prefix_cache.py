@@ -570,7 +570,8 @@ class PrecisePrefixCacheProducer:
         if subscriber is None:
             return
         if self.parameters.bind is not None:
-            subscriber.allow(endpoint.hostport)
+            pod_name = endpoint.name.rsplit("-rank-", 1)[0]  # Kubernetes endpoints are <pod>-rank-<i>
+            subscriber.allow(endpoint.hostport, (endpoint.name, pod_name))
             log.info("KV events: accepting %s (%s) on %s", endpoint.name, endpoint.hostport, subscriber.bound_endpoint)
         else:
             publisher, replay = self.publisher_of(endpoint)

@@ -302,3 +302,31 @@ async def test_unfollow_drops_the_pod(pub, sub):
 )
 def test_topic_address(topic, address):
     assert topic_address(topic) == address
+
+
+async def test_bound_socket_resolves_a_topic_naming_the_pod_by_its_name():
+    sub = KVEventSubscriber(KVEventIndex(), bind="tcp://127.0.0.1:*")
+    sub.start()
+    pub = KVEventPublisher(sub.bound_endpoint, "kv@vllm-7f9c-abcde@Qwen/Qwen3-8B")  # kv@$(POD_NAME)@model
+    try:
+        sub.allow(POD, ("vllm-7f9c-abcde-rank-0", "vllm-7f9c-abcde"))
+        tokens = list(range(8))
+        while POD not in sub.index.match(chain_keys(tokens, BS)):
+            _store_chain(pub, tokens)
+            pub.flush()
+            await asyncio.sleep(0.02)
+        assert sub.stats.rejected_total == 0
+    finally:
+        pub.close()
+        await sub.close()
+
+
+async def test_a_topic_naming_the_pod_by_name_is_not_flagged_in_connect_mode():
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "kv@vllm-7f9c-abcde@m")
+    sub = KVEventSubscriber(KVEventIndex())
+    try:
+        await _connected(pub, sub)
+        assert sub.stats.rejected_total == 0
+    finally:
+        pub.close()
+        await sub.close()
