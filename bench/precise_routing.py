@@ -12,8 +12,9 @@ Policies, each on the same trace with a fresh simulator and router:
 * ``default``: the picker's default profile, i.e. the *approximate* prefix index (what this picker
   sent where) with queue and KV-cache scorers (prefix 3, queue 2, KV 2);
 * ``precise``: the same weights with ``precise-prefix-cache-producer`` feeding the prefix scorer
-  (what the pods say they hold), the prompt's token ids from the engine's ``/tokenize`` (the
-  simulator's tokenizer is not a tokenizer.json a picker could load);
+  (what the pods say they hold), the prompt's token ids from ``/tokenize`` of a simulated pod of its
+  own (the simulator's tokenizer is not a tokenizer.json a picker could load; a pod of the pool would
+  answer after the engine work queued in the simulator's one process, adding ~50 ms to the P90);
 * ``sglang-router``, ``vllm-router``: the peers' ``cache_aware`` policies, when
   ``epp.testing.peers`` is there and they are installed (``pip install -e '.[bench]'``).
 
@@ -101,7 +102,7 @@ plugins:
     indexerConfig:
       tokenizersPoolConfig:
         local: {autoDiscoveryDir: /nonexistent}
-        remote: {mode: tokenize, timeout: 500ms}
+        remote: {mode: tokenize, url: "TOKENIZER_URL", timeout: 500ms}
 - type: prefix-cache-scorer
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
@@ -222,22 +223,26 @@ def oracle(run: Run, seed: int) -> float:
 
 
 class _Simulator:
-    """``python -m epp.sim`` publishing KV events (each pod on its own port, with a replay socket)."""
+    """``python -m epp.sim`` publishing KV events (each pod on its own port, with a replay socket);
+    ``events=False``: a pod that only tokenizes (the precise policy's tokenizer, see ``_Tokenizer``)."""
 
-    def __init__(self, opts: rq.Options, blocks: int) -> None:
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+    def __init__(self, opts: rq.Options, blocks: int, *, pods: int | None = None, events: bool = True) -> None:
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
                   "replay_endpoint": "tcp://127.0.0.1:*", "topic": f"kv@127.0.0.1@{MODEL}"}
+        pods = opts.pods if pods is None else pods
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "epp.sim", "--pods", str(opts.pods), "--seed", str(opts.seed),
+            [sys.executable, "-m", "epp.sim", "--pods", str(pods), "--seed", str(opts.seed),
              "--time-scale", str(opts.time_scale), "--num-gpu-blocks", str(blocks),
              "--max-model-len", str(blocks * BLOCK_SIZE), "--enable-scale-out",
-             "--kv-events-config", json.dumps(events)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+             *(["--kv-events-config", json.dumps(config)] if events else [])],
+            # stderr dropped: sglang-router probes each worker for gRPC, which the simulator's HTTP/1 server
+            # logs as a bad request, a traceback each.
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )  # fmt: skip
         assert self.process.stdout is not None
         self.pods: list[str] = []
         self.lines: list[str] = []
-        for _ in range(opts.pods):
+        for _ in range(pods):
             line = self.process.stdout.readline()
             if not line:
                 self.stop()
@@ -245,7 +250,8 @@ class _Simulator:
             words = line.split()
             self.pods.append(words[1].removeprefix("http://"))
             ports = {k: v.rpartition(":")[2] for k, _, v in (w.partition("=") for w in words[2:])}
-            self.lines.append(f"{self.pods[-1]} kv-events={ports['kv-events']} kv-replay={ports['kv-replay']}")
+            if events:
+                self.lines.append(f"{self.pods[-1]} kv-events={ports['kv-events']} kv-replay={ports['kv-replay']}")
 
     def endpoints_file(self, directory: str) -> str:
         path = Path(directory) / "pool.txt"
@@ -325,12 +331,18 @@ class Row:
 def run_policy(run: Run, policy: str, oracle_rate: float) -> Row:
     opts = run.opts
     sim = _Simulator(opts, run.blocks)
+    # The precise picker's token ids: the simulator's tokenizer is no tokenizer.json a picker could load,
+    # so they come from /tokenize, of a pod of its own (an idle engine: the answer is not queued behind
+    # the pool's work), as llm-d runs its tokenizer beside the picker.
+    tokenizer = _Simulator(opts, run.blocks, pods=1, events=False) if policy == "precise" else None
     picker: PickerProcess | None = None
     envoy: EnvoyProcess | None = None
     router: Any = None
     directory = tempfile.mkdtemp(prefix="epp-precise-")
     try:
         pids = {"simulator": sim.process.pid}
+        if tokenizer is not None:
+            pids["tokenizer"] = tokenizer.process.pid
         if policy in _PEERS:
             assert _peers is not None
             router = _peers.PeerRouter.start(policy, sim.pods, policy="cache_aware")
@@ -344,7 +356,8 @@ def run_policy(run: Run, policy: str, oracle_rate: float) -> Row:
                 extra = ["--endpoints-file", sim.endpoints_file(directory)]
                 if policy == "precise":
                     config = Path(directory) / "precise.yaml"
-                    config.write_text(_PRECISE_CONFIG)
+                    assert tokenizer is not None
+                    config.write_text(_PRECISE_CONFIG.replace("TOKENIZER_URL", f"http://{tokenizer.pods[0]}"))
                     extra += ["--config-file", str(config)]
                 picker = PickerProcess([], extra_args=extra)
                 picker.start()
@@ -377,6 +390,8 @@ def run_policy(run: Run, policy: str, oracle_rate: float) -> Row:
                 os.unlink(picker.log_path)
         if router is not None:
             router.stop()
+        if tokenizer is not None:
+            tokenizer.stop()
         sim.stop()
         with contextlib.suppress(OSError):
             for name in os.listdir(directory):
@@ -387,7 +402,8 @@ def run_policy(run: Run, policy: str, oracle_rate: float) -> Row:
     after["vllm:prefix_cache_hits_total"] -= tally["hits"]
     after["vllm:prefix_cache_queries_total"] -= tally["queries"]
     result = rq._summarise(run.gateway(), policy, records, unfinished, before, after, cpu, oracle_rate, wall)
-    routed = cpu_s.get("picker", cpu_s.get("router", cpu_s.get("envoy", 0.0)))
+    # The router's CPU: the picker (with the pod that tokenizes for it), the peer, or Envoy for rr.
+    routed = cpu_s.get("picker", cpu_s.get("router", cpu_s.get("envoy", 0.0))) + cpu_s.get("tokenizer", 0.0)
     per_request = routed / result.completed * 1e3 if result.completed else math.nan
     return Row(result, per_request, tally["requests"])
 

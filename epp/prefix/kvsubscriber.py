@@ -12,11 +12,11 @@ vLLM's endpoint setting implies:
   per pod and reason) and counted in ``stats.rejected[reason]``, so a misconfigured pod is a log line
   and a metric, not scores silently stuck at 0.
 * **bind** (``bind=...``): pods connect to the subscriber's one bound socket; a message is accepted only
-  when its topic ``kv@<ip>[:<port>]@<model>`` (or ``kv@<pod name>@<model>``) names a pod the pool has
-  (:meth:`allow`) *and* the TCP peer address is that pod's ip. A topic with the ip alone (llm-d's) names the pool's one endpoint on that
-  ip, or, when the pool has one endpoint per data-parallel rank on that ip, the rank's (by port
-  order). Anything else is dropped, logged and counted (``unknown_pod``, ``peer``, ``ambiguous``,
-  ``topic``).
+  when its topic ``kv@<ip>[:<port>]@<model>`` (or ``kv@<pod name>@<model>``) names a pod the pool
+  has (:meth:`allow`) *and* the TCP peer address is that pod's ip. A topic with the ip alone (llm-d's)
+  names the pool's one endpoint on that ip, or, when the pool has one endpoint per data-parallel
+  rank on that ip, the rank's (by port order). Anything else is dropped, logged and counted
+  (``unknown_pod``, ``peer``, ``ambiguous``, ``topic``).
 
 Order. Per pod (and rank) the 8-byte seq must grow by one. A seq not above the last one is a publisher
 restart: the pod's blocks are cleared and the stream followed from there (``resets``). A seq that skips

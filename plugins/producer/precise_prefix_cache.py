@@ -97,7 +97,7 @@ Metrics: gauges over the pool ``epp_kv_events`` (events applied), ``epp_kv_event
 ``epp_kv_event_disconnects``, ``epp_kv_event_pods_tracked`` (pods whose stream is followed without a
 hole), ``epp_kv_event_index_blocks``, ``epp_kv_event_lag_seconds`` (the median of the last batches'
 publisher-to-index lag); the counter ``epp_kv_event_rejected_total{reason}`` and the histogram
-``epp_kv_event_lag`` (seconds, per batch).
+``epp_kv_event_batch_lag_seconds`` (per batch).
 """
 
 from __future__ import annotations
@@ -531,7 +531,7 @@ class PrecisePrefixCacheProducer:
         rejected = m.counter("epp_kv_event_rejected", "KV-event messages dropped, or applied but flagged "
                              "(identity), because the pool does not confirm whose they are; by reason.", ("reason",))
         self._on_reject = lambda reason: rejected.labels(reason).inc()
-        lag = m.histogram("epp_kv_event_lag", "Seconds from a KV-event batch's publication to its application.",
+        lag = m.histogram("epp_kv_event_batch_lag_seconds", "From a KV-event batch's publication to its application.",
                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0))  # fmt: skip
         self._on_lag = lag.observe
 
