@@ -23,8 +23,9 @@ ZMQ's I/O thread included; the probe's own lookups subtracted) and per event abo
 phase's, and the probe's start delay and total P50/P99. Run: ``python bench/kvevents_lag.py``
 (about a minute).
 
-Results (2 shared cores, other sessions' benches running; ``python bench/kvevents_lag.py``):
-see the numbers quoted in ``epp/prefix/kvsubscriber.py``'s docstring.
+Results (2 shared cores, other sessions' benches running): quoted in ``epp/prefix/kvsubscriber.py``'s
+docstring; at 10k events/s, lag P99 5.84 ms at load average ~10 and 0.83 ms at ~1.5, against
+707.8 ms for the first subscriber (one loop wake-up per message, publisher in the same process).
 """
 
 from __future__ import annotations
