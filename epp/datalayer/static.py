@@ -2,7 +2,12 @@
 
 An endpoint is ``ip:port`` or ``[ipv6]:port`` (Envoy's ORIGINAL_DST cluster dials IP literals, not
 names) and is named after it. A file has one endpoint per line, optionally followed by ``key=value``
-pod labels; ``#`` starts a comment.
+pod labels; ``#`` starts a comment. Two keys are not labels: ``kv-events=PORT`` and ``kv-replay=PORT``
+name the ports where that endpoint's server publishes its KV-cache events and answers replays
+(vLLM's ``--kv-events-config`` ``"endpoint": "tcp://*:PORT"`` and ``"replay_endpoint"``), on the
+endpoint's own address: the precise prefix-cache producer follows them there, so a pod's events
+are the pod's by the pool's word, never by their topic alone (the names of llm-d's container ports,
+which Kubernetes discovery reads: :mod:`epp.kube.pods`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from pathlib import Path
 
 from epp.framework import Endpoint
 
-__all__ = ["check_unique", "parse_endpoint", "parse_endpoints", "read_endpoints_file"]
+__all__ = ["KV_EVENTS_KEY", "KV_REPLAY_KEY", "check_unique", "parse_endpoint", "parse_endpoints", "read_endpoints_file"]
+
+KV_EVENTS_KEY = "kv-events"
+KV_REPLAY_KEY = "kv-replay"
 
 
 def parse_endpoint(text: str) -> Endpoint:
@@ -57,7 +65,8 @@ def read_endpoints_file(path: str | Path) -> list[Endpoint]:
     """One ``ip:port`` per line, optionally followed by ``key=value`` labels; ``#`` starts a comment.
 
     ``10.0.0.7:8000 inference.networking.k8s.io/engine-type=sglang`` selects the SGLang metric
-    names for that endpoint, as the pod label does in Kubernetes.
+    names for that endpoint, as the pod label does in Kubernetes; ``10.0.0.7:8000 kv-events=5557``
+    says where its KV-cache events are published (see the module docstring).
     """
     endpoints = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -65,11 +74,22 @@ def read_endpoints_file(path: str | Path) -> list[Endpoint]:
         if not words:
             continue
         labels = {}
+        ports = {KV_EVENTS_KEY: 0, KV_REPLAY_KEY: 0}
         for word in words[1:]:
             key, sep, value = word.partition("=")
             if not sep or not key:
                 raise ValueError(f"{path}:{number}: {word!r} is not a key=value label")
-            labels[key] = value
+            if key in ports:
+                if not (value.isascii() and value.isdigit()) or not 0 < int(value) < 65536:
+                    raise ValueError(f"{path}:{number}: {key}={value!r}: the port must be 1-65535")
+                ports[key] = int(value)
+            else:
+                labels[key] = value
         endpoint = parse_endpoint(words[0])
-        endpoints.append(replace(endpoint, labels=labels) if labels else endpoint)
+        if ports[KV_REPLAY_KEY] and not ports[KV_EVENTS_KEY]:
+            raise ValueError(f"{path}:{number}: {KV_REPLAY_KEY}= without {KV_EVENTS_KEY}=")
+        if labels or ports[KV_EVENTS_KEY]:
+            endpoint = replace(endpoint, labels=labels or endpoint.labels, kv_events_port=ports[KV_EVENTS_KEY],
+                               kv_replay_port=ports[KV_REPLAY_KEY])
+        endpoints.append(endpoint)
     return check_unique(endpoints)

@@ -143,7 +143,11 @@ class Endpoint:
     ``hostport`` is what Envoy's ORIGINAL_DST cluster dials: an IP literal and a port
     (``10.0.0.1:8000``, ``[fd00::1]:8000``). ``labels`` are the pod's labels. ``metrics`` and
     ``inflight`` are not part of the endpoint's identity (equality and hash): a metrics update is not a
-    membership change.
+    membership change. ``kv_events_port`` and ``kv_replay_port`` (0: not given) are where, on the
+    same address, the pod's server publishes its KV-cache events and answers replays (vLLM's
+    ``--kv-events-config`` ``endpoint``/``replay_endpoint``), as the pool names them: the pod's
+    container ports named ``kv-events``/``kv-replay`` (llm-d's names), or ``kv-events=``/
+    ``kv-replay=`` in a static endpoints file.
     """
 
     name: str
@@ -153,6 +157,8 @@ class Endpoint:
     metrics: Metrics = field(default=NEVER_SCRAPED, compare=False, hash=False, repr=False)
     inflight: InFlightView = field(default=NO_IN_FLIGHT, compare=False, hash=False, repr=False)
     served: ServedModels = field(default=NOT_LISTED, compare=False, hash=False, repr=False)
+    kv_events_port: int = field(default=0, hash=False)
+    kv_replay_port: int = field(default=0, hash=False)
 
     @property
     def hostport(self) -> str:

@@ -17,6 +17,12 @@ there become endpoints (numbers that are not target ports, or not numbers, are i
 does). Pod labels go on the endpoint; the scraper picks a pod's metric names by its
 ``inference.networking.k8s.io/engine-type`` label.
 
+KV-cache events: a container port named ``kv-events`` (and ``kv-replay``), the names llm-d's guides
+give the port vLLM's ``--kv-events-config`` binds (``tcp://*:5557``), sets the endpoint's
+``kv_events_port`` (``kv_replay_port``); the endpoint of target port ``i`` of a pod with several gets
+that port + ``i``, as vLLM's data-parallel rank ``i`` publishes on the port + ``i``. The precise
+prefix-cache producer connects there, so a pod's events are attributed by the pool, not by a topic.
+
 The upstream no-CRD mode (``--endpoint-selector app=vllm,env=prod --endpoint-target-ports 8000``)
 builds the same :class:`PoolSpec` from flags instead of from an InferencePool.
 """
@@ -35,11 +41,14 @@ from epp.framework import Endpoint
 
 __all__ = [
     "ACTIVE_PORTS_ANNOTATIONS",
+    "KV_EVENTS_PORT_NAME",
+    "KV_REPLAY_PORT_NAME",
     "PoolSpec",
     "PoolSpecError",
     "active_ports",
     "endpoints_for",
     "format_selector",
+    "named_port",
     "parse_selector",
     "parse_target_ports",
     "pod_endpoints",
@@ -51,6 +60,9 @@ log = logging.getLogger(__name__)
 
 # The annotation llm-d reads first, then the key GIE used before (both are honoured upstream).
 ACTIVE_PORTS_ANNOTATIONS = ("llm-d.ai/active-ports", "inference.networking.k8s.io/active-ports")
+# llm-d's names for the container ports of vLLM's KV-event publisher and its replay socket.
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_REPLAY_PORT_NAME = "kv-replay"
 
 # Kubernetes label syntax: an optional DNS-subdomain prefix and "/", then a name of at most 63
 # characters; values are at most 63 characters, possibly empty (apimachinery's validation rules).
@@ -195,6 +207,22 @@ def active_ports(pod: Mapping[str, Any], target_ports: tuple[int, ...]) -> froze
     return frozenset(target_ports)
 
 
+def named_port(pod: Mapping[str, Any], name: str) -> int:
+    """The number of the Pod's container port called ``name`` (the first container that has it), 0 if none."""
+    for container in (pod.get("spec") or {}).get("containers") or ():
+        if not isinstance(container, Mapping):
+            continue
+        for port in container.get("ports") or ():
+            if isinstance(port, Mapping) and port.get("name") == name:
+                number = port.get("containerPort")
+                if isinstance(number, int) and not isinstance(number, bool) and 0 < number < 65536:
+                    return number
+                log.warning("pod %s: container port %s is %r, not a port number; ignored",
+                            (pod.get("metadata") or {}).get("name", "?"), name, number)
+                return 0
+    return 0
+
+
 def pod_endpoints(pod: Mapping[str, Any], target_ports: tuple[int, ...]) -> list[Endpoint]:
     """The endpoints one Pod contributes (none unless it is ready; see the module docstring)."""
     if not pod_is_ready(pod):
@@ -209,8 +237,11 @@ def pod_endpoints(pod: Mapping[str, Any], target_ports: tuple[int, ...]) -> list
         return []
     labels = MappingProxyType({str(k): str(v) for k, v in (metadata.get("labels") or {}).items()})
     ports = active_ports(pod, target_ports)
+    kv_events, kv_replay = named_port(pod, KV_EVENTS_PORT_NAME), named_port(pod, KV_REPLAY_PORT_NAME)
     return [
-        Endpoint(name=f"{name}-rank-{rank}", address=address, port=port, labels=labels)
+        Endpoint(name=f"{name}-rank-{rank}", address=address, port=port, labels=labels,
+                 kv_events_port=kv_events + rank if kv_events else 0,
+                 kv_replay_port=kv_replay + rank if kv_events and kv_replay else 0)
         for rank, port in enumerate(target_ports)
         if port in ports
     ]

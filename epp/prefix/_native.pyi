@@ -20,3 +20,8 @@ def lookup(
     rows: _Buffer, buckets: int, slots: int, width: int, shift: int, spill: int, keys: _Buffer, out: _Buffer, /
 ) -> None:
     """``out[i]`` = the slot (``width`` uint64) whose key is ``keys[i]``, or zeros (written in place)."""
+
+def kv_chain(
+    tokens: list[int] | _Buffer, block_size: int, count: int, parent: int, seed: int, suffix: _Buffer, /
+) -> list[int]:
+    """The chained XXH64 keys of the first ``count`` blocks of ``tokens`` (see kvindex)."""

@@ -7,7 +7,9 @@ defaults omitted; older releases sent arrays with the tag first. Both are accept
 as maps first and, only if that fails, as arrays (so the common case pays for one typed decode, in C,
 with msgspec; ``bench/kvevents_decode.py`` measured it against msgpack + dict access). Unknown fields
 and unknown trailing array elements are ignored, so a newer engine's additions do not break decoding;
-an unknown event type or a malformed batch is a :class:`WireError` naming what was wrong.
+an unknown event type or a malformed batch is a :class:`WireError` naming what was wrong. The structs
+are not tracked by the garbage collector (``gc=False``, as vLLM's own): they hold no cycles, and at
+thousands of batches a second the collector's passes over them were pauses on the loop.
 
 Hashes are kept as the engine sent them (vLLM: uint64, SGLang: signed int64, some releases: bytes); they
 only identify a block *within one pod's stream* (``BlockRemoved`` and ``parent_block_hash`` refer to
@@ -38,7 +40,7 @@ class WireError(ValueError):
     """A frame that is not a KV-event message (the message says what was wrong)."""
 
 
-class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True, gc=False):
     block_hashes: list[EngineHash]
     parent_block_hash: EngineHash | None = None
     token_ids: list[int] = []
@@ -51,13 +53,13 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defa
     group_idx: int | None = None
 
 
-class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True, gc=False):
     block_hashes: list[EngineHash]
     medium: str | None = None
     group_idx: int | None = None
 
 
-class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True):
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True, gc=False):
     pass
 
 
@@ -65,25 +67,25 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 # The old array form: the same fields in the same order, the tag first.
-class _ArrayStored(BlockStored, array_like=True, tag="BlockStored"):
+class _ArrayStored(BlockStored, array_like=True, tag="BlockStored", gc=False):
     pass
 
 
-class _ArrayRemoved(BlockRemoved, array_like=True, tag="BlockRemoved"):
+class _ArrayRemoved(BlockRemoved, array_like=True, tag="BlockRemoved", gc=False):
     pass
 
 
-class _ArrayCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+class _ArrayCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared", gc=False):
     pass
 
 
-class EventBatch(msgspec.Struct, array_like=True):
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[KVEvent]
     data_parallel_rank: int | None = None
 
 
-class _ArrayBatch(msgspec.Struct, array_like=True):
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
     data_parallel_rank: int | None = None

@@ -20,7 +20,11 @@ ENDPOINTS_FILE_HELP = """
 --endpoints-file format: one endpoint per line, ip:port or [ipv6]:port, then optional pod labels
 as space-separated key=value words; # starts a comment. For example:
   10.0.0.7:8000 inference.networking.k8s.io/engine-type=sglang zone=a
-Labels are separated by spaces, not commas ("zone=a,tier=y" is refused)."""
+Labels are separated by spaces, not commas ("zone=a,tier=y" is refused). Two keys are ports, not
+labels: kv-events=PORT and kv-replay=PORT, where that endpoint's server publishes its KV-cache events
+(vLLM's --kv-events-config "endpoint": "tcp://*:PORT") and answers replays; the precise prefix-cache
+producer follows them there:
+  10.0.0.7:8000 kv-events=5557 kv-replay=5558"""
 
 
 def _no_url(flag: str, text: str) -> None:

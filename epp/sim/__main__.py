@@ -1,6 +1,13 @@
 """``python -m epp.sim``: serve simulated vLLM pods until SIGTERM or SIGINT.
 
-Prints one line per pod, ``pod-<i> http://127.0.0.1:<port>``, once every pod listens; exits 0 on a signal.
+Prints one line per pod, ``pod-<i> http://127.0.0.1:<port>``, once every pod listens, followed by
+``kv-events=<endpoint>`` (and ``kv-replay=<endpoint>``) when the pod publishes KV events; exits 0 on
+a signal.
+
+``--kv-events-config`` takes vLLM's JSON (``{"enable_kv_cache_events": true, "publisher": "zmq",
+"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": ..., "topic": "kv@127.0.0.1@m"}``); pod ``i``
+publishes on the endpoint's port + ``i`` (a ``*`` port: one the system picks), as vLLM's data-parallel
+rank ``i`` would.
 """
 
 from __future__ import annotations
@@ -10,9 +17,12 @@ import asyncio
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
+
+import zmq
 
 from epp.prefix.tokenize import TokenizerError
-from epp.sim.config import EngineConfig
+from epp.sim.config import EngineConfig, KVEventsConfig
 from epp.sim.pool import SimulatedPool
 from epp.sim.tokens import model_tokenizer
 
@@ -47,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="context length")
     p.add_argument("--mean-output-tokens", type=int, default=_DEFAULTS.mean_output_tokens,
                    help="mean output length when max_tokens allows (end-of-sequence probability 1/this)")
+    p.add_argument("--kv-events-config", default=None,
+                   help="vLLM's KV-event publisher settings as JSON (pod i publishes on the port + i)")
+    p.add_argument("--kv-events-arrays", action="store_true",
+                   help="publish KV events as the arrays of vLLM releases before 0.11, not as maps")
     return p
 
 
@@ -70,18 +84,39 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-async def _serve(pool: SimulatedPool) -> None:
+def _configs(args: argparse.Namespace) -> EngineConfig | list[EngineConfig]:
+    config = _config(args)
+    if args.kv_events_config is None:
+        if args.kv_events_arrays:
+            raise ValueError("--kv-events-arrays needs --kv-events-config")
+        return config
+    events = replace(KVEventsConfig.parse(args.kv_events_config), array_events=args.kv_events_arrays)
+    return [replace(config, kv_events=events.for_pod(i)) for i in range(args.pods)]
+
+
+async def _serve(pool: SimulatedPool) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await pool.start()
+    try:
+        await pool.start()
+    except zmq.ZMQError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
         for pod in pool:
-            print(f"{pod.name} {pod.url}", flush=True)
+            publisher = pod.engine.publisher
+            extra = ""
+            if publisher is not None:
+                extra = f" kv-events={publisher.endpoint}"
+                if publisher.replay_endpoint is not None:
+                    extra += f" kv-replay={publisher.replay_endpoint}"
+            print(f"{pod.name} {pod.url}{extra}", flush=True)
         await stop.wait()
     finally:
         await pool.stop()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,12 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.tokenizer is not None:
             model_tokenizer(args.tokenizer)  # a broken directory stops start-up, naming the file
-        pool = SimulatedPool(args.pods, _config(args), base_port=args.base_port, host=args.host)
+        pool = SimulatedPool(args.pods, _configs(args), base_port=args.base_port, host=args.host)
     except (ValueError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(pool))
-    return 0
+    return asyncio.run(_serve(pool))
 
 
 if __name__ == "__main__":

@@ -32,11 +32,95 @@ H100 would have (~28k blocks), to keep cache pressure realistic with a moderate 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from epp.sim.kvcache import BLOCK_SIZE
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "KVEventsConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config`` (``vllm/config/kv_events.py``, 0.32): the same fields, defaults and
+    JSON form, plus the simulator's ``array_events`` (its own flag ``--kv-events-arrays``: events as
+    the arrays of releases before 0.11, tag first, instead of maps).
+
+    ``endpoint`` is bound when it has ``*`` or ``::`` or is ``ipc://``/``inproc://`` (vLLM's rule),
+    connected to otherwise; ``replay_endpoint`` (a ROUTER) is always bound. In one simulator process
+    pod ``i`` publishes on the port + ``i`` (as vLLM's data-parallel rank ``i`` does; a wildcard
+    port ``*`` or 0 is left to the system): :meth:`for_pod`.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    array_events: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, text: str) -> KVEventsConfig:
+        """The JSON object of ``--kv-events-config``; ValueError naming what is wrong (as vLLM refuses
+        unknown fields and wrong types)."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = {f.name: f for f in fields(cls) if f.name != "array_events"}
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key not in known:
+                raise ValueError(f"--kv-events-config: unknown field {key!r} (fields: {', '.join(known)})")
+            kind = _FIELD_TYPES.get(key, str)
+            ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+            if key == "replay_endpoint" and value is None:
+                ok = True
+            if not ok:
+                raise ValueError(f"--kv-events-config: {key} must be {kind.__name__}, got {value!r}")
+            values[key] = value
+        if "publisher" not in values:  # vLLM: zmq when events are enabled, else null
+            values["publisher"] = "zmq" if values.get("enable_kv_cache_events") else "null"
+        if values["publisher"] not in ("null", "zmq"):
+            raise ValueError(f"--kv-events-config: unknown publisher {values['publisher']!r} (null, zmq)")
+        return cls(**values)
+
+    def for_pod(self, index: int) -> KVEventsConfig:
+        """This configuration with the ports of pod ``index`` (port + index, as a DP rank's)."""
+        endpoint = _offset(self.endpoint, index)
+        assert endpoint is not None
+        return replace(self, endpoint=endpoint, replay_endpoint=_offset(self.replay_endpoint, index))
+
+    def as_json(self, endpoint: str, replay_endpoint: str | None) -> dict[str, object]:
+        """What ``/kv_event_sources`` shows for the publisher: vLLM's fields, endpoints resolved."""
+        return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                "replay_endpoint": replay_endpoint, "buffer_steps": self.buffer_steps, "hwm": self.hwm,
+                "max_queue_size": self.max_queue_size, "topic": self.topic}
+
+
+_FIELD_TYPES: dict[str, type] = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int}
+
+
+def _offset(endpoint: str | None, index: int) -> str | None:
+    # vLLM's ZmqEventPublisher.offset_endpoint_port: tcp ports move by the rank, port 0 (and * here) stays.
+    if not endpoint or index == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{index}"
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit() and int(port) != 0:
+        return f"{head}:{int(port) + index}"
+    return endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +150,9 @@ class EngineConfig:
     default_max_tokens: int = 16  # OpenAI's default for completions; used for chat too
     enable_lora: bool = False  # implied by lora_adapters; alone it allows adapters loaded at runtime only
     enable_scale_out: bool = False  # vLLM's --enable-scale-out: the render endpoints answer instead of 403
-    kv_events_endpoint: str | None = None
-    """Where the pod's KV-event publisher binds (vLLM's ``--kv-events-config`` ``endpoint``, e.g.
-    ``tcp://*:5557``); ``/kv_event_sources`` reports it. None: KV events off, ``/kv_event_sources`` is ``{}``."""
+    kv_events: KVEventsConfig | None = None
+    """The pod's KV-event publisher (vLLM's ``--kv-events-config``); ``/kv_event_sources`` reports it.
+    None (or not enabled): KV events off, ``/kv_event_sources`` is ``{}``."""
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "block_size",

@@ -25,6 +25,15 @@ What is simulated (vLLM v1's scheduler, simplified)
 * **Output.** See :mod:`epp.sim.tokens`: deterministic words and length from (seed, model, prompt).
 * **Cost.** A step's duration is a linear function of its prefill tokens, decoding sequences, their KV and
   adapter loads (formula and constants in :mod:`epp.sim.config`).
+* **KV events.** With ``config.kv_events`` enabled the engine publishes what its cache holds, as vLLM
+  does (:mod:`epp.sim.kvevents`): the blocks a step computes become ``BlockStored`` (per request, the
+  run of new full blocks with their token ids and the hash of the block before them, ``None`` for a
+  first block; an adapter's name as ``lora_name`` and in ``extra_keys``), blocks evicted to make room
+  ``BlockRemoved`` (queued when the step is scheduled, so they precede the stores that needed the
+  room), :meth:`reset_prefix_cache` ``AllBlocksCleared``; the events of a step go out as one batch
+  when it ends (vLLM: ``Scheduler.update_from_output``), so a reset made while the engine is idle is
+  announced with its next step. A subscriber that follows the stream holds exactly the hashes of
+  :meth:`KVCache.cached_hashes` (``tests/sim/test_engine_events.py``).
 
 Clock
 -----
@@ -39,13 +48,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
+import zmq
 
 from epp.sim.config import EngineConfig
 from epp.sim.kvcache import KVCache, block_hashes, model_seed
+from epp.sim.kvevents import KVEventPublisher
 from epp.sim.request import RequestState, SimRequest, Sink
 from epp.sim.stats import EngineStats, LoraInfoHistory
 from epp.sim.tokens import plan_output
@@ -70,6 +82,11 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.kv = KVCache(config.num_gpu_blocks, config.block_size)
+        self.publisher: KVEventPublisher | None = None
+        """The KV-event publisher (from :meth:`start` while ``config.kv_events`` is enabled)."""
+        # Prompt + planned output of each live request, while events are on (weak: a request built and
+        # never submitted leaves nothing behind).
+        self._sequences: weakref.WeakKeyDictionary[SimRequest, np.ndarray] = weakref.WeakKeyDictionary()
         self.stats = EngineStats(config.model, config.max_model_len)
         self.lora_info = LoraInfoHistory()
         """Label combinations (running, waiting) of ``vllm:lora_requests_info`` -> wall time last seen."""
@@ -79,6 +96,8 @@ class Engine:
         """Increases whenever anything on the /metrics page may have changed."""
         self._adapters = set(config.lora_adapters)
         self._seeds = {m: model_seed(m) for m in (config.model, *config.lora_adapters)}
+        # vLLM's lora_id in BlockStored: the adapter's int id, 1 for the first one loaded.
+        self._lora_ids = {name: i + 1 for i, name in enumerate(config.lora_adapters)}
         self._waiting: deque[SimRequest] = deque()
         self._running: list[SimRequest] = []
         # Waiting requests once passed over for the LoRA budget, until admitted: vLLM's deferred_waiting
@@ -134,14 +153,25 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine loop (call from inside the event loop)."""
+        """Start the engine loop (call from inside the event loop), and its KV-event publisher if
+        configured (zmq.ZMQError, naming the endpoint, if it cannot bind)."""
         if self._task is not None:
             raise RuntimeError("engine already started")
+        events = self.config.kv_events
+        if events is not None and events.enabled and self.publisher is None:
+            try:
+                self.publisher = KVEventPublisher(
+                    events.endpoint, events.topic, replay_endpoint=events.replay_endpoint,
+                    array_events=events.array_events, buffer_batches=events.buffer_steps, hwm=events.hwm,
+                )
+            except zmq.ZMQError as exc:
+                raise zmq.ZMQError(exc.errno, f"KV events: cannot use {events.endpoint}: {exc}") from None
+            self.kv.events = self.publisher
         self._t0 = self._timeline = asyncio.get_running_loop().time()
         self._task = asyncio.create_task(self._run(), name=f"sim-engine-{self.config.model}")
 
     async def stop(self) -> None:
-        """Stop the loop and abort every unfinished request."""
+        """Stop the loop and abort every unfinished request; close the publisher."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -149,7 +179,36 @@ class Engine:
             self._task = None
         for req in [*self._running, *self._waiting]:
             self.abort(req)
+        if self.publisher is not None:
+            self.publisher.flush()
+            self.publisher.close()
+            self.publisher = None
+            self.kv.events = None
 
+    def kv_event_sources(self) -> dict[str, object]:
+        """``/kv_event_sources``: the publisher's settings per data-parallel rank, ``{}`` when off."""
+        events = self.config.kv_events
+        if events is None or not events.enabled:
+            return {}
+        publisher = self.publisher
+        endpoint, replay = events.endpoint, events.replay_endpoint
+        if publisher is not None:  # a wildcard port reads as the port the system gave
+            if "*" in endpoint.rpartition(":")[2] or endpoint.endswith(":0"):
+                endpoint = publisher.endpoint
+            if replay is not None and publisher.replay_endpoint is not None:
+                replay = publisher.replay_endpoint
+        return {"0": events.as_json(endpoint, replay)}
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``reset_prefix_cache``: empty the prefix cache, which fails (False) while requests hold
+        blocks unless ``reset_running_requests`` preempts them first (they are recomputed later)."""
+        if reset_running_requests:
+            while self._running:
+                self._preempt(self._running.pop())
+        done = self.kv.reset()
+        if done:
+            self.version += 1
+        return done
     # -- adapters -------------------------------------------------------------------------------------------
 
     def load_adapter(self, name: str) -> bool:
@@ -159,6 +218,7 @@ class Engine:
             return False
         self._adapters.add(name)
         self._seeds[name] = model_seed(name)
+        self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
         self.version += 1
         return True
 
@@ -202,7 +262,10 @@ class Engine:
         hashes = block_hashes(sequence, self._seeds[model], cfg.block_size).tolist()
         self._next_id += 1
         lora = None if model == cfg.model else model
-        return SimRequest(f"{self._next_id}", model, lora, prompt_ids, max_tokens, plan, hashes, sink)
+        req = SimRequest(f"{self._next_id}", model, lora, prompt_ids, max_tokens, plan, hashes, sink)
+        if cfg.kv_events is not None and cfg.kv_events.enabled:
+            self._sequences[req] = sequence
+        return req
 
     def submit(self, req: SimRequest) -> None:
         """Queue a request built by :meth:`new_request`."""
@@ -362,6 +425,7 @@ class Engine:
     def _complete(self, step: _Step, now: float) -> None:
         stats = self.stats
         kv = self.kv
+        publisher = self.publisher
         bs = self.config.block_size
         prev_end = self._prev_step_end
         in_step_itl = 0  # tokens whose previous token came at the end of the previous step: one shared ITL
@@ -372,9 +436,23 @@ class Engine:
                 continue
             req.num_computed += n
             full = min(req.num_computed // bs, len(req.hashes))
-            while req.n_registered < full:
-                kv.register(req.hashes[req.n_registered])
-                req.n_registered += 1
+            if publisher is None:
+                while req.n_registered < full:
+                    kv.register(req.hashes[req.n_registered])
+                    req.n_registered += 1
+            else:
+                new_from = -1  # the run of blocks new to the cache, announced as one BlockStored
+                while req.n_registered < full:
+                    i = req.n_registered
+                    if kv.register(req.hashes[i]):
+                        if new_from < 0:
+                            new_from = i
+                    elif new_from >= 0:
+                        self._announce(req, new_from, i)
+                        new_from = -1
+                    req.n_registered += 1
+                if new_from >= 0:
+                    self._announce(req, new_from, full)
             if req.num_computed < req.known:  # chunked prefill goes on next step
                 continue
             req.num_output += 1
@@ -406,6 +484,23 @@ class Engine:
         self._prev_step_end = now
         self._touch_lora_info()
         self.version += 1
+        if publisher is not None:
+            publisher.flush()  # the step's evictions and stores (and a reset before it) as one batch
+
+    def _announce(self, req: SimRequest, start: int, end: int) -> None:
+        """Publish blocks ``start..end-1`` of ``req`` as one BlockStored, as vLLM's ``cache_full_blocks``."""
+        publisher = self.publisher
+        sequence = self._sequences.get(req)
+        if publisher is None or sequence is None:
+            return
+        bs = self.config.block_size
+        lora = req.lora
+        publisher.stored(
+            req.hashes[start:end], req.hashes[start - 1] if start else None,
+            sequence[start * bs : end * bs].tolist(), bs,
+            lora_id=self._lora_ids.get(lora) if lora else None, lora_name=lora,
+            extra_keys=[(lora,)] * (end - start) if lora else None,
+        )
 
     def _preempt(self, req: SimRequest) -> None:
         self._release(req)
@@ -421,6 +516,7 @@ class Engine:
         req.n_blocks = req.n_registered = 0
 
     def _mark_finished(self, req: SimRequest, reason: str, now: float) -> None:
+        self._sequences.pop(req, None)
         req.state = RequestState.FINISHED
         req.finish_reason = reason
         req.finish_t = now

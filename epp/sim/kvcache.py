@@ -20,17 +20,26 @@ What is simulated
   may evict a cached block while an empty one is still free; this only matters when the cache is nearly full).
 * **Duplicates.** If two requests compute the same block at the same time, the second one to finish it
   adopts the already registered block and frees its own copy.
+* **Events.** With a :class:`KVEventSink` (the pod's KV-event publisher), every block evicted to make
+  room is announced at once as one ``BlockRemoved`` per block, in eviction order (vLLM's
+  ``_maybe_evict_cached_block``: least recently used first, so a request's tail before its head),
+  and :meth:`reset` as ``AllBlocksCleared``. New blocks are announced by the engine, which knows
+  their tokens: :meth:`register` says whether a block is new to the cache (an adopted duplicate
+  changes nothing an observer could see, so it is not announced).
+* **Reset.** :meth:`reset` (vLLM's ``reset_prefix_cache``) empties the prefix cache only when no
+  request holds a block, and otherwise changes nothing and returns False, as vLLM does.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import xxhash
 
-__all__ = ["BLOCK_SIZE", "KVCache", "block_hashes", "model_seed"]
+__all__ = ["BLOCK_SIZE", "KVCache", "KVEventSink", "block_hashes", "model_seed"]
 
 BLOCK_SIZE = 16
 """Tokens per KV block: vLLM's default ``--block-size`` on CUDA."""
@@ -68,6 +77,14 @@ def block_hashes(tokens: np.ndarray, seed: int, block_size: int = BLOCK_SIZE) ->
     return _mix64(np.cumsum(digest, dtype=np.uint64) ^ np.uint64(seed))
 
 
+class KVEventSink(Protocol):
+    """Where the cache announces what it drops (``epp.sim.kvevents.KVEventPublisher`` is one)."""
+
+    def removed(self, block_hashes: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class KVCache:
     """Block accounting and the prefix cache of one pod.
 
@@ -77,11 +94,12 @@ class KVCache:
     unhashed ones, and hand both back to :meth:`release`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, events: KVEventSink | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.events = events
         self._refs: dict[int, int] = {}  # hash -> number of requests holding the block, for every cached block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, least recent first
         self._unhashed_held = 0
@@ -146,18 +164,35 @@ class KVCache:
         self._take(n)
         return True
 
-    def register(self, block_hash: int) -> None:
-        """One of the caller's unhashed blocks now holds computed content ``block_hash``."""
+    def register(self, block_hash: int) -> bool:
+        """One of the caller's unhashed blocks now holds computed content ``block_hash``; True if the
+        block is new to the prefix cache (False: an equal block was cached, and is held instead)."""
         refs = self._refs
         r = refs.get(block_hash)
+        self._unhashed_held -= 1
         if r is None:
             refs[block_hash] = 1
-        else:
-            # Someone computed the same block meanwhile: hold theirs, free ours.
-            if r == 0:
-                del self._evictable[block_hash]
-            refs[block_hash] = r + 1
-        self._unhashed_held -= 1
+            return True
+        # Someone computed the same block meanwhile: hold theirs, free ours.
+        if r == 0:
+            del self._evictable[block_hash]
+        refs[block_hash] = r + 1
+        return False
+
+    def cached_hashes(self) -> set[int]:
+        """Every block hash in the prefix cache (held or evictable)."""
+        return set(self._refs)
+
+    def reset(self) -> bool:
+        """Empty the prefix cache (vLLM's ``reset_prefix_cache``); False, and nothing changed, while a
+        request holds a block."""
+        if self.num_used:
+            return False
+        self._refs.clear()
+        self._evictable.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     def release(self, hashes: Sequence[int], n_unhashed: int) -> None:
         """Drop a request's registered blocks (in sequence order) and its ``n_unhashed`` other blocks."""
@@ -172,8 +207,11 @@ class KVCache:
 
     def _take(self, n: int) -> None:
         empty = self.num_blocks - len(self._refs) - self._unhashed_held
+        events = self.events
         for _ in range(n - empty):
             h, _ = self._evictable.popitem(last=False)
             del self._refs[h]
             self.evictions += 1
+            if events is not None:
+                events.removed([h])
         self._unhashed_held += n

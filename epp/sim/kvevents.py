@@ -2,9 +2,13 @@
 
 It writes what vLLM's ``ZmqEventPublisher`` writes, from its own code: a PUB socket sending
 ``[topic, seq (8-byte big-endian, from 0 per process), msgpack [ts, events, data_parallel_rank]]``, events
-as maps tagged by ``"type"`` with vLLM's field names (``array_events=True``: the old arrays, tag first);
-``endpoint`` is bound when it has ``*`` (vLLM's rule) and connected to otherwise (``bind=True``: bound
-anyway, so that a test can bind a loopback address). An optional ROUTER
+as maps tagged by ``"type"`` with vLLM 0.32's fields, defaults omitted as its msgspec structs omit them
+(``BlockStored``: ``block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+extra_keys`` (one entry per block, ``None`` or a tuple such as the adapter's name), ``group_idx``;
+``BlockRemoved``: ``block_hashes, medium, group_idx``; checked by encoding vLLM's own classes);
+``array_events=True``: the old arrays, tag first. ``endpoint`` is bound when it has ``*`` or ``::`` or is
+``ipc://``/``inproc://`` (vLLM's rule) and connected to otherwise (``bind=True``: bound anyway, so that a
+test can bind a loopback address). An optional ROUTER
 ``replay_endpoint`` answers ``[b"", start seq]`` with every buffered batch from that seq
 (``[b"", topic, seq, payload]``) and the end marker ``[b"", b"", -1 as 8 bytes, b""]``; the last
 ``buffer_batches`` batches are kept for it. Events are queued by :meth:`stored`, :meth:`removed` and
@@ -41,6 +45,7 @@ class KVEventPublisher:
         array_events: bool = False,
         buffer_batches: int = 10_000,
         bind: bool | None = None,
+        hwm: int = 100_000,
     ) -> None:
         self.topic = topic.encode()
         self.rank = data_parallel_rank
@@ -49,11 +54,12 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        if bind if bind is not None else ("*" in endpoint or "::" in endpoint):
+        self._pub.set_hwm(hwm)
+        if bind if bind is not None else ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))):
             self._pub.bind(endpoint)
         else:
             self._pub.connect(endpoint)
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
         self._pending: list[Any] = []
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._lock = threading.Lock()
@@ -76,12 +82,15 @@ class KVEventPublisher:
         block_size: int,
         *,
         medium: str = "GPU",
+        lora_id: int | None = None,
         lora_name: str | None = None,
         extra_keys: Sequence[Any] | None = None,
+        group_idx: int | None = 0,
     ) -> None:
+        """Queue a ``BlockStored``; ``extra_keys`` default to ``None`` per block, as vLLM sends them."""
         if self.array_events:
             self._pending.append(
-                ["BlockStored", list(block_hashes), parent_block_hash, list(token_ids), block_size, None, medium]
+                ["BlockStored", list(block_hashes), parent_block_hash, list(token_ids), block_size, lora_id, medium]
             )
             return
         event: dict[str, Any] = {
@@ -90,22 +99,31 @@ class KVEventPublisher:
             "parent_block_hash": parent_block_hash,
             "token_ids": list(token_ids),
             "block_size": block_size,
-            "lora_id": None,
+            "lora_id": lora_id,
             "medium": medium,
             "lora_name": lora_name,
+            "extra_keys": list(extra_keys) if extra_keys is not None else [None] * len(block_hashes),
         }
-        if extra_keys is not None:
-            event["extra_keys"] = list(extra_keys)
+        if group_idx is not None:
+            event["group_idx"] = group_idx
         self._pending.append(event)
 
-    def removed(self, block_hashes: Sequence[int], *, medium: str = "GPU") -> None:
+    def removed(self, block_hashes: Sequence[int], *, medium: str = "GPU", group_idx: int | None = 0) -> None:
         if self.array_events:
             self._pending.append(["BlockRemoved", list(block_hashes), medium])
-        else:
-            self._pending.append({"type": "BlockRemoved", "block_hashes": list(block_hashes), "medium": medium})
+            return
+        event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": list(block_hashes), "medium": medium}
+        if group_idx is not None:
+            event["group_idx"] = group_idx
+        self._pending.append(event)
 
     def cleared(self) -> None:
         self._pending.append(["AllBlocksCleared"] if self.array_events else {"type": "AllBlocksCleared"})
+
+    @property
+    def pending(self) -> int:
+        """Events queued for the next :meth:`flush`."""
+        return len(self._pending)
 
     def flush(self, *, send: bool = True) -> int | None:
         """Send the queued events as one batch; its seq (None when nothing was queued).

@@ -16,7 +16,10 @@ Endpoints
   endpoints ``POST /v1/load_lora_adapter`` and
   ``POST /v1/unload_lora_adapter`` (``{"lora_name": ..., "lora_path": ...}``; need LoRA enabled).
 * ``GET /kv_event_sources`` (the KV-event publisher per data-parallel rank, ``{}`` when off), ``POST
-  /tokenize`` and the scale-out render endpoints (403 unless ``enable_scale_out``): :mod:`epp.sim.render`.
+  /reset_prefix_cache`` (vLLM's dev-mode route: ``{"success": bool}``, false while requests hold blocks
+  unless ``?reset_running_requests=true``; published as ``AllBlocksCleared`` with the next engine step),
+  ``POST /tokenize`` and the scale-out render endpoints (403 unless ``enable_scale_out``):
+  :mod:`epp.sim.render`.
 * Errors are OpenAI-style ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed body or an
   invalid request, 404 for an unknown model, 503 when the pod shuts down mid-request.
 
@@ -244,12 +247,20 @@ async def _health(request: web.Request) -> web.Response:
 async def _kv_event_sources(request: web.Request) -> web.Response:
     # vLLM 0.32 (serve/instrumentator/basic.py): the KV-event publisher config per data-parallel rank,
     # the fields of its KVEventsConfig; {} when KV events are off.
-    endpoint = request.app[_ENGINE].config.kv_events_endpoint
-    if endpoint is None:
-        return json_response({})
-    return json_response({"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
-                                "replay_endpoint": None, "buffer_steps": 10_000, "hwm": 100_000,
-                                "max_queue_size": 100_000, "topic": ""}})
+    return json_response(request.app[_ENGINE].kv_event_sources())
+
+
+def _flag(request: web.Request, name: str) -> bool:
+    return request.query.get(name, "false").lower() in ("true", "1", "yes", "on")
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    # vLLM 0.32's dev-mode route (serve/dev/cache/api_router.py; served by vLLM only with
+    # VLLM_SERVER_DEV_MODE=1, always here): {"success": false} while requests hold blocks, unless
+    # ?reset_running_requests=true preempts them first.
+    await _read_body(request)
+    done = request.app[_ENGINE].reset_prefix_cache(_flag(request, "reset_running_requests"))
+    return json_response({"success": done})
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -346,6 +357,7 @@ def build_app(engine: Engine, pod_name: str) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/kv_event_sources", _kv_event_sources)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/metrics/", _metrics_app)
     app.router.add_post("/v1/load_lora_adapter", _load_adapter)

@@ -2,11 +2,23 @@
 
 Where the approximate producer predicts what a pod holds from what this picker sent it, this one
 follows what the pods say they hold: a :class:`epp.prefix.kvsubscriber.KVEventSubscriber` connects to
-each pod's publisher (``tcp://<pod ip>:<socketPort>``, llm-d's ``podDiscoveryConfig.socketPort``, 5557,
-the port of vLLM's default ``endpoint: tcp://*:5557``), or, with ``kvEventsConfig.zmqEndpoint``, binds
-that endpoint for pods configured to connect to it (only pods of the pool, from their own address, are
-accepted). The events fill a :class:`epp.prefix.kvindex.KVEventIndex` keyed by this picker's hash of
-the blocks' token ids; a request is looked up with its own token ids, cut into the events' block size.
+each pod's publisher, or, with ``kvEventsConfig.zmqEndpoint``, binds that endpoint for pods configured
+to connect to it. The events fill a :class:`epp.prefix.kvindex.KVEventIndex` keyed by this picker's
+hash of the blocks' token ids; a request is looked up with its own token ids, cut into the events'
+block size, with its adapter's name and ``cache_salt`` as vLLM puts them in a block's extra keys.
+
+Pod identity comes from the pool, never from a topic alone. Connecting, the publisher of endpoint
+``ip:port`` is dialled at ``tcp://ip:<kv port>``, the port the pool gives it
+(:attr:`Endpoint.kv_events_port`: a static file's ``kv-events=PORT``, a pod's container port named
+``kv-events`` as llm-d's guides name it), else ``podDiscoveryConfig.socketPort`` (5557, vLLM's default
+``tcp://*:5557``); its replay socket at :attr:`Endpoint.kv_replay_port` (``kv-replay``) when given. The
+socket says whose events they are; a topic that names another pod is applied to the socket's pod and
+counted. Binding, a message is taken only when its topic names a pool endpoint (``kv@<ip>[:<port>]@<model>``,
+llm-d's ``kv@<pod ip>@<model>`` included) *and* it came from that endpoint's address. Each endpoint
+followed is logged (``KV events: following ...``); every message dropped or flagged is logged (at most
+once a minute per pod and reason) and counted in ``epp_kv_event_rejected_total{reason}``: ``topic``
+(not under ``topicFilter``, e.g. vLLM's default empty topic), ``identity`` (names another pod),
+``unknown_pod``, ``peer``, ``ambiguous``. A setup that would leave scores stuck at 0 shows there.
 
 Token ids (see "Tokenization" below) come from the served model's own tokenizer files when the
 picker has them (:mod:`epp.prefix.tokenize`: HF ``tokenizers`` and the chat template rendered as
@@ -22,11 +34,19 @@ scaled to the precise blocks. Matches count blocks weighted by medium (a CPU blo
 
 Parameters (llm-d's names where they exist, plus the approximate producer's):
     kvEventsConfig.zmqEndpoint (str): bind this endpoint for pods that connect (default: connect to pods).
-    kvEventsConfig.topicFilter (str, default "kv@"): the topic prefix subscribed to.
-    podDiscoveryConfig.socketPort (int, default 5557): the pods' publisher port (rank r on port + r).
+    kvEventsConfig.topicFilter (str, default "kv@"): the prefix a message's topic must have.
+    kvEventsConfig.concurrency, kvEventsConfig.discoverPods: accepted (llm-d's); one subscriber on the
+        picker's event loop serves every pod, and pods are always the pool's.
+    kvEventsConfig.podDiscoveryConfig.socketPort (int, default 5557; also at the top level): the pods'
+        publisher port when the pool does not name one. ``podLabelSelector``, ``podNamespace``:
+        accepted, unused (the pool's pods are followed).
     tokenProcessorConfig.blockSize (int, default 16): tokens per block of a lookup before any event said.
     tokenProcessorConfig.hashSeed (int, default 0): the seed of this picker's block keys.
     maxBlocksPerPod (int, default 1048576): this project's bound on the blocks remembered per pod.
+    inFlightTTL (Go duration, default "30s"; "0s": off): this project's. The blocks a request sent to a
+        pod will compute count as that pod's from the moment it is sent until the pod's events store
+        them (a prefill's length, usually), or for this long if they never do: without it, a second
+        request of a prefix arriving while the first is prefilling would not find it anywhere.
     indexerConfig.tokenizersPoolConfig: the tokenizer (llm-d's section; its keys below).
 
 ``indexerConfig.tokenizersPoolConfig`` (llm-d's names first, then this project's):
@@ -65,6 +85,35 @@ of text (a thread hop costs more), else on the worker threads, awaited with ``ti
 call is awaited there too. Without ``prepare_data`` (a scheduler that does not call it), ``produce``
 tokenizes locally, inline.
 
+Measured, side by side in one run (``python bench/precise_routing.py``: 8 simulated pods publishing
+KV events, a real Envoy; 30 s of Poisson arrivals per run; 2 shared cores at load average ~10 from
+other sessions, so one run's TTFTs move by tens of percent; hit rate as a share of the oracle, an
+unlimited cache shared by all; the router's CPU per completed request, the picker's with the pod
+that tokenizes for it, or the peer's whole process):
+
+=================  ======================  ======================  ===============  ===============
+workload           precise: hit, TTFT P90  approximate (default)   sglang-router    vllm-router
+=================  ======================  ======================  ===============  ===============
+a shared prefix    100.0%, 52 ms           100.0%, 54 ms           100.0%, 89 ms    99.8%, 163 ms
+b multi-turn       98.7%, 123 ms           97.9%, 120 ms           100.0%, 105 ms   100.0%, 182 ms
+c no sharing       -, 518 ms               -, 516 ms               -, 822 ms        -, 1,004 ms
+p cache pressure   **93.2%**, 397 ms       86.9%, 417 ms           89.8%, 646 ms    91.4%, 3,251 ms
+u unseen traffic   **98.5%**, 191 ms       90.0%, 283 ms           78.7%, 449 ms    77.5%, 465 ms
+h hot prefix       92.2%, **315 ms**       91.7%, 298 ms           94.2%, 6,012 ms  97.8%, 3,672 ms
+=================  ======================  ======================  ===============  ===============
+
+Precise's TTFT P90 against the best peer's: 0.58x (a), 1.17x (b), 0.63x (c), 0.61x (p), 0.42x (u),
+0.09x (h). Router CPU per request: precise 7.6-15.4 ms (32.3 on p, whose 256-token answers are 256
+streamed events through the picker), approximate 5.7-10.9 (25.3), sglang-router 1.5-2.5 (8.0),
+vllm-router 2.8-4.4 (9.6): precise costs 1.7-4.5 ms more than approximate, most of it the
+``/tokenize`` round trip (the simulator's tokenizer is no file a picker can load). Where the
+designs part: traffic the picker does not see (u), which the events show and the approximate index
+cannot; cache pressure (p), where the events say which pod still holds what; and a hot prefix (h),
+which the peers' cache-aware policies pile onto one pod (P90 seconds) while the picker's queue and
+KV scorers spread it. Without the in-flight bookkeeping (``inFlightTTL``), a second request of a
+prefix arriving during the first one's prefill was sent elsewhere: a quick run of a gave precise
+91.7% of the oracle against approximate's 100%.
+
 Tokenizer metrics: ``epp_tokenize_duration_seconds{source}`` (``local`` or ``remote``, every
 attempt), ``epp_tokenize_fallbacks_total{reason}`` (requests scored approximately: ``no_tokenizer``,
 ``unsupported``, ``template_error``, ``timeout``, ``error``, ``status``, ``open``, ``rejected``),
@@ -72,10 +121,12 @@ attempt), ``epp_tokenize_fallbacks_total{reason}`` (requests scored approximatel
 ``epp_tokenize_reused_tokens`` / ``epp_tokenize_encoded_tokens`` (tokens taken from the prefix cache
 / tokenized), ``epp_tokenize_cache_bytes``, ``epp_tokenize_audit_mismatches``.
 
-Metrics (gauges, over the pool): ``epp_kv_events`` (events applied), ``epp_kv_event_gaps``,
+Metrics: gauges over the pool ``epp_kv_events`` (events applied), ``epp_kv_event_gaps``,
 ``epp_kv_event_replays``, ``epp_kv_event_resets``, ``epp_kv_event_decode_errors``,
-``epp_kv_event_pods_tracked``, ``epp_kv_event_index_blocks`` and ``epp_kv_event_lag_seconds`` (the
-median of the last batches' publisher-to-index lag).
+``epp_kv_event_disconnects``, ``epp_kv_event_pods_tracked`` (pods whose stream is followed without a
+hole), ``epp_kv_event_index_blocks``, ``epp_kv_event_lag_seconds`` (the median of the last batches'
+publisher-to-index lag); the counter ``epp_kv_event_rejected_total{reason}`` and the histogram
+``epp_kv_event_batch_lag_seconds`` (per batch).
 """
 
 from __future__ import annotations
@@ -85,6 +136,8 @@ import itertools
 import logging
 import os
 import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -131,12 +184,72 @@ TOKENIZED_PROMPT: StateKey[np.ndarray] = StateKey("tokenized-prompt")
 """The prompt's token ids as the engine computes them (``uint32``), when this producer could tell."""
 
 _OWN = ("kvEventsConfig", "podDiscoveryConfig", "tokenProcessorConfig", "maxBlocksPerPod", "discoverPods",
-        "indexerConfig")  # fmt: skip
+        "indexerConfig", "inFlightTTL")  # fmt: skip
+
 _PREPARED: StateKey[bool] = StateKey("precise-prefix-cache/prepared")
+# The request's keys (in the reference block size) and, per endpoint, the blocks the events said it
+# held at scheduling: what pre_request records as in flight on the endpoint picked.
+_LOOKUP: StateKey[tuple[list[int], dict[str, int]]] = StateKey("precise-prefix-cache/lookup")
 # Text up to this many bytes is encoded on the event loop: ~3k tokens, ~3 ms (HF tokenizers runs at ~1 µs per
 # token here), where a thread hop costs ~0.1 ms; longer text is encoded on the worker threads.
 _INLINE_CHARS = 16 << 10
 _TOKENIZED_APIS = {Api.COMPLETIONS: "completions", Api.CHAT_COMPLETIONS: "chat_completions"}
+
+
+class _InFlight:
+    """Blocks a pod is computing for requests this picker sent it, until its events announce them.
+
+    A pod publishes a block when it has computed it (vLLM: at the end of the engine step), so for the
+    length of a prefill the events cannot know what a request just sent there will leave in the cache;
+    a second request of the same prefix arriving meanwhile would be sent elsewhere and pay the prefix
+    again. So the blocks a request will add (those past what the events say the picked pod holds) are
+    recorded here for that pod, and dropped as soon as the pod's events store them (``confirm``), or
+    after ``ttl`` seconds if they never do (the request failed, or never reached the pod).
+    """
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl = ttl
+        self._clock = clock
+        self._where: dict[int, dict[str, float]] = {}  # key -> endpoint name -> expiry
+        self._queue: deque[tuple[float, str, list[int]]] = deque()  # in expiry order (one ttl)
+
+    def add(self, name: str, keys: list[int]) -> None:
+        if not keys or self.ttl <= 0:
+            return
+        expiry = self._clock() + self.ttl
+        where = self._where
+        for key in keys:
+            holders = where.get(key)
+            if holders is None:
+                where[key] = {name: expiry}
+            else:
+                holders[name] = expiry
+        self._queue.append((expiry, name, keys))
+
+    def confirm(self, name: str, keys: list[int]) -> None:
+        where = self._where
+        for key in keys:
+            holders = where.get(key)
+            if holders is not None and holders.pop(name, None) is not None and not holders:
+                del where[key]
+
+    def prune(self) -> None:
+        now = self._clock()
+        queue, where = self._queue, self._where
+        while queue and queue[0][0] <= now:
+            expiry, name, keys = queue.popleft()
+            for key in keys:
+                holders = where.get(key)
+                if holders is not None and holders.get(name) == expiry:
+                    del holders[name]
+                    if not holders:
+                        del where[key]
+
+    def holders(self, key: int) -> Mapping[str, float]:
+        return self._where.get(key) or {}
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 class TokenizerParameters:
@@ -372,15 +485,25 @@ class PreciseParameters:
                 raise ValueError(f"{name}: {key} must be an integer ≥ {minimum}, got {value!r}")
             return value
 
-        events = section("kvEventsConfig", ("zmqEndpoint", "topicFilter", "concurrency"))
-        discovery = section("podDiscoveryConfig", ("socketPort",))
+        events = section("kvEventsConfig", ("zmqEndpoint", "topicFilter", "concurrency", "discoverPods",
+                                            "podDiscoveryConfig"))  # fmt: skip
+        discovery_keys = ("socketPort", "podLabelSelector", "podNamespace")
+        discovery = section("podDiscoveryConfig", discovery_keys)
+        nested = events.get("podDiscoveryConfig") or {}
+        if not isinstance(nested, Mapping):
+            raise ValueError(f"{name}: kvEventsConfig.podDiscoveryConfig must be a mapping, got {nested!r}")
+        check_parameters(f"{name}: kvEventsConfig.podDiscoveryConfig", nested, discovery_keys)
+        discovery = {**discovery, **nested}
         tokens = section("tokenProcessorConfig", ("blockSize", "hashSeed"))
         self.bind: str | None = events.get("zmqEndpoint") or None
         self.topic_filter = str(events.get("topicFilter", "kv@"))
+        if self.bind is not None and not isinstance(self.bind, str):
+            raise ValueError(f"{name}: kvEventsConfig.zmqEndpoint must be a string, got {self.bind!r}")
         self.socket_port = integer(discovery, "socketPort", 5557, 1)
         self.block_size = integer(tokens, "blockSize", 16, 1)
         self.hash_seed = integer(tokens, "hashSeed", 0, 0)
         self.max_blocks_per_pod = integer(parameters, "maxBlocksPerPod", 1 << 20, 1)
+        self.in_flight_ttl = duration_parameter(name, parameters, "inFlightTTL", 30.0)
         self.tokenizer = TokenizerParameters(name, parameters)
         self.approximate = PrefixParameters.parse(name, {k: v for k, v in parameters.items() if k not in _OWN})
 
@@ -401,14 +524,18 @@ class PrecisePrefixCacheProducer:
         # The model's own tokenizer (local files, else the engine), unless a callable replaces it.
         self.tokenization = _Tokenization(name, p.tokenizer, handle) if tokenizer is None else None
         self.approximate = ApproxPrefixCacheProducer(f"{name}/approximate", p.approximate, handle)
-        self.index = KVEventIndex(seed=p.hash_seed, max_blocks_per_pod=p.max_blocks_per_pod)
+        self.in_flight = _InFlight(p.in_flight_ttl)
+        self.index = KVEventIndex(seed=p.hash_seed, max_blocks_per_pod=p.max_blocks_per_pod, on_store=self._stored)
         self.subscriber: KVEventSubscriber | None = None
-        self._names: dict[str, str] = {}  # index pod id -> endpoint name
-        self._endpoints: dict[str, Endpoint] = {}
+        self._names: dict[str, str] = {}  # index pod id (an endpoint's hostport) -> endpoint name
+        self._pods_by_name: dict[str, str] = {}  # endpoint name -> index pod id
+        self._endpoints: dict[str, Endpoint] = {}  # hostport -> endpoint
+        self._on_reject: Callable[[str], None] | None = None
+        self._on_lag: Callable[[float], None] | None = None
         if handle is not None:
+            self._export(handle)
             handle.pool.subscribe(self._pool_changed)
             self._pool_changed(tuple(handle.pool.endpoints()), ())
-            self._export(handle)
 
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> Self:
@@ -424,13 +551,26 @@ class PrecisePrefixCacheProducer:
         m.gauge_sum("epp_kv_event_replays", "KV-event holes filled from a replay endpoint.", stat("replays"))
         m.gauge_sum("epp_kv_event_resets", "KV-event publisher restarts (seq back to 0).", stat("resets"))
         m.gauge_sum("epp_kv_event_decode_errors", "KV-event messages that did not decode.", stat("decode_errors"))
-        m.gauge_sum("epp_kv_event_pods_tracked", "Pods in the precise prefix index.", lambda: self.index.stats().pods)
+        m.gauge_sum("epp_kv_event_disconnects", "KV-event publishers' connections lost.", stat("disconnects"))
+        m.gauge_sum("epp_kv_event_pods_tracked", "Pods whose KV-event stream is followed without a hole.",
+                    lambda: sum(1 for pod in self.index.pods() if self.index.known(pod)))  # fmt: skip
         blocks = "Blocks in the precise prefix index."
         m.gauge_sum("epp_kv_event_index_blocks", blocks, lambda: self.index.stats().blocks)
         m.gauge_sum("epp_kv_event_lag_seconds", "Median publisher-to-index lag of recent batches.", self._lag)
+        rejected = m.counter("epp_kv_event_rejected", "KV-event messages dropped, or applied but flagged "
+                             "(identity), because the pool does not confirm whose they are; by reason.", ("reason",))
+        self._on_reject = lambda reason: rejected.labels(reason).inc()
+        lag = m.histogram("epp_kv_event_batch_lag_seconds", "From a KV-event batch's publication to its application.",
+                          buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0))  # fmt: skip
+        self._on_lag = lag.observe
+
+    def _stored(self, pod: str, keys: list[int]) -> None:
+        name = self._names.get(pod.split("@", 1)[0])
+        if name is not None:
+            self.in_flight.confirm(name, keys)
 
     def _lag(self) -> float:
-        lags = self.subscriber.stats.lags if self.subscriber else []
+        lags = self.subscriber.stats.lags if self.subscriber else ()
         return statistics.median(lags) if lags else 0.0
 
     def _ensure_subscriber(self) -> KVEventSubscriber | None:
@@ -440,33 +580,60 @@ class PrecisePrefixCacheProducer:
             except RuntimeError:
                 return None  # built before the loop runs: the first pool change or request on it starts it
             p = self.parameters
-            self.subscriber = KVEventSubscriber(self.index, topic_filter=p.topic_filter, bind=p.bind)
+            self.subscriber = KVEventSubscriber(self.index, topic_filter=p.topic_filter, bind=p.bind,
+                                                on_reject=self._on_reject, on_lag=self._on_lag)  # fmt: skip
             self.subscriber.start()
             for endpoint in self._endpoints.values():
                 self._follow(endpoint)
         return self.subscriber
+
+    def publisher_of(self, endpoint: Endpoint) -> tuple[str, str | None]:
+        """Where ``endpoint``'s KV events are followed: its publisher, and its replay socket (or None)."""
+        host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
+        port = endpoint.kv_events_port or self.parameters.socket_port
+        replay = f"tcp://{host}:{endpoint.kv_replay_port}" if endpoint.kv_replay_port else None
+        return f"tcp://{host}:{port}", replay
 
     def _follow(self, endpoint: Endpoint) -> None:
         subscriber = self.subscriber
         if subscriber is None:
             return
         if self.parameters.bind is not None:
-            subscriber.allow(endpoint.hostport)
+            pod_name = endpoint.name.rsplit("-rank-", 1)[0]  # Kubernetes endpoints are <pod>-rank-<i>
+            subscriber.allow(endpoint.hostport, (endpoint.name, pod_name))
+            log.info("KV events: accepting %s (%s) on %s", endpoint.name, endpoint.hostport, subscriber.bound_endpoint)
         else:
-            host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
-            subscriber.follow(pod_id(endpoint.hostport), f"tcp://{host}:{self.parameters.socket_port}")
+            publisher, replay = self.publisher_of(endpoint)
+            subscriber.follow(pod_id(endpoint.hostport), publisher, replay, address=endpoint.hostport)
+
+    def _forget(self, endpoint: Endpoint) -> None:
+        subscriber = self.subscriber
+        pod = pod_id(endpoint.hostport)
+        if subscriber is None:
+            self.index.remove_pod(pod)
+        elif self.parameters.bind is not None:
+            subscriber.disallow(endpoint.hostport)
+            for known in self.index.pods():  # the endpoint's streams, every rank
+                if known == pod or known.startswith(pod + "@"):
+                    subscriber.forget(known)
+        else:
+            subscriber.unfollow(pod)
 
     def _pool_changed(self, added: tuple[Endpoint, ...], removed: tuple[Endpoint, ...]) -> None:
-        still_here = {endpoint.hostport for endpoint in added}
         for endpoint in removed:
-            if endpoint.hostport not in still_here:
-                self._endpoints.pop(endpoint.hostport, None)
+            old = self._endpoints.get(endpoint.hostport)
+            if old == endpoint:
+                del self._endpoints[endpoint.hostport]
                 self._names.pop(pod_id(endpoint.hostport), None)
-                if self.subscriber is not None:
-                    self.subscriber.unfollow(pod_id(endpoint.hostport))
+                self._pods_by_name.pop(endpoint.name, None)
+                self._forget(endpoint)
         for endpoint in added:
+            old = self._endpoints.get(endpoint.hostport)
+            if old is not None and self.publisher_of(old) != self.publisher_of(endpoint):
+                self._forget(old)  # the same address, its publisher elsewhere now: follow it there
             self._endpoints[endpoint.hostport] = endpoint
             self._names[pod_id(endpoint.hostport)] = endpoint.name
+            self._pods_by_name[endpoint.name] = pod_id(endpoint.hostport)
         if self._ensure_subscriber() is not None:
             for endpoint in added:
                 self._follow(endpoint)
@@ -496,24 +663,63 @@ class PrecisePrefixCacheProducer:
         token_ids = self._token_ids(request)
         if token_ids is None or not len(token_ids):
             return  # the approximate match stands for every pod
-        block_size = self.index.block_size() or self.parameters.block_size
-        max_blocks = max(1, self.parameters.approximate.max_prefix_tokens // block_size)
-        keys = chain_keys(token_ids, block_size, self.parameters.hash_seed, max_blocks)
-        approx = request.state.get(PREFIX_MATCH)
+        p = self.parameters
+        sizes = sorted(self.index.block_sizes()) or [p.block_size]
+        block_size = sizes[0]
+        max_tokens = p.approximate.max_prefix_tokens
+        salt = request.cache_salt or None
+        lora = request.adapter or None
         matched: dict[str, int] = {}
-        if approx is not None and keys:
-            for name in approx.matched:
-                matched[name] = int(approx.share(name) * len(keys))
-        for pod, (_, weighted) in self.index.match(keys).items():
-            name = self._names.get(pod, pod)
-            matched[name] = int(weighted + 1e-9)
-        for pod, name in self._names.items():
-            if self.index.known(pod) and pod not in self.index.match(keys[:1]):
-                matched.pop(name, None)  # a known pod without the first block holds nothing of it
+        precise: dict[str, int] = {}
+        keys: list[int] = []
+        for size in sizes:  # pods of different engines may use different block sizes
+            size_keys = chain_keys(token_ids, size, p.hash_seed, max(1, max_tokens // size), lora_name=lora,
+                                   cache_salt=salt)  # fmt: skip
+            if size == block_size:
+                keys = size_keys
+                approx = request.state.get(PREFIX_MATCH)
+                if approx is not None and keys:
+                    for name in approx.matched:  # pods the events do not cover keep the approximate match
+                        matched[name] = int(approx.share(name) * len(keys))
+                for pod in self.index.pods():
+                    if self.index.known(pod):
+                        matched.pop(self._names.get(pod.split("@", 1)[0], pod), None)
+            for pod, (_, weighted) in self.index.match(size_keys).items():
+                name = self._names.get(pod.split("@", 1)[0], pod)  # a DP rank's stream counts for its endpoint
+                run = int(weighted * size / block_size + 1e-9)
+                if run > matched.get(name, 0):
+                    matched[name] = precise[name] = run
+        self._add_in_flight(keys, matched)
+        request.state[_LOOKUP] = (keys, precise)
         request.state[PREFIX_MATCH] = PrefixMatch(len(keys), matched, block_size)
+
+    def _add_in_flight(self, keys: list[int], matched: dict[str, int]) -> None:
+        """Extend each endpoint's match by the blocks it is computing for requests sent to it."""
+        in_flight = self.in_flight
+        if not len(in_flight) or not keys:
+            return
+        in_flight.prune()
+        names = set(in_flight.holders(keys[0]))
+        names.update(name for name, run in matched.items() if 0 < run < len(keys))
+        for name in names:
+            pod = self._pods_by_name.get(name)
+            run = matched.get(name, 0)
+            while run < len(keys) and (name in in_flight.holders(keys[run]) or
+                                       (pod is not None and self.index.holds(pod, keys[run]))):  # fmt: skip
+                run += 1
+            if run > matched.get(name, 0):
+                matched[name] = run
 
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
         self.approximate.pre_request(request, result)
+        lookup = request.state.get(_LOOKUP)
+        endpoints = result.endpoints
+        if lookup is None or not endpoints:
+            return
+        keys, precise = lookup
+        name = endpoints[0].name
+        if name in self._pods_by_name:  # a pod whose events are followed
+            self.in_flight.add(name, keys[precise.get(name, 0) :])
 
     async def close(self) -> None:
         if self.subscriber is not None:

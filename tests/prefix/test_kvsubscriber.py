@@ -1,15 +1,17 @@
 """The subscriber against the simulator's publisher, over real ZMQ sockets on 127.0.0.1."""
 
 import asyncio
+import logging
 
 import pytest
 
 from epp.prefix.kvindex import KVEventIndex, chain_keys
-from epp.prefix.kvsubscriber import KVEventSubscriber
+from epp.prefix.kvsubscriber import KVEventSubscriber, topic_address
 from epp.sim.kvevents import KVEventPublisher
 
 BS = 4
 POD = "127.0.0.1:8000"
+_NOTHING = 2**63  # an engine hash no test stores
 
 
 async def _until(predicate, timeout=5.0):
@@ -26,11 +28,12 @@ def _store_chain(pub, tokens, first_hash=1):
     pub.stored(list(range(first_hash, first_hash + n)), None, tokens[: n * BS], BS)
 
 
-async def _connected(pub, sub, replay=False):
-    sub.follow(POD, pub.endpoint, pub.replay_endpoint if replay else None)
-    # A SUB socket sees nothing sent before its subscription reached the publisher: probe until it has.
-    while sub.stats.batches == 0:
-        pub.cleared()
+async def _connected(pub, sub, replay=False, pod=POD):
+    sub.follow(pod, pub.endpoint, pub.replay_endpoint if replay else None)
+    # A SUB socket sees nothing sent before its subscription reached the publisher: probe until it has
+    # (with a replay endpoint the probes it missed are replayed: wait for that too).
+    while sub.last_seq(pod) is None or sub.last_seq(pod) != pub.seq - 1:
+        pub.removed([_NOTHING])  # a harmless probe
         pub.flush()
         await asyncio.sleep(0.02)
 
@@ -61,16 +64,41 @@ async def test_stored_blocks_become_matches(pub, sub):
     await _until(lambda: sub.index.match(keys)[POD][0] == 8)
 
 
+async def test_a_late_subscriber_replays_the_stream_from_its_start(pub, sub):
+    tokens = list(range(16))
+    _store_chain(pub, tokens)
+    pub.flush()  # seq 0, sent before anyone listened
+    await _connected(pub, sub, replay=True)
+    assert sub.stats.replays == 1 and sub.stats.gaps == 0
+    assert sub.index.match(chain_keys(tokens, BS))[POD][0] == 4
+
+
 async def test_gap_is_replayed_from_the_replay_endpoint(pub, sub):
     await _connected(pub, sub, replay=True)
+    replays = sub.stats.replays
     tokens = list(range(16))
     _store_chain(pub, tokens)
     pub.flush(send=False)  # lost on the way: only the replay endpoint has it
     pub.removed([999])  # unrelated, makes the hole visible
     pub.flush()
-    await _until(lambda: sub.stats.replays == 1)
+    await _until(lambda: sub.stats.replays == replays + 1)
     assert sub.stats.gaps == 1
     assert sub.index.match(chain_keys(tokens, BS))[POD][0] == 4 and sub.index.known(POD)
+
+
+async def test_batches_arriving_during_a_replay_are_applied_after_it_in_order(pub, sub):
+    await _connected(pub, sub, replay=True)
+    tokens = list(range(24))
+    pub.stored([1, 2], None, tokens[:8], BS)
+    pub.flush(send=False)  # lost
+    pub.removed([999])
+    pub.flush()  # reveals the hole
+    pub.stored([3, 4], 2, tokens[8:16], BS)  # needs the lost batch's blocks as parents
+    pub.flush()
+    pub.stored([5, 6], 4, tokens[16:24], BS)
+    pub.flush()
+    await _until(lambda: sub.last_seq(POD) == pub.seq - 1)
+    assert sub.index.match(chain_keys(tokens, BS))[POD][0] == 6
 
 
 async def test_gap_without_replay_drops_the_pods_blocks(pub, sub):
@@ -126,12 +154,77 @@ async def test_eviction_storm_two_subscribers_end_identical(pub):
                 pub.removed(list(reversed(evict)))
             pub.flush()
         total = pub.seq
-        await _until(lambda: all(s._last.get(POD) == total - 1 for s in subs))
+        await _until(lambda: all(s.last_seq(POD) == total - 1 for s in subs))
         a, b = (s.index.blocks_of(POD) for s in subs)
         assert a == b and len(a) == len(live)
+        assert subs[0].index.engine_hashes(POD) == set(live)
     finally:
         for s in subs:
             await s.close()
+
+
+async def test_a_backlog_is_drained_a_slice_per_loop_turn(pub):
+    """A burst larger than the budget is applied over several loop turns, not in one."""
+    sub = KVEventSubscriber(KVEventIndex(), budget_s=0.0005)
+    turns = 0
+    stop = False
+
+    async def ticker() -> None:
+        nonlocal turns
+        while not stop:
+            await asyncio.sleep(0)
+            turns += 1
+
+    try:
+        await _connected(pub, sub)
+        for i in range(300):
+            pub.stored(list(range(i * 64 + 1, i * 64 + 65)), None, list(range(64 * BS)), BS)
+            pub.flush()
+        task = asyncio.create_task(ticker())
+        await _until(lambda: sub.last_seq(POD) == pub.seq - 1)
+        stop = True
+        await task
+        assert turns > 5  # other tasks ran while the backlog was applied
+    finally:
+        await sub.close()
+
+
+async def test_a_topic_outside_the_filter_is_dropped_with_a_warning_and_counted(caplog):
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "")  # vLLM's default topic: ""
+    rejected: list[str] = []
+    sub = KVEventSubscriber(KVEventIndex(), on_reject=rejected.append)
+    try:
+        sub.follow(POD, pub.endpoint)
+        with caplog.at_level(logging.WARNING, logger="epp.prefix.kvsubscriber"):
+            await _until(lambda: (pub.cleared(), pub.flush(), sub.stats.rejected["topic"] > 2)[-1])
+        assert sub.stats.batches == 0 and set(rejected) == {"topic"}
+        warnings = [r.getMessage() for r in caplog.records if "does not start with the filter" in r.getMessage()]
+        assert len(warnings) == 1 and POD in warnings[0]  # once, naming the pod and the fix
+    finally:
+        pub.close()
+        await sub.close()
+
+
+async def test_a_topic_naming_another_pod_is_applied_to_the_sockets_pod_and_flagged():
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "kv@10.1.1.1:8000@m")  # a copied config
+    sub = KVEventSubscriber(KVEventIndex())
+    try:
+        await _connected(pub, sub)
+        assert sub.stats.rejected["identity"] > 0 and sub.index.pods() == [POD]
+    finally:
+        pub.close()
+        await sub.close()
+
+
+async def test_an_llm_d_topic_with_the_ip_alone_is_accepted():
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "kv@127.0.0.1@Qwen/Qwen3-0.6B")
+    sub = KVEventSubscriber(KVEventIndex())
+    try:
+        await _connected(pub, sub)
+        assert sub.stats.rejected_total == 0
+    finally:
+        pub.close()
+        await sub.close()
 
 
 async def test_bound_socket_accepts_only_pool_pods_from_their_address():
@@ -139,20 +232,43 @@ async def test_bound_socket_accepts_only_pool_pods_from_their_address():
     sub.start()
     good = KVEventPublisher(sub.bound_endpoint, f"kv@{POD}@m")
     stranger = KVEventPublisher(sub.bound_endpoint, "kv@10.9.9.9:8000@m")
+    impostor = KVEventPublisher(sub.bound_endpoint, "kv@127.0.0.2:8000@m")  # a pool pod's name, our address
     try:
         sub.allow(POD)
+        sub.allow("127.0.0.2:8000")
         tokens = list(range(8))
-        while POD not in sub.index.match(chain_keys(tokens, BS)):
+        while POD not in sub.index.match(chain_keys(tokens, BS)) or not sub.stats.rejected["peer"]:
             _store_chain(good, tokens)
             good.flush()
-            stranger.cleared()
-            stranger.flush()
+            for other in (stranger, impostor):
+                other.cleared()
+                other.flush()
             await asyncio.sleep(0.02)
-        await _until(lambda: sub.stats.rejected > 0)
+        await _until(lambda: sub.stats.rejected["unknown_pod"] > 0)
         assert sub.index.pods() == [POD]
     finally:
-        good.close()
-        stranger.close()
+        for p in (good, stranger, impostor):
+            p.close()
+        await sub.close()
+
+
+async def test_bound_socket_resolves_ip_only_topics_by_rank_when_the_pool_has_one_endpoint_per_rank():
+    sub = KVEventSubscriber(KVEventIndex(), bind="tcp://127.0.0.1:*")
+    sub.start()
+    ranks = [KVEventPublisher(sub.bound_endpoint, "kv@127.0.0.1@m", data_parallel_rank=r) for r in range(2)]
+    try:
+        sub.allow("127.0.0.1:8001")  # rank 1's server (by port order)
+        sub.allow("127.0.0.1:8000")
+        for r, p in enumerate(ranks):
+            tokens = [r] * 8
+            while "127.0.0.1:800%d" % r not in sub.index.match(chain_keys(tokens, BS)):
+                _store_chain(p, tokens)
+                p.flush()
+                await asyncio.sleep(0.02)
+        assert sorted(sub.index.pods()) == ["127.0.0.1:8000", "127.0.0.1:8001"]
+    finally:
+        for p in ranks:
+            p.close()
         await sub.close()
 
 
@@ -165,6 +281,52 @@ async def test_old_array_events_are_followed():
         _store_chain(pub, tokens)
         pub.flush()
         await _until(lambda: POD in sub.index.match(chain_keys(tokens, BS)))
+    finally:
+        pub.close()
+        await sub.close()
+
+
+async def test_unfollow_drops_the_pod(pub, sub):
+    await _connected(pub, sub)
+    _store_chain(pub, list(range(8)))
+    pub.flush()
+    await _until(lambda: sub.index.stats().blocks == 2)
+    sub.unfollow(POD)
+    assert sub.index.pods() == [] and sub.last_seq(POD) is None
+
+
+@pytest.mark.parametrize(
+    ("topic", "address"),
+    [("kv@10.0.0.1:8000@m", "10.0.0.1:8000"), ("kv@10.0.0.1@Qwen/Qwen3", "10.0.0.1"),
+     ("kv@[fd00::1]:8000@m", "[fd00::1]:8000"), ("", ""), ("kv", "")],
+)
+def test_topic_address(topic, address):
+    assert topic_address(topic) == address
+
+
+async def test_bound_socket_resolves_a_topic_naming_the_pod_by_its_name():
+    sub = KVEventSubscriber(KVEventIndex(), bind="tcp://127.0.0.1:*")
+    sub.start()
+    pub = KVEventPublisher(sub.bound_endpoint, "kv@vllm-7f9c-abcde@Qwen/Qwen3-8B")  # kv@$(POD_NAME)@model
+    try:
+        sub.allow(POD, ("vllm-7f9c-abcde-rank-0", "vllm-7f9c-abcde"))
+        tokens = list(range(8))
+        while POD not in sub.index.match(chain_keys(tokens, BS)):
+            _store_chain(pub, tokens)
+            pub.flush()
+            await asyncio.sleep(0.02)
+        assert sub.stats.rejected_total == 0
+    finally:
+        pub.close()
+        await sub.close()
+
+
+async def test_a_topic_naming_the_pod_by_name_is_not_flagged_in_connect_mode():
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "kv@vllm-7f9c-abcde@m")
+    sub = KVEventSubscriber(KVEventIndex())
+    try:
+        await _connected(pub, sub)
+        assert sub.stats.rejected_total == 0
     finally:
         pub.close()
         await sub.close()

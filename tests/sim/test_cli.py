@@ -54,6 +54,35 @@ def test_cli_rejects_an_impossible_config() -> None:
     assert result.returncode == 2 and "cannot hold" in result.stderr
 
 
+def test_cli_publishes_kv_events_on_the_port_plus_the_pod_index() -> None:
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+                         "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv@127.0.0.1@m"})
+    args = [sys.executable, "-m", "epp.sim", "--pods", "2", "--kv-events-config", config]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        lines = [proc.stdout.readline().split() for _ in range(2)]
+        for name, url, events, replay in lines:
+            assert events.startswith("kv-events=tcp://127.0.0.1:") and replay.startswith("kv-replay=tcp://127.0.0.1:")
+            with urllib.request.urlopen(url + "/kv_event_sources", timeout=5) as r:
+                source = json.load(r)["0"]
+            assert source["endpoint"] == events.removeprefix("kv-events=") and source["topic"] == "kv@127.0.0.1@m"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_rejects_a_bad_kv_events_config() -> None:
+    for config, message in (("{", "not JSON"), ('{"endpont": "x"}', "unknown field 'endpont'"),
+                            ('{"hwm": "1"}', "hwm must be int")):
+        result = subprocess.run([sys.executable, "-m", "epp.sim", "--kv-events-config", config], capture_output=True,
+                                text=True, cwd=REPO, timeout=30, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
 def test_cli_names_the_tokenizer_file_it_cannot_read(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "epp.sim", "--tokenizer", str(tmp_path)]
     result = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=30,

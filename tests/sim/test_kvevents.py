@@ -41,10 +41,16 @@ def test_frames_are_topic_seq_and_a_msgpack_batch_of_maps():
         assert topic == b"kv@127.0.0.1:8000@m" and len(seq_frame) == 8
         ts, events, rank = msgspec.msgpack.decode(payload)
         assert abs(ts - time.time()) < 5 and rank == 1
-        assert events[0]["type"] == "BlockStored" and events[0]["block_hashes"] == [7]
-        assert events[0]["parent_block_hash"] is None and events[0]["token_ids"] == list(range(16))
-        assert events[0]["block_size"] == 16 and events[0]["medium"] == "GPU"
-        assert events[1] == {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+        # What vLLM 0.32's own msgspec classes encode (checked with vllm.distributed.kv_events in the
+        # tier's venv): every field without a default, extra_keys one None per block, group_idx 0.
+        assert events[0] == {
+            "type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": list(range(16)),
+            "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [None],
+            "group_idx": 0,
+        }
+        assert list(events[0]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                   "lora_id", "medium", "lora_name", "extra_keys", "group_idx"]
+        assert events[1] == {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0}
     finally:
         sock.close(0)
         pub.close()

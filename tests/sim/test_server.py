@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epp.sim import EngineConfig, SimulatedPool
+from epp.sim.config import KVEventsConfig
 
 MODEL = EngineConfig().model
 FAST = 0.05  # wall seconds per simulated second
@@ -415,12 +416,14 @@ async def test_vllm_032_surface(make_pool, session) -> None:
 
 
 async def test_kv_event_sources_names_the_publisher(make_pool, session) -> None:
-    pool = await make_pool(kv_events_endpoint="tcp://127.0.0.1:5557")
+    pool = await make_pool(kv_events=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:*"))
     async with session.get(pool.url(0) + "/kv_event_sources") as r:
         sources = await r.json()
     assert list(sources) == ["0"]
-    assert sources["0"]["endpoint"] == "tcp://127.0.0.1:5557" and sources["0"]["publisher"] == "zmq"
-    assert sources["0"]["enable_kv_cache_events"] is True
+    # The wildcard port reads as the port the system gave the publisher.
+    assert sources["0"]["endpoint"] == pool[0].engine.publisher.endpoint
+    assert sources["0"]["endpoint"].startswith("tcp://127.0.0.1:") and sources["0"]["publisher"] == "zmq"
+    assert sources["0"]["enable_kv_cache_events"] is True and sources["0"]["replay_endpoint"] is None
 
 
 @pytest.mark.parametrize(

@@ -5,22 +5,35 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
+import aiohttp
+import numpy as np
 import pytest
 from aiohttp import web
 
 from epp.datalayer.datastore import Datastore
-from epp.framework import PREFIX_MATCH, Api, Endpoint, Handle, InferenceRequest, Profile
+from epp.framework import PREFIX_MATCH, Api, Endpoint, Handle, InferenceRequest, Profile, SchedulingResult
 from epp.plugins.picker.max_score import MaxScorePicker
-from epp.plugins.producer.precise_prefix_cache import TOKENIZED_PROMPT, PreciseParameters, PrecisePrefixCacheProducer
+from epp.plugins.producer.precise_prefix_cache import (
+    TOKENIZED_PROMPT,
+    PreciseParameters,
+    PrecisePrefixCacheProducer,
+    _InFlight,
+)
 from epp.plugins.scorer.prefix_cache import PrefixCacheScorer
 from epp.prefix.kvwire import BlockStored
 from epp.prefix.tokenize import ModelTokenizer
 from epp.scheduling.runner import Scheduler
+from epp.sim import EngineConfig, SimulatedPool
+from epp.sim.config import KVEventsConfig
+from epp.sim.kvcache import block_hashes, model_seed
 from epp.sim.kvevents import KVEventPublisher
+from epp.sim.tokens import render_completion
 from epp.testing.tokenizer import write_tokenizer_dir
 
 BS = 4
@@ -98,6 +111,151 @@ def test_without_a_tokenizer_the_approximate_match_stands() -> None:
 def test_bad_parameters_name_what_is_wrong(parameters: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PreciseParameters("p", parameters)
+
+
+# -- against simulated pods: the pool names each pod's publisher ------------------------------------------
+
+
+def _sim_config(**overrides: object) -> EngineConfig:
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:*",
+                            replay_endpoint="tcp://127.0.0.1:*", topic="kv@127.0.0.1@m")
+    fields = {"model": "m", "time_scale": 0.02, "num_gpu_blocks": 64, "max_model_len": 1024, "kv_events": events,
+              "max_num_seqs": 4}
+    return EngineConfig(**{**fields, **overrides})  # type: ignore[arg-type]
+
+
+def _pool_endpoints(pool: SimulatedPool) -> list[Endpoint]:
+    """The pods as a static endpoints file would name them: ip:port and kv-events=/kv-replay= ports."""
+    endpoints = []
+    for pod in pool:
+        publisher = pod.engine.publisher
+        assert publisher is not None and publisher.replay_endpoint is not None
+        endpoints.append(Endpoint(pod.name, "127.0.0.1", pod.port,
+                                  kv_events_port=int(publisher.endpoint.rsplit(":", 1)[1]),
+                                  kv_replay_port=int(publisher.replay_endpoint.rsplit(":", 1)[1])))
+    return endpoints
+
+
+def _sim_tokens(request: InferenceRequest) -> np.ndarray:
+    return render_completion(request.prompt)  # the simulator's own tokenizer, as its /tokenize answers
+
+
+async def _post(url: str, prompt: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "m", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+        async with session.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+
+
+async def _caught_up(producer: PrecisePrefixCacheProducer, pool: SimulatedPool) -> None:
+    assert producer.subscriber is not None
+    for _ in range(500):
+        if all(pod.engine.publisher.seq == 0 or producer.subscriber.last_seq(f"127.0.0.1:{pod.port}")
+               == pod.engine.publisher.seq - 1 for pod in pool):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the subscriber did not catch up")
+
+
+async def test_each_pod_is_followed_at_the_port_the_pool_names_and_matches_its_cache() -> None:
+    async with SimulatedPool(2, [_sim_config(seed=1), _sim_config(seed=2)]) as pool:
+        endpoints = _pool_endpoints(pool)
+        producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", {}), Handle(Datastore(endpoints)),
+                                              tokenizer=_sim_tokens)
+        try:
+            producer.produce(_ask("warm"), endpoints)  # starts the subscriber
+            rng = random.Random(4)
+            stems = ["".join(rng.choice("abcd") for _ in range(4 * 120)) for _ in range(3)]
+            prompts = [rng.choice(stems) + "q" * 4 * rng.randint(1, 60) for _ in range(30)]
+            for i, prompt in enumerate(prompts):  # straight to the pods, bypassing any picker
+                await _post(pool.url(i % 2), prompt)
+            await _caught_up(producer, pool)
+            seed = model_seed("m")
+            for prompt in prompts:
+                request = _ask(prompt)
+                producer.produce(request, endpoints)
+                ids = render_completion(prompt)
+                for pod, endpoint in zip(pool, endpoints):
+                    hits = pod.engine.kv.count_hits(block_hashes(ids, seed).tolist(), len(ids) // 16)
+                    assert request.state[PREFIX_MATCH].matched.get(endpoint.name, 0) == hits
+            assert producer.subscriber is not None and producer.subscriber.stats.rejected_total == 0
+        finally:
+            await producer.close()
+
+
+async def test_a_pod_that_moved_its_publisher_is_followed_at_the_new_port() -> None:
+    async with SimulatedPool(1, _sim_config()) as old, SimulatedPool(1, _sim_config()) as new:
+        store = Datastore(_pool_endpoints(old))
+        producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", {}), Handle(store), tokenizer=_sim_tokens)
+        try:
+            producer.produce(_ask("warm"), store.endpoints())
+            moved = replace(_pool_endpoints(new)[0], name="pod-0", port=old[0].port)  # same address, new publisher
+            store.replace([moved])
+            assert producer.subscriber is not None
+            await _post(new.url(0), "z" * 200)
+            for _ in range(300):
+                producer.produce(request := _ask("z" * 200), store.endpoints())
+                if request.state[PREFIX_MATCH].matched.get("pod-0"):
+                    break
+                await asyncio.sleep(0.01)
+            assert request.state[PREFIX_MATCH].matched["pod-0"] == len(render_completion("z" * 200)) // 16
+        finally:
+            await producer.close()
+
+
+def test_llm_d_parameters_are_accepted_where_llm_d_puts_them() -> None:
+    p = PreciseParameters("p", {"kvEventsConfig": {"topicFilter": "kv@", "concurrency": 4, "discoverPods": True,
+                                                   "podDiscoveryConfig": {"socketPort": 6000,
+                                                                          "podLabelSelector": "app=vllm"}}})
+    assert p.socket_port == 6000
+    producer = PrecisePrefixCacheProducer("p", p, tokenizer=_tokens)
+    assert producer.publisher_of(Endpoint("a", "10.0.0.1", 8000)) == ("tcp://10.0.0.1:6000", None)
+    assert producer.publisher_of(Endpoint("a", "fd00::1", 8000, kv_events_port=5557, kv_replay_port=5558)) == (
+        "tcp://[fd00::1]:5557", "tcp://[fd00::1]:5558")
+
+
+async def test_a_prefix_sent_to_a_pod_counts_there_until_its_events_store_it() -> None:
+    async with SimulatedPool(2, [_sim_config(seed=1, time_scale=1.0), _sim_config(seed=2, time_scale=1.0)]) as pool:
+        endpoints = _pool_endpoints(pool)
+        producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", {}), Handle(Datastore(endpoints)),
+                                              tokenizer=_sim_tokens)
+        try:
+            prompt = "w" * 4 * 200
+            first = _ask(prompt)
+            producer.produce(first, endpoints)
+            assert first.state[PREFIX_MATCH].matched == {}
+            producer.pre_request(first, SchedulingResult({"default": [endpoints[1]]}, "default"))  # sent to pod-1
+            second = _ask(prompt)
+            producer.produce(second, endpoints)  # before pod-1 has computed anything: in flight there
+            blocks = len(render_completion(prompt)) // 16
+            assert second.state[PREFIX_MATCH].matched == {"pod-1": blocks}
+            assert len(producer.in_flight) == blocks
+            await _post(pool.url(1), prompt)  # pod-1 computes it and says so
+            await _caught_up(producer, pool)
+            assert len(producer.in_flight) == 0  # confirmed by the events: they alone decide from now on
+            third = _ask(prompt)
+            producer.produce(third, endpoints)
+            assert third.state[PREFIX_MATCH].matched == {"pod-1": blocks}
+        finally:
+            await producer.close()
+
+
+def test_in_flight_blocks_expire_when_no_event_confirms_them() -> None:
+    now = [0.0]
+    in_flight = _InFlight(30.0, clock=lambda: now[0])
+    in_flight.add("a", [1, 2, 3])
+    in_flight.add("b", [1])
+    now[0] = 29.0
+    in_flight.prune()
+    assert dict(in_flight.holders(1)) == {"a": 30.0, "b": 30.0}
+    in_flight.confirm("b", [1])
+    now[0] = 30.0
+    in_flight.prune()
+    assert len(in_flight) == 0
+    assert PreciseParameters("p", {"inFlightTTL": "0s"}).in_flight_ttl == 0.0
+    off = _InFlight(0.0)
+    off.add("a", [1])
+    assert len(off) == 0
 
 
 # --- tokenization: the model's files, else the engine ---------------------------------------------

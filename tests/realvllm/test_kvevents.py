@@ -1,0 +1,193 @@
+"""Precise prefix routing against real vLLM 0.32: its KV events, through a real Envoy and the picker.
+
+Two servers of the tier's tiny model (block size 128 on CPU), each publishing KV events as llm-d's
+guides configure vLLM (``tcp://*:PORT``, a replay socket, the topic ``kv@<pod ip>@<model>``), and the
+picker given the pool as an endpoints file that names each server's publisher
+(``kv-events=PORT kv-replay=PORT``), with ``precise-prefix-cache-producer`` tokenizing from the model's
+own ``tokenizer.json`` (the tier's). A prompt sent straight to one server, bypassing the gateway, is
+then routed by the picker to that server, and the match the picker predicted (its decision record,
+``-v 4``) equals the tokens the server's own counter says it found cached.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from epp.envoy.bootstrap import BootstrapOptions, render
+from epp.testing.envoy import EnvoyProcess, free_port
+from epp.testing.harness import PickerProcess, wait_for_picker
+from epp.testing.vllm import BASE, VllmServer, http_get, http_post, start_vllm, tier_paths
+
+_BLOCK = 128  # vLLM's block size on CPU
+_WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()  # noqa: SIM905
+
+
+@dataclass
+class Precise:
+    servers: list[VllmServer]
+    kv_ports: list[int]
+    picker: PickerProcess
+    envoy: EnvoyProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy.listen_port}"
+
+    def metric(self, name: str) -> dict[str, float]:
+        page = http_get(f"http://127.0.0.1:{self.picker.metrics_port}/metrics")[1].decode()
+        return {labels or "": float(value) for labels, value in
+                re.findall(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", page, re.M)}  # fmt: skip
+
+
+def _config(models: Path) -> str:
+    return f"""\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: precise-prefix-cache-producer
+  parameters:
+    tokenProcessorConfig: {{blockSize: {_BLOCK}}}
+    indexerConfig:
+      tokenizersPoolConfig:
+        modelName: {BASE}
+        local: {{modelTokenizerMap: {{{BASE}: {models / "llama"}}}}}
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {{pluginRef: prefix-cache-scorer, weight: 3}}
+  - {{pluginRef: queue-scorer, weight: 2}}
+  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
+  - {{pluginRef: max-score-picker}}
+"""
+
+
+@pytest.fixture(scope="module")
+def precise(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Precise]:
+    paths = tier_paths()
+    if paths is None:
+        pytest.skip("the real-vLLM tier needs EPP_VLLM_PYTHON and EPP_VLLM_MODELS (tests/realvllm/setup_tier.sh)")
+    python, models = paths
+    directory = tmp_path_factory.mktemp("precise")
+    servers: list[VllmServer] = []
+    kv_ports: list[int] = []
+    picker: PickerProcess | None = None
+    envoy: EnvoyProcess | None = None
+    try:
+        for name in ("p", "q"):
+            events, replay = free_port(), free_port()
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+                      "replay_endpoint": f"tcp://*:{replay}", "topic": f"kv@127.0.0.1@{BASE}"}
+            servers.append(start_vllm(python, models, name, kv_events=False,
+                                      extra_args=["--kv-events-config", json.dumps(config)]))  # fmt: skip
+            kv_ports += [events, replay]
+        for server in servers:
+            server.wait_healthy()
+        pool = directory / "pool.txt"
+        pool.write_text("".join(f"{s.hostport} kv-events={kv_ports[2 * i]} kv-replay={kv_ports[2 * i + 1]}\n"
+                                for i, s in enumerate(servers)))  # fmt: skip
+        config_file = directory / "precise.yaml"
+        config_file.write_text(_config(models))
+        picker = PickerProcess([], extra_args=["--endpoints-file", str(pool), "--config-file", str(config_file),
+                                               "-v", "4"])  # fmt: skip
+        picker.start()
+        envoy = EnvoyProcess(render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
+                                                     picker_port=picker.grpc_port)), concurrency=1)  # fmt: skip
+        envoy.start()
+        wait_for_picker(envoy, timeout=60)
+        time.sleep(1.0)
+        yield Precise(servers, kv_ports, picker, envoy)
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        if picker is not None:
+            picker.stop()
+        for server in servers:
+            server.stop()
+
+
+def _prompt(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def _tokens(server: VllmServer, prompt: str) -> int:
+    status, body = http_post(f"{server.url}/tokenize", {"model": BASE, "prompt": prompt})
+    assert status == 200, body
+    return len(json.loads(body)["tokens"])
+
+
+def _post_with_id(url: str, body: dict, request_id: str) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json", "x-request-id": request_id}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _decision(precise: Precise, request_id: str, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in precise.picker.log_tail(400).splitlines():
+            if "decision {" in line and f'"request_id":"{request_id}"' in line:
+                return json.loads(line.split("decision ", 1)[1])
+        time.sleep(0.1)
+    raise AssertionError(f"no decision record for {request_id}:\n{precise.picker.log_tail(20)}")
+
+
+def test_each_servers_publisher_is_followed_without_rejections(precise: Precise) -> None:
+    deadline = time.monotonic() + 30
+    while precise.metric("epp_kv_event_pods_tracked").get("", 0) < 2 and time.monotonic() < deadline:
+        for i, server in enumerate(precise.servers):
+            http_post(f"{server.url}/v1/completions", {"model": BASE, "prompt": _prompt(i, 100), "max_tokens": 1})
+        time.sleep(0.5)
+    assert precise.metric("epp_kv_event_pods_tracked") == {"": 2.0}
+    assert sum(precise.metric("epp_kv_event_rejected_total").values()) == 0
+    assert "KV events: following" in precise.picker.log_tail(400)
+
+
+@pytest.mark.parametrize("round_", range(4))
+def test_a_prompt_sent_straight_to_a_server_is_then_routed_to_it_and_matched_as_it_hits(
+    precise: Precise, round_: int
+) -> None:
+    server = precise.servers[round_ % 2]
+    prompt = _prompt(100 + round_, 150)
+    n = _tokens(server, prompt)
+    if n % _BLOCK == 0:  # vLLM recomputes the last token: a prompt of whole blocks hits one block fewer
+        prompt += " alpha bravo charlie"
+        n = _tokens(server, prompt)
+    assert _BLOCK * 2 < n < 1800, n  # a few blocks, within the servers' 2,048-token context
+    status, body = http_post(f"{server.url}/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 1})
+    assert status == 200, body
+    time.sleep(0.5)  # the events reach the picker (they are published at the end of the engine step)
+    hits_before = [s.counter("vllm:prefix_cache_hits_total") for s in precise.servers]
+    queries_before = [s.counter("vllm:prefix_cache_queries_total") for s in precise.servers]
+    request_id = f"kv-{round_}-{random.getrandbits(32):08x}"
+    status, body = _post_with_id(f"{precise.url}/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 1},
+                                 request_id)
+    assert status == 200, body
+    hits = [s.counter("vllm:prefix_cache_hits_total") - h for s, h in zip(precise.servers, hits_before, strict=True)]
+    queries = [s.counter("vllm:prefix_cache_queries_total") - q
+               for s, q in zip(precise.servers, queries_before, strict=True)]  # fmt: skip
+    chosen = round_ % 2
+    assert queries[chosen] == n and queries[1 - chosen] == 0  # routed to the server that had the prompt
+    record = _decision(precise, request_id)
+    name = server.hostport
+    assert record["profiles"][0]["picked"] == [name]
+    # What the picker predicted the server holds is what the server found in its cache.
+    assert record["prefix_match_tokens"][name] == hits[chosen] == (n // _BLOCK) * _BLOCK
