@@ -97,6 +97,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -111,8 +112,9 @@ from typing import Any
 import aiohttp
 
 from epp.envoy.bootstrap import EPP_CLUSTER, BootstrapOptions, render
+from epp.kube.objectives import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION
 from epp.testing.envoy import EnvoyProcess, free_port
-from epp.testing.fake_apiserver import PODS, FakeApiServer, make_pod, make_pool
+from epp.testing.fake_apiserver import INFERENCE_POOLS, PODS, FakeApiServer, Resource, make_pod, make_pool
 from epp.testing.harness import PickerProcess
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served model
@@ -136,6 +138,7 @@ FAULT_KINDS = (
 _RESULTS = Path(__file__).resolve().parent / "results"
 RECORD = "received.jsonl"  # what the pods received, one line per request (epp.sim.faults)
 ACCESS_LOG = "envoy-access.jsonl"  # Envoy's access log: the route and upstream of each request
+PICKER_LOG = "picker.log"  # the picker's log, all its lives
 
 
 # --- the pool --------------------------------------------------------------------------------------------
@@ -157,7 +160,6 @@ LAYOUT = (
     PodSpec("sim-3", HOST_PREFIX + "4", (), True, False),
     PodSpec("sim-4", HOST_PREFIX + "5", ("sql-lora", "chat-lora"), False, False),
 )
-ADAPTERS = ("sql-lora", "chat-lora")
 
 
 class Pod:
@@ -410,6 +412,7 @@ class Sample:
     picker: tuple[int, int] | None  # (RSS, fds) of the picker's main process
     worker: tuple[int, int] | None  # of its scrape worker
     envoy: tuple[int, int] | None
+    envoy_connections: tuple[int, int] | None = None  # Envoy's open connections: (from clients, to upstreams)
 
 
 @dataclass(slots=True)
@@ -461,7 +464,7 @@ class Evidence:
             "in_pool": self.in_pool,
             "results": [[getattr(r, f) for f in Result.__slots__] for r in self.results],
             "faults": [vars(f) for f in self.faults],
-            "samples": [[s.t, s.picker, s.worker, s.envoy] for s in self.samples],
+            "samples": [[s.t, s.picker, s.worker, s.envoy, s.envoy_connections] for s in self.samples],
             "views": [[v.t, v.stale] for v in self.views],
         }  # fmt: skip
         path.write_text(json.dumps(data))
@@ -478,7 +481,7 @@ class Evidence:
             data["args"], workdir, data["t0"],
             {name: (hostport, tuple(adapters)) for name, (hostport, adapters) in data["pods"].items()},
             [Result(*row) for row in data["results"]], data["skipped"], [Fault(**f) for f in data["faults"]],
-            [Sample(t, pair(p), pair(w), pair(e)) for t, p, w, e in data["samples"]],
+            [Sample(t, *(pair(v) for v in rest)) for t, *rest in data["samples"]],
             [View(t, stale) for t, stale in data["views"]],
             {name: [(t, member) for t, member in changes] for name, changes in data["in_pool"].items()},
             data["orphans"],
@@ -493,20 +496,22 @@ class Bench:
         self.workdir = workdir
         self.fail_open = not args.fail_closed
         self.pods: dict[str, Pod] = {}
-        self.api = FakeApiServer(token="chaos-token", bookmark_interval=0.5)
+        # The InferenceObjective CRD installed too (no objectives): the picker watches it.
+        objectives = Resource(OBJECTIVE_GROUP, OBJECTIVE_VERSION, OBJECTIVE_PLURAL, "InferenceObjective")
+        self.api = FakeApiServer((PODS, INFERENCE_POOLS, objectives), token="chaos-token", bookmark_interval=0.5)
         self.picker: PickerProcess | None = None
         self.envoy: EnvoyProcess | None = None
         self.access_log = workdir / ACCESS_LOG
         self.faults: list[Fault] = []
         self.samples: list[Sample] = []
         self.views: list[View] = []
-        self.envoy_healthy: list[tuple[float, int | None]] = []  # Envoy's count of healthy pickers over time
         self.in_pool: dict[str, list[tuple[float, bool]]] = defaultdict(list)  # pod -> (time, member?) changes
         self.orphans: list[int] = []  # scrape workers still alive after their picker was killed
         self.session: aiohttp.ClientSession | None = None
         self._rng = random.Random(args.seed)
         self._listen_port = free_port()
         self._admin_port = free_port()
+        self.t0 = 0.0  # when the traffic started
 
     def evidence(self, load: Load) -> Evidence:
         return Evidence(
@@ -581,6 +586,7 @@ class Bench:
             await asyncio.to_thread(self.envoy.stop)
         if self.picker is not None:
             await asyncio.to_thread(self.picker.stop)
+            (self.workdir / PICKER_LOG).write_text(self.picker.log_tail(1_000_000))
         await asyncio.gather(*(pod.stop() for pod in self.pods.values()))
         await self.api.stop()
         if self.session is not None:
@@ -611,11 +617,19 @@ class Bench:
             main = _proc_status(process.pid) if process is not None and process.poll() is None else None
             workers = _children(process.pid) if process is not None and main is not None else []
             worker = _proc_status(workers[0]) if workers else None
-            envoy = None
-            with contextlib.suppress(Exception):
+            envoy = connections = None
+            with contextlib.suppress(Exception):  # Envoy is not running (being restarted)
                 envoy = _proc_status(self.envoy.pid) if self.envoy is not None else None
-            self.samples.append(Sample(time.time(), main, worker, envoy))
+                connections = await asyncio.to_thread(self._envoy_connections)
+            self.samples.append(Sample(time.time(), main, worker, envoy, connections))
             await asyncio.sleep(self.args.sample_interval)
+
+    def _envoy_connections(self) -> tuple[int, int]:
+        """Envoy's open connections from clients and to every upstream (pods, the picker): what its fds hold."""
+        assert self.envoy is not None
+        stats = self.envoy.stats(r"^(http\.ingress_http\.downstream_cx_active|cluster\.[^.]+\.upstream_cx_active)$")
+        downstream = stats.pop("http.ingress_http.downstream_cx_active", 0)
+        return downstream, sum(stats.values())
 
     async def watch_picker_view(self, deadline: float) -> None:
         assert self.session is not None and self.picker is not None
@@ -648,7 +662,6 @@ class Bench:
         while time.time() < deadline:
             value = await asyncio.to_thread(self._envoy_healthy_pickers)
             now = time.time()
-            self.envoy_healthy.append((now, value))
             if value == (1 if healthy else 0):
                 return now
             await asyncio.sleep(0.05)
@@ -788,8 +801,6 @@ class Bench:
             )
             await asyncio.sleep(self.args.gap)
 
-    t0 = 0.0
-
 
 # --- reading the evidence --------------------------------------------------------------------------------
 
@@ -812,7 +823,6 @@ HEALTH_UP_BOUND = 1.5  # fail-closed: a ready picker is back after Envoy's next 
 ENVOY_BOUND = 0.5  # Envoy restarted: after its /ready, requests in flight on the client's side still land
 MEMBERSHIP_BOUND = 0.5  # a pod left the pool: the watch event reaches the picker within milliseconds
 REWATCH_BOUND = 1.0  # a pod left while the watches were cut: the picker's resume (0.05-0.1 s backoff) + the event
-VIEW_PERIOD = 0.1  # /debug/pool is read this often: the picker's view is known to this precision
 
 
 @dataclass
@@ -843,6 +853,23 @@ class Outcome:
         )
 
 
+_LOG_LINE = re.compile(r"^\S+ \S+ (ERROR|WARNING|CRITICAL) (\S+): (.*)$")
+
+
+def log_problems(path: Path) -> Counter[tuple[str, str]]:
+    """The picker's warnings and errors, by (level, "logger: message" with numbers and addresses masked)."""
+    problems: Counter[tuple[str, str]] = Counter()
+    with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            match = _LOG_LINE.match(line.rstrip())
+            if match:
+                level, logger, message = match.groups()
+                problems[(level, f"{logger}: {re.sub(r'[0-9][0-9.:]*', 'N', message)[:160]}")] += 1
+            elif line.startswith("Traceback"):
+                problems[("TRACEBACK", "a traceback")] += 1
+    return problems
+
+
 @dataclass
 class Report:
     evidence: Evidence
@@ -852,6 +879,7 @@ class Report:
     measured: dict[int, dict[str, float]]  # id(fault) -> measured moments (seconds)
     unexplained: list[Outcome]
     duplicates: list[str]
+    problems: Counter[tuple[str, str]]  # the picker's log: warnings and errors
 
     @property
     def args(self) -> argparse.Namespace:
@@ -869,21 +897,37 @@ class Report:
         print_report(self)
 
 
-def _intervals(views: list[View], name: str) -> list[tuple[float, float]]:
-    """When the picker's view showed ``name`` stale: (first seen stale, first seen fresh or gone)."""
-    spans: list[tuple[float, float]] = []
-    since: float | None = None
+@dataclass(frozen=True)
+class Span:
+    """A stretch of the picker's view in which a pod was stale: seen stale first at ``first``, last at
+    ``last``, then seen fresh (or gone) at ``fresh``."""
+
+    first: float
+    last: float
+    fresh: float
+
+    def knew(self, sent: float, received: float) -> bool:
+        """Whether the picker showed the pod stale both before a request was sent and after the pod received
+        it: its pick, in between, was made knowing."""
+        return self.first <= sent and received <= self.last
+
+
+def _intervals(views: list[View], name: str) -> list[Span]:
+    """When the picker's view showed ``name`` stale."""
+    spans: list[Span] = []
+    first: float | None = None
+    last = 0.0
     for view in views:
-        if view.stale is None:
+        if view.stale is None:  # no answer (the picker is down): no view
             continue
-        stale = view.stale.get(name, False)
-        if stale and since is None:
-            since = view.t
-        elif not stale and since is not None:
-            spans.append((since, view.t))
-            since = None
-    if since is not None:
-        spans.append((since, views[-1].t))
+        if view.stale.get(name, False):
+            first = view.t if first is None else first
+            last = view.t
+        elif first is not None:
+            spans.append(Span(first, last, view.t))
+            first = None
+    if first is not None:
+        spans.append(Span(first, last, views[-1].t))
     return spans
 
 
@@ -915,10 +959,14 @@ def analyse(evidence: Evidence) -> Report:
             pod, model = row["pod"], row.get("model")
             if model is not None and model not in serves[pod] and (o.envoy or {}).get("route") != "unpicked":
                 o.misrouted = f"{pod} does not serve {model}"
-            elif not _member(in_pool[pod], r.t0) and (o.envoy or {}).get("route") != "unpicked":
+            elif (
+                not _member(in_pool[pod], r.t0)
+                and not _member(in_pool[pod], row["t"])  # a pod added while the request was on its way is fine
+                and (o.envoy or {}).get("route") != "unpicked"
+            ):
                 o.misrouted = f"{pod} was not in the pool"
             elif (o.envoy or {}).get("route") == "picked" and any(
-                a <= r.t0 <= b - VIEW_PERIOD for a, b in stale_spans[pod]
+                span.knew(r.t0, row["t"]) for span in stale_spans[pod]
             ):
                 o.misrouted = f"{pod} was stale in the picker's view"
         if r.error is not None and not (o.misrouted and r.error == "status 404"):
@@ -937,7 +985,8 @@ def analyse(evidence: Evidence) -> Report:
     unexplained = [o for o in outcomes if o.bad and o.fault is None]
     results = evidence.results
     duration = max(r.t1 for r in results) - min(r.t0 for r in results) if results else 0.0
-    return Report(evidence, duration, outcomes, per_fault, measured, unexplained, duplicates)
+    problems = log_problems(evidence.workdir / PICKER_LOG)
+    return Report(evidence, duration, outcomes, per_fault, measured, unexplained, duplicates, problems)
 
 
 def _overlaps(r: Result, start: float, end: float) -> bool:
@@ -1002,16 +1051,16 @@ def _first(times: Iterator[float]) -> float | None:
 
 
 def _measure(
-    evidence: Evidence, fault: Fault, outcomes: list[Outcome], stale: dict[str, list[tuple[float, float]]]
+    evidence: Evidence, fault: Fault, outcomes: list[Outcome], stale: dict[str, list[Span]]
 ) -> dict[str, float]:
     """Moments of the fault seen from outside (seconds after its start, or after its end where said)."""
     measured = dict(fault.notes)
     target = fault.target.split("->")[0] if fault.target else ""
     if fault.kind == "pod-kill" or fault.kind.startswith("metrics-"):
-        seen = _first(a for a, b in stale[target] if fault.start <= a <= fault.end + 1)
+        seen = _first(span.first for span in stale[target] if fault.start <= span.first <= fault.end + 1)
         if seen is not None:
             measured["picker saw it stale"] = seen - fault.start
-        fresh = _first(b for a, b in stale[target] if b >= fault.end)
+        fresh = _first(span.fresh for span in stale[target] if span.fresh >= fault.end)
         if fresh is not None:
             measured["fresh again after the fix"] = fresh - fault.end
         # The first request it got after the fix, if before it left the pool or the next fault began.
@@ -1156,12 +1205,26 @@ def print_report(report: Report) -> None:
         rss = [v[0] / 2**20 for v in values]
         fds = [v[1] for v in values]
         print(f"{label:<16}{rss[0]:>15.1f}{max(rss):>8.1f}{rss[-1]:>8.1f}{fds[0]:>12}{max(fds):>6}{fds[-1]:>6}")
+    connections = [s.envoy_connections for s in report.evidence.samples if s.envoy_connections is not None]
+    if connections:
+        print(
+            f"envoy connections: from clients {min(c[0] for c in connections)}..{max(c[0] for c in connections)}, "
+            f"to pods and the picker {min(c[1] for c in connections)}..{max(c[1] for c in connections)} "
+            "(Envoy's fds follow them: connection pools, not a leak, when the two move together)"
+        )
     print("  (the picker's and Envoy's numbers start again at each of their restarts)")
     print(f"scrape workers still running after their picker was SIGKILLed: {len(report.evidence.orphans)}")
     print(
         f"requests received by a pod twice: {len(report.duplicates)}; "
         f"arrivals the client skipped: {report.evidence.skipped}"
     )
+    levels: Counter[str] = Counter()
+    for (level, _), n in report.problems.items():
+        levels[level] += n
+    print("picker log (all its lives): " + (", ".join(f"{n} {level}" for level, n in levels.items()) or "no warnings"))
+    worst_first = sorted(report.problems.items(), key=lambda item: (item[0][0] == "WARNING", -item[1]))
+    for (level, message), n in worst_first[:12]:
+        print(f"  {n:>5} {level:<8} {message}")
 
 
 def plot(report: Report, path: str) -> None:
@@ -1213,9 +1276,14 @@ def plot(report: Report, path: str) -> None:
         points = [(s.t - t0, pick(s)) for s in report.evidence.samples if pick(s) is not None]
         rss.plot([p[0] for p in points], [p[1][0] / 2**20 for p in points], ".", ms=2, label=label, color=color)
         fds.plot([p[0] for p in points], [p[1][1] for p in points], ".", ms=2, label=label, color=color)
+    links = [(s.t - t0, s.envoy_connections) for s in report.evidence.samples if s.envoy_connections is not None]
+    if links:
+        fds.plot([p[0] for p in links], [sum(p[1]) for p in links], "-", lw=0.6, color="tab:olive",
+                 label="envoy connections (clients + upstreams)")
     rss.set_ylabel("RSS MiB")
     fds.set_ylabel("open fds")
     rss.legend(loc="upper right", fontsize=7)
+    fds.legend(loc="upper right", fontsize=7)
     fds.set_xlabel("seconds")
     palette = plt.get_cmap("tab10")
     spans = sorted({f.kind for f in report.faults})
