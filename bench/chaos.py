@@ -82,9 +82,64 @@ metrics-*           none: the pod serves, goes stale after the threshold and   n
                     is ranked last; nothing may be lost or misrouted           or misrouted
 ==================  =========================================================  =====================
 
-Findings
---------
-(filled in from the 30-minute run)
+Results (``python bench/chaos.py --keep``: 30 min, fail-open, 2-core machine shared with other benchmarks,
+load average 4-10)
+---------------------------------------------------------------------------------------------------------
+54,046 requests (30.0/s); 53,188 answered as expected; 853 lost and 5 misrouted, every one inside a fault's
+window; **0 unexplained**. 12 or 11 faults of each kind; windows are medians / maxima over them::
+
+    fault          times  lost  in flight  misrouted  window  max    bound   measured (medians, s after the fault)
+    pod-kill          12    10          5          0    0 ms  32 ms  500 ms  picker saw it stale 0.07; traffic
+                                                                              again 0.15 after the restart
+    metrics-html      12     0          0          0       -      -    none  stale 2.06; last request to it 1.96
+    metrics-garbage   12     0          0          0       -      -    none  stale 2.08; last request to it 1.86
+    metrics-hang      11     0          0          0       -      -    none  stale 2.15; last request to it 2.01
+    metrics-500       11     0          0          0       -      -    none  stale 2.07; last request to it 1.92
+    picker-kill       12   321         13          0    3 ms  46 ms  500 ms  Envoy saw it down 0.05; restart
+                                                                              took 3.86; picked again 10.14
+    envoy-restart     11   522          9          0 1447 ms 1730 ms  2.0 s  down ~1.5 s (stop, 1 s, start)
+    watch-drop        11     0          0          5   42 ms  72 ms  1000 ms  watching again 0.07
+    pool-churn        11     0          0          0       -      -  500 ms  first request to the new pod 0.26
+
+* pod-kill: 10 lost in 12 kills: 5 in flight on the pod (cut streams, Envoy's 503 "reset before headers"),
+  5 sent in the 32 ms before the picker's next scrape was refused (Envoy's 503 for a dead pick). None
+  later: the pod is stale at once and ranked last; back in traffic 0.15 s after it listens again.
+* metrics broken (46 times, four ways): nothing lost or misrouted. The pod keeps serving and looks fresh
+  until the 2 s staleness threshold (its last request 1.9-2.0 s after the break), then gets no request
+  until the page is fixed (fresh again 0.07-0.15 s later). A hanging page is a scrape timeout (1 s) and
+  the same 2 s.
+* picker-kill: before a207d39 (Envoy fail-open ejects the picker at its first refused connection) each
+  SIGKILL cost ~2 s of 500s, every POST until Envoy's health check had missed twice (``--minutes 1.5
+  --faults picker-kill --hold 3 --gap 6``, six kills: 386 lost to 500s or cuts, the last sent 1.98 s after
+  the kill; with a207d39 the same run lost 14, the last 23 ms after). Here 20 in 12 kills: 13 in flight on the picker
+  (500, or a streamed answer cut), the rest sent within 46 ms. While the picker is away (~10 s here:
+  5 s down, a restart of 3.9 s on this loaded machine, then two health checks) the fail-open route is
+  round robin over a static list, which knows no models: 301 adapter requests reached a pod without the
+  adapter and got its 404. That is what fail-open costs; the scrape worker always died with its picker.
+* envoy-restart: 522 lost in 11 restarts: refused while Envoy is down (~1.5 s at 30/s), 12 cut when it
+  stopped; none once it is ready (its start waits for the first health check of the picker).
+* watch-drop: the picker watches again 0.07 s after its watches are cut or expired (re-listing after
+  410) and never lost its pool; 5 requests reached the pod taken out of the pool while the watches were
+  down, all within 72 ms; none after.
+* pool-churn: the pod that left got no request sent after its deletion; the one that joined got its
+  first 0.26 s later (its first scrape, then the load-aware scorers).
+* Memory and descriptors (the PNG): the picker 119-123 MiB RSS and 31-34 fds in each of its 13 lives,
+  flat; its scrape worker 27 MiB and 18 fds; Envoy 67-72 MiB, its fds (35-167) follow its open
+  connections (sampled from its admin stats: clients and upstream pools, which swell after a restart or
+  a picker outage and drain as idle connections close), not a leak. No request was received twice; no
+  arrival was skipped by the client.
+* The picker's log over its 13 lives: only the faults' own warnings, and one grpc.aio ERROR with a
+  traceback (``ExecuteBatchError`` sending a stream's final status) 14 s after an Envoy restart, also once
+  in an earlier 30-minute run (22 s after one): a stream whose Envoy went away is finished late and its
+  status send fails in grpc's core. No request was lost with it.
+
+``--fail-closed`` (6 minutes, the same faults): 0 unexplained; a killed picker fails every request (500)
+for its whole absence (10.6 s median here: 5 s down, a 5.4 s restart, then Envoy's next health check);
+the other faults as above.
+
+What it does not cover: a watch that goes silent without its connection being closed (a black-holed
+network path). The picker only notices when the read times out, the server-side watch timeout plus 30 s
+(5.5-10.5 min); the fake API server can cut connections, not black-hole them.
 """
 
 from __future__ import annotations
