@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size,
                    help="tokens per KV block (16: vLLM on GPU; 128: vLLM on CPU)")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len, help="context length")
+    p.add_argument("--name", default="pod", help="pod i is named NAME-i (NAME alone with --pods 1 and a name given)")
+    p.add_argument("--fault-control", action="store_true",
+                   help="test only: serve PUT /sim/faults/metrics, which breaks the metrics page on demand "
+                        "(see epp.sim.faults)")
+    p.add_argument("--record", metavar="FILE",
+                   help="test only: append one JSON line per request received to FILE (see epp.sim.faults)")
     p.add_argument("--mean-output-tokens", type=int, default=_DEFAULTS.mean_output_tokens,
                    help="mean output length when max_tokens allows (end-of-sequence probability 1/this)")
     p.add_argument("--kv-events-config", default=None,
@@ -124,7 +130,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.tokenizer is not None:
             model_tokenizer(args.tokenizer)  # a broken directory stops start-up, naming the file
-        pool = SimulatedPool(args.pods, _configs(args), base_port=args.base_port, host=args.host)
+        names = [args.name] if args.pods == 1 and args.name != "pod" else [f"{args.name}-{i}" for i in range(args.pods)]
+        pool = SimulatedPool(
+            args.pods,
+            _configs(args),
+            base_port=args.base_port,
+            host=args.host,
+            names=names,
+            fault_control=args.fault_control,
+            record=args.record,
+        )
     except (ValueError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

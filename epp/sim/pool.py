@@ -10,6 +10,7 @@ from aiohttp import web
 
 from epp.sim.config import EngineConfig
 from epp.sim.engine import Engine
+from epp.sim.faults import RequestRecorder
 from epp.sim.server import build_app
 
 __all__ = ["SimulatedPod", "SimulatedPool"]
@@ -20,17 +21,28 @@ _SHUTDOWN_TIMEOUT_S = 5.0  # handlers end as soon as the engine aborts their req
 class SimulatedPod:
     """One simulated vLLM pod: an :class:`~epp.sim.engine.Engine` served over HTTP on ``host:port``.
 
-    ``port=0`` picks an ephemeral port; :attr:`port` holds the real one once started.
+    ``port=0`` picks an ephemeral port; :attr:`port` holds the real one once started. ``fault_control`` and
+    ``record`` (a file to append to) are the test-only switches of :mod:`epp.sim.faults`.
     """
 
     def __init__(
-        self, config: EngineConfig | None = None, *, name: str = "pod-0", host: str = "127.0.0.1", port: int = 0
+        self,
+        config: EngineConfig | None = None,
+        *,
+        name: str = "pod-0",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        fault_control: bool = False,
+        record: str | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.name = name
         self.host = host
         self.port = port
         self.engine = Engine(self.config)
+        self.fault_control = fault_control
+        self.record = record
+        self._recorder: RequestRecorder | None = None
         self._runner: web.AppRunner | None = None
 
     @property
@@ -43,8 +55,10 @@ class SimulatedPod:
         if self._runner is not None:
             raise RuntimeError(f"{self.name} already started")
         self.engine.start()
+        if self.record is not None:
+            self._recorder = RequestRecorder(self.record, self.name)
         runner = web.AppRunner(
-            build_app(self.engine, self.name),
+            build_app(self.engine, self.name, fault_control=self.fault_control, recorder=self._recorder),
             access_log=None,
             handler_cancellation=True,  # a client that goes away aborts its request, as on vLLM
             shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
@@ -60,6 +74,7 @@ class SimulatedPod:
             sock.close()
             await runner.cleanup()
             await self.engine.stop()
+            self._close_recorder()
             raise
         self.port = sock.getsockname()[1]
         self._runner = runner
@@ -78,13 +93,20 @@ class SimulatedPod:
             await site.stop()
         await self.engine.stop()
         await runner.cleanup()
+        self._close_recorder()
+
+    def _close_recorder(self) -> None:
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
 
 
 class SimulatedPool:
-    """``n`` simulated pods named ``pod-0`` .. ``pod-{n-1}``; an async context manager.
+    """``n`` simulated pods named ``pod-0`` .. ``pod-{n-1}`` (or ``names``); an async context manager.
 
     ``config`` is shared by every pod, or given per pod as a sequence of length ``n``. With ``base_port=0``
-    every pod gets an ephemeral port, otherwise pod ``i`` listens on ``base_port + i``.
+    every pod gets an ephemeral port, otherwise pod ``i`` listens on ``base_port + i``. ``fault_control``
+    and ``record`` (one file for every pod's lines): see :class:`SimulatedPod`.
     """
 
     def __init__(
@@ -94,6 +116,9 @@ class SimulatedPool:
         *,
         base_port: int = 0,
         host: str = "127.0.0.1",
+        names: Sequence[str] | None = None,
+        fault_control: bool = False,
+        record: str | None = None,
     ) -> None:
         if n < 1:
             raise ValueError(f"a pool needs at least one pod, got {n}")
@@ -103,9 +128,14 @@ class SimulatedPool:
             configs = config
         if len(configs) != n:
             raise ValueError(f"{len(configs)} configs for {n} pods")
+        if names is None:
+            names = [f"pod-{i}" for i in range(n)]
+        if len(names) != n:
+            raise ValueError(f"{len(names)} names for {n} pods")
         self.pods = [
-            SimulatedPod(c, name=f"pod-{i}", host=host, port=base_port + i if base_port else 0)
-            for i, c in enumerate(configs)
+            SimulatedPod(c, name=name, host=host, port=base_port + i if base_port else 0,
+                         fault_control=fault_control, record=record)
+            for i, (c, name) in enumerate(zip(configs, names, strict=True))
         ]
 
     @property

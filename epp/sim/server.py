@@ -29,6 +29,9 @@ found in the prefix cache when the request was admitted; 0 if it never was). Bec
 streaming response sends its headers when the request is admitted to the batch, not when it arrives.
 
 A client that disconnects aborts its request (``finished_reason="abort"``), as with vLLM.
+
+Test-only switches, off unless asked for (:mod:`epp.sim.faults`): a control endpoint that breaks the metrics
+page on demand, and a record of every request received.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from epp.sim.engine import Engine
 from epp.sim.exposition import CONTENT_TYPE, restrict_page
+from epp.sim.faults import FaultSwitches, RequestRecorder, add_fault_routes, broken_metrics, recording
 from epp.sim.metrics import HttpStats, MetricsPage
 from epp.sim.openai import (
     BadRequest,
@@ -70,6 +75,7 @@ _ENGINE = web.AppKey("engine", Engine)
 _POD = web.AppKey("pod", str)
 _HTTP = web.AppKey("http", HttpStats)
 _PAGE = web.AppKey("page", MetricsPage)
+_FAULTS = web.AppKey("faults", FaultSwitches)
 _SHA = web.RequestKey("sha", str)
 _HITS = web.RequestKey("prefix_hits", int)
 
@@ -265,17 +271,26 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     # vLLM 0.32's /metrics is prometheus-fastapi-instrumentator's handler: it ignores ?name[]=.
+    if (broken := await _broken(request)) is not None:
+        return broken
     return web.Response(body=request.app[_PAGE].render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def _metrics_app(request: web.Request) -> web.Response:
     # vLLM 0.32's /metrics/ is prometheus_client's own ASGI app: the same page, and it serves only the
     # samples ?name[]= asks for.
+    if (broken := await _broken(request)) is not None:
+        return broken
     page = request.app[_PAGE].render()
     names = request.query.getall("name[]", [])
     if names:
         page = restrict_page(page, [name.encode() for name in names])
     return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _broken(request: web.Request) -> web.Response | None:
+    switches = request.app.get(_FAULTS)
+    return None if switches is None else await broken_metrics(switches)
 
 
 async def _adapter_body(request: web.Request) -> _AdapterBody:
@@ -343,9 +358,17 @@ async def _on_prepare(request: web.Request, response: web.StreamResponse) -> Non
         response.headers["x-sim-prefix-hit-tokens"] = str(request.get(_HITS, 0))
 
 
-def build_app(engine: Engine, pod_name: str) -> web.Application:
-    """The aiohttp application of one pod (the engine is started and stopped by its owner)."""
-    app = web.Application(middlewares=[_instrument], client_max_size=_MAX_BODY)
+def build_app(
+    engine: Engine, pod_name: str, *, fault_control: bool = False, recorder: RequestRecorder | None = None
+) -> web.Application:
+    """The aiohttp application of one pod (the engine is started and stopped by its owner).
+
+    ``fault_control`` and ``recorder``: the test-only switches of :mod:`epp.sim.faults`."""
+    middlewares: list[Middleware] = [_instrument] if recorder is None else [recording(recorder), _instrument]
+    app = web.Application(middlewares=middlewares, client_max_size=_MAX_BODY)
+    if fault_control:
+        app[_FAULTS] = switches = FaultSwitches()
+        add_fault_routes(app, switches)
     http = HttpStats()
     app[_ENGINE] = engine
     app[_POD] = pod_name

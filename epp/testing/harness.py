@@ -71,12 +71,15 @@ def _new_log() -> IO[bytes]:
 class PickerProcess:
     """``python -m epp serve`` on 127.0.0.1 with free ports, plaintext unless ``tls``.
 
-    ``python``: the interpreter (another virtualenv's, to run another tree's picker side by side in a bench).
+    ``endpoints=None`` passes no ``--endpoints``: the pool comes from ``extra_args`` (``--pool-name`` and a
+    ``--kubeconfig``, for one). The ports are chosen once: a picker started again after :meth:`stop`
+    (or after its process was killed) listens where Envoy expects it. ``python``: the interpreter
+    (another virtualenv's, to run another tree's picker side by side in a bench).
     """
 
     def __init__(
         self,
-        endpoints: Sequence[str],
+        endpoints: Sequence[str] | None,
         *,
         tls: bool = False,
         extra_args: Sequence[str] = (),
@@ -93,7 +96,7 @@ class PickerProcess:
             "--grpc-health-port", str(self.health_port),
             "--metrics-port", str(self.metrics_port),
             f"--secure-serving={'true' if tls else 'false'}",
-            "--endpoints", ",".join(endpoints),
+            *(["--endpoints", ",".join(endpoints)] if endpoints is not None else []),
             *extra_args,
         ]  # fmt: skip
         self._log = _new_log()

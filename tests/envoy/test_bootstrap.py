@@ -39,7 +39,7 @@ from epp.envoy.bootstrap import (
     render_yaml,
 )
 from epp.testing.envoy import EnvoyError, EnvoyProcess, envoy_binary, free_port
-from epp.testing.harness import PickerProcess
+from epp.testing.harness import PickerProcess, wait_for_picker
 
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy" / "envoy"
 
@@ -462,5 +462,39 @@ async def test_a_tls_mismatch_between_envoy_and_the_picker_is_a_500_as_deploy_en
         assert status == 500
         assert body == PICKER_UNAVAILABLE_BODY  # says what to check (issue 16 item 4)
         assert forged_target.seen == [] and all(seen is None for seen in pool_member.seen)  # scrapes only
+    finally:
+        await asyncio.to_thread(picker.stop)
+
+
+@needs_envoy
+async def test_fail_open_a_killed_picker_costs_no_request_sent_after_it_died(
+    backend: BackendFactory, envoy: EnvoyFactory
+) -> None:
+    # bench/chaos.py measured ~2 s of 500s after each SIGKILL of the picker, until Envoy's health check
+    # (two misses at 1 s) noticed: a refused connection must take the picker out of the cluster at once.
+    pool_member = await backend()
+    picker = PickerProcess([pool_member.address], extra_args=["--scrape-metrics=false"])
+    await asyncio.to_thread(picker.start)
+    try:
+        options = _local_options(picker_port=picker.grpc_port, fail_open=True, pool_endpoints=(pool_member.address,))
+        process = await envoy(options)
+        await asyncio.to_thread(wait_for_picker, process)
+        assert await _send(process, "10.0.0.1:1") == (200, pool_member.address)
+        assert picker.process is not None
+        picker.process.kill()  # no goodbye: its connections are reset by the kernel
+        await asyncio.to_thread(picker.process.wait)
+        # Well within the health check's 2 s: at most the first request finds it dead.
+        statuses = [(await _send(process, "10.0.0.1:1"))[0] for _ in range(10)]
+        assert statuses.count(200) >= 9, statuses
+        # Back in service once it answers its health check again, not ejected for good.
+        await asyncio.to_thread(picker.start)
+        await asyncio.to_thread(wait_for_picker, process)
+        fresh = f"127.0.0.1:{free_port()}"
+        for _ in range(50):
+            if (await _send(process, fresh))[1] == pool_member.address and pool_member.seen[-1] is not None:
+                break  # the picker's pick (its destination header reached the pool member)
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the restarted picker was not routed to again")
     finally:
         await asyncio.to_thread(picker.stop)
