@@ -20,7 +20,9 @@ follows client-go's reflector, reduced to what discovery needs:
    out) waits out the backoff and **resumes** the watch from its ``resourceVersion``. Any other error
    (a non-410 ERROR event, 401/403/404/5xx) waits and **re-lists**, as client-go does. The backoff
    doubles from 0.1 s to at most 30 s (with jitter) and starts over after a list succeeds or a watch
-   delivers an event.
+   delivers an event. A failure is logged as a WARNING when it is new; the same failure again (a
+   CRD that is not installed answers 404 every 30 s for as long as the picker runs) is logged at
+   DEBUG, and the recovery once, at INFO.
 
 The client side of the HTTP is kubernetes_asyncio's (URL, query parameters, authentication, TLS, its
 aiohttp session); the responses are read raw (``_preload_content=False``) and decoded here, so that
@@ -126,6 +128,15 @@ class Reflector:
         self._backoff = backoff or Backoff()
         self._watch_timeout = watch_timeout
         self._events_since_list = False
+        self._failing = ""  # the failure last logged as a WARNING, until a list succeeds
+
+    def _failed(self, message: str) -> None:
+        """Log a failure: a WARNING when it is new, DEBUG when it repeats the last one."""
+        if message.split("; retrying in")[0] == self._failing.split("; retrying in")[0]:
+            log.debug("%s: %s (again)", self.what, message)
+            return
+        self._failing = message
+        log.warning("%s: %s", self.what, message)
 
     async def run(self) -> None:
         relist = True
@@ -135,6 +146,9 @@ class Reflector:
                     await self._list()
                     relist = False
                     self._backoff.reset()
+                    if self._failing:
+                        log.info("%s: listed again after: %s", self.what, self._failing)
+                        self._failing = ""
                 delivered = await self._watch()
                 if not delivered:
                     await asyncio.sleep(self._backoff.next())  # a watch that closes at once: do not spin
@@ -145,19 +159,13 @@ class Reflector:
                     await asyncio.sleep(self._backoff.next())
             except ApiError as exc:
                 delay = self._backoff.next()
-                log.warning("%s: %s; retrying in %.1fs", self.what, exc, delay)
+                self._failed(f"{exc}; retrying in {delay:.1f}s")
                 relist = True
                 await asyncio.sleep(delay)
             except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError) as exc:
                 delay = self._backoff.next()
-                log.warning(
-                    "%s: %s: %s; %s in %.1fs",
-                    self.what,
-                    type(exc).__name__,
-                    exc or "no detail",
-                    "re-listing" if relist else f"resuming the watch from resourceVersion {self.resource_version}",
-                    delay,
-                )
+                then = "re-listing" if relist else f"resuming the watch from resourceVersion {self.resource_version}"
+                self._failed(f"{type(exc).__name__}: {exc or 'no detail'}; {then} in {delay:.1f}s")
                 await asyncio.sleep(delay)
             except Exception:  # a bug must not end discovery: log it, start over from a list
                 delay = self._backoff.next()
