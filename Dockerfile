@@ -2,7 +2,8 @@
 # The endpoint picker image: `docker build -t epp .` (see README, "Container").
 
 # --- build: wheels for the package and its dependencies -----------------------------------------
-# The full image, for its C compiler: the package has one small extension (epp/prefix/_native.c).
+# The full image, for its C compiler: the package has two small extensions (epp/prefix/_native.c,
+# epp/wire/_fast.c).
 FROM python:3.11 AS build
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
