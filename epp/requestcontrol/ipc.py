@@ -1,0 +1,293 @@
+"""The messages between the owner process and its ext_proc workers, and the channel that carries them.
+
+Design
+------
+With ``--workers N`` (:mod:`epp.server.workers`) one process, the *owner*, keeps everything a
+request's routing shares with the others (datastore, scheduler and plugins, prefix index, in-flight
+accounting, flow control, metrics), and N *workers* speak ext_proc to Envoy. A worker's director is a
+proxy (:mod:`epp.requestcontrol.remote`) that sends each parsed request here and gets the pick back;
+the owner's side is :mod:`epp.requestcontrol.owner`. One unix socketpair per worker carries:
+
+worker -> owner: :class:`Route` (a parsed request, its subset hint and trace context),
+:class:`Cancel`, and the response events :class:`Headers`, :class:`Started`, :class:`Finish`, plus
+:class:`Refused` (a refusal for the refused-requests metric) and :class:`Ready`;
+
+owner -> worker: :class:`Routed` / :class:`Refusal` / :class:`Failed` (the answer to a route),
+:class:`HeadersAnswer` (only when a plugin's ``response_received`` hook may set response headers),
+:class:`Health` and :class:`Models` (state the worker answers from on its own: health checks on the
+ext_proc port, ``GET /v1/models``) and :class:`Drain`.
+
+Cost (the point of the design: a worker must not spend its savings on talking). Every message is a
+small msgspec struct encoded as a msgpack array (``array_like``, an integer tag first): no field
+names on the wire, decoded straight into the typed struct in C. A channel collects what its process
+sends during one event-loop turn and writes it as one frame (a 4-byte length, then a msgpack array
+of messages) at the turn's end: one ``write`` per turn, not per message, and the peer's read of one
+frame dispatches every message in it with no task per message. ``bench/workers.py --ipc`` measures
+the round trip of a route and its response events in-process: see its docstring.
+
+Ordering: one socket, one writer per direction, so the messages of a request arrive in the order
+they were sent, which is all the protocol relies on (a :class:`Cancel` after the :class:`Route` it
+cancels, the events after the :class:`Routed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import msgspec
+
+__all__ = [
+    "Cancel",
+    "Channel",
+    "Drain",
+    "Failed",
+    "Finish",
+    "Headers",
+    "HeadersAnswer",
+    "Health",
+    "Models",
+    "OwnerMessage",
+    "Ready",
+    "Refusal",
+    "Refused",
+    "Route",
+    "Routed",
+    "Started",
+    "WorkerMessage",
+    "owner_decoder",
+    "worker_decoder",
+]
+
+log = logging.getLogger(__name__)
+
+
+# -- worker -> owner ------------------------------------------------------------------------------
+
+
+class Route(msgspec.Struct, array_like=True, tag=1, frozen=True):
+    """Route this request (the fields of :class:`epp.framework.InferenceRequest` the edge parsed).
+
+    ``traceparent``: the W3C context of the worker's orchestration span (the owner's admission and
+    scheduling spans are its children); None when the request is not traced or not recorded.
+    """
+
+    id: int
+    request_id: str
+    method: str
+    path: str
+    headers: dict[str, str]
+    api: str
+    model: str
+    prompt: str
+    stream: bool
+    cache_salt: str | None
+    max_tokens: int | None
+    body_size: int
+    subset: list[str] | None = None
+    traceparent: str | None = None
+
+
+class Cancel(msgspec.Struct, array_like=True, tag=2, frozen=True):
+    """The stream went away: stop routing ``id`` (it leaves the flow-control queue), or finish it cancelled."""
+
+    id: int
+
+
+class Headers(msgspec.Struct, array_like=True, tag=3, frozen=True):
+    """The response headers of ``id``; ``wait``: the worker waits for a :class:`HeadersAnswer`."""
+
+    id: int
+    headers: dict[str, str]
+    wait: bool = False
+
+
+class Started(msgspec.Struct, array_like=True, tag=4, frozen=True):
+    """The first response body bytes of ``id`` arrived."""
+
+    id: int
+
+
+class Finish(msgspec.Struct, array_like=True, tag=5, frozen=True):
+    """``id``'s stream ended with ``outcome``; ``ended``: the response body's (size, usage) if it ended."""
+
+    id: int
+    outcome: str
+    ended: tuple[int, tuple[int, int] | None] | None = None
+
+
+class Refused(msgspec.Struct, array_like=True, tag=6, frozen=True):
+    """The worker answered a request with a refusal (``epp.errors.Refusal`` value): count it."""
+
+    refusal: str
+    model: str | None = None
+
+
+class Ready(msgspec.Struct, array_like=True, tag=7, frozen=True):
+    """The worker serves the ext_proc socket."""
+
+    pid: int
+
+
+WorkerMessage = Route | Cancel | Headers | Started | Finish | Refused | Ready
+
+
+# -- owner -> worker ------------------------------------------------------------------------------
+
+
+class Routed(msgspec.Struct, array_like=True, tag=21, frozen=True):
+    """``id`` is routed: the destination header's value, the primary's name, the request's priority."""
+
+    id: int
+    destination: str
+    primary: str
+    priority: int = 0
+
+
+class Refusal(msgspec.Struct, array_like=True, tag=22, frozen=True):
+    """``id`` is refused (an :class:`epp.errors.EppError`: refusal value, message, extra headers)."""
+
+    id: int
+    refusal: str
+    message: str
+    headers: dict[str, str] | None = None
+
+
+class Failed(msgspec.Struct, array_like=True, tag=23, frozen=True):
+    """Routing ``id`` raised an unexpected exception (logged by the owner)."""
+
+    id: int
+    message: str
+
+
+class HeadersAnswer(msgspec.Struct, array_like=True, tag=24, frozen=True):
+    """The response headers the plugins' ``response_received`` hooks set for ``id`` (None: none)."""
+
+    id: int
+    added: dict[str, str] | None = None
+
+
+class Health(msgspec.Struct, array_like=True, tag=25, frozen=True):
+    """Health statuses (``grpc.health.v1`` enum values) by service, as the owner sets them."""
+
+    statuses: dict[str, int]
+
+
+class Models(msgspec.Struct, array_like=True, tag=26, frozen=True):
+    """The pool's ``GET /v1/models`` union (model cards), None while no pod's list was read."""
+
+    cards: list[dict[str, Any]] | None
+
+
+class Drain(msgspec.Struct, array_like=True, tag=27, frozen=True):
+    """Stop accepting, give open streams ``grace`` seconds, then exit."""
+
+    grace: float
+
+
+OwnerMessage = Routed | Refusal | Failed | HeadersAnswer | Health | Models | Drain
+
+owner_decoder = msgspec.msgpack.Decoder(list[WorkerMessage])
+"""What the owner reads: lists of :data:`WorkerMessage`."""
+worker_decoder = msgspec.msgpack.Decoder(list[OwnerMessage])
+"""What a worker reads: lists of :data:`OwnerMessage`."""
+
+_LENGTH = struct.Struct("!I")
+_encoder = msgspec.msgpack.Encoder()
+
+
+class Channel(asyncio.Protocol):
+    """One end of a socketpair: :meth:`send` batches messages per event-loop turn; frames read are
+    decoded with ``decoder`` and each message is handed to ``handlers[type(message)]``.
+
+    ``on_lost`` is called once when the other end closes (its process exited or closed the socket).
+    """
+
+    def __init__(
+        self,
+        decoder: msgspec.msgpack.Decoder[Any],
+        handlers: Mapping[type, Callable[[Any], None]],
+        on_lost: Callable[[], None],
+    ) -> None:
+        self._decode = decoder.decode
+        self._handlers = dict(handlers)
+        self._on_lost = on_lost
+        self._buffer = bytearray()
+        self._out: list[msgspec.Struct] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.sent_frames = 0  # frames written (one per event-loop turn with something to say)
+
+    # -- sending ----------------------------------------------------------------------------------
+
+    def send(self, message: msgspec.Struct) -> None:
+        """Queue ``message``; everything queued in this loop turn is written once, at its end."""
+        out = self._out
+        if not out:
+            if self.closed:
+                return
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_soon(self.flush)
+        out.append(message)
+
+    def flush(self) -> None:
+        """Write what is queued now (called at the end of the turn; call it before closing)."""
+        out = self._out
+        if not out:
+            return
+        self._out = []
+        transport = self.transport
+        if transport is None or self.closed:
+            return
+        frame = bytearray(4)
+        _encoder.encode_into(out, frame, 4)
+        _LENGTH.pack_into(frame, 0, len(frame) - 4)
+        transport.write(frame)
+        self.sent_frames += 1
+
+    def close(self) -> None:
+        """Flush, then close this end (the peer sees EOF once the last frame is read)."""
+        self.flush()
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- receiving --------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a unix stream connection's transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._buffer:  # the rest of a frame that arrived in parts (large routes, a full socket buffer)
+            self._buffer += data
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        decode, handlers = self._decode, self._handlers
+        size = len(data)
+        view = memoryview(data)
+        position = 0
+        while size - position >= 4:
+            (length,) = _LENGTH.unpack_from(data, position)
+            end = position + 4 + length
+            if end > size:
+                break
+            for message in decode(view[position + 4 : end]):
+                try:
+                    handlers[type(message)](message)
+                except Exception:  # one message's handler must not lose the rest of the frame
+                    log.exception("handling %s from the other process failed", type(message).__name__)
+            position = end
+        if position < size:
+            self._buffer += view[position:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._out.clear()
+        self._on_lost()

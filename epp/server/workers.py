@@ -1,0 +1,508 @@
+"""``--workers N``: N ext_proc worker processes in front of one owner process (our extension; upstream has none).
+
+Why
+---
+One Python process is one core: the picker served ~1,200-1,570 req/s of 1 KB requests whatever the
+pod's CPU limit (issue 14). Most of a request's CPU is per-message work that needs nothing shared:
+HTTP/2 and gRPC framing, protobuf, the body's JSON (msgspec), the answers, and the response path
+(every streamed chunk). Routing needs everything shared: the datastore and its scraping, flow
+control's queue, the scheduler and its plugins' state (the prefix index learns from this picker's
+own picks), in-flight accounting, the metrics.
+
+Design
+------
+The process ``epp serve`` starts stays the **owner**: datastore, scraping, discovery, admission and
+flow control, the scheduler and plugins, the prefix index, in-flight accounting, the metrics
+registry and ``/metrics``, the health port. It binds the ext_proc port (never ``SO_REUSEPORT``) and
+starts N **workers** (``python -m epp.server.workers``, spawned rather than forked: the owner has a
+running event loop and threads by then) that inherit that listening socket's descriptor and accept
+on it: the kernel hands each new connection to one of them (Envoy opens a few HTTP/2 connections
+and keeps them, so streams spread per connection, not per request). A worker runs the same
+:mod:`epp.extproc` stream handling as one process, with a
+:class:`~epp.requestcontrol.remote.RemoteDirector` as its director: a parsed request goes to the
+owner over the worker's unix socketpair (:mod:`epp.requestcontrol.ipc`), the owner routes it
+(:mod:`epp.requestcontrol.owner`) and answers with the pick; the response's events flow back one way.
+Health checks on the ext_proc port (Envoy's active check) are answered by the worker that holds the
+connection, from the statuses the owner pushes on every change; ``GET /v1/models`` from the pool's
+union, pushed when a list changes (checked every second).
+
+* ``--workers 0`` (the default) is today's single process, exactly: nothing here runs. ``--workers 1``
+  is one owner and one worker (the owner's core then only routes); N is not capped, but more
+  workers than cores only adds context switches.
+* A worker that dies is restarted (at once if it had lived 10 s, else after a growing delay up to
+  5 s); its streams fail at Envoy (the connection is gone), and the owner finishes every request it
+  held as ``error`` (in-flight accounting released). The other workers go on serving.
+* The owner's readiness waits for every worker's first ``Ready``; a worker that cannot start stops
+  start-up. A worker exits when the owner goes away (EOF on its socket).
+* Shutdown (SIGTERM to the owner; workers ignore SIGINT and SIGTERM, the owner decides): the
+  owner's health goes NOT_SERVING (pushed to the workers), admission closes (queued requests 503),
+  then each worker is told to drain: it stops accepting, GOAWAYs its connections, gives open
+  streams the grace period, reports their ends and exits. Workers still running after the grace
+  period and 5 s more are killed, and the owner finishes what they held.
+* Tracing works across the processes (see :mod:`epp.requestcontrol.remote`): each process exports
+  its own spans; a request's are one trace.
+* Metrics are the owner's; refusals a worker answers are counted there once each. Ours beyond
+  upstream: ``epp_worker_requests_total{worker}`` (requests each worker routed through the owner)
+  and ``epp_worker_restarts_total{worker}``; with ``--enable-debug-endpoints``, ``/debug/workers``
+  lists each worker's pid, requests, in-flight and restarts. The ``process_*`` series are the
+  owner's process alone.
+
+Measured (``python bench/workers.py``; see its docstring for the figures and the commands). The
+design's limit, on paper: the owner does per request only the routing (parse-free: the request
+arrives decoded) and the IPC; with ``c_w`` a worker's CPU per request and ``c_o`` the owner's, N
+workers serve at most ``min(N / c_w, 1 / c_o)`` requests per second (cores permitting), so adding
+workers helps until ``N ≈ c_w / c_o``; past that the owner's core is the bottleneck and the next step
+would be sharding the routing state itself (per-model owners, or a prefix index whose producer runs
+in the workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+
+from epp.extproc.models import models_union
+from epp.extproc.processor import ExternalProcessor
+from epp.framework import Endpoint
+from epp.requestcontrol import ipc
+from epp.requestcontrol.director import Director
+from epp.requestcontrol.metrics import RequestMetrics
+from epp.requestcontrol.owner import WorkerRequests
+from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics
+from epp.requestcontrol.tracing import Tracing
+from epp.server.logs import configure_logging
+from epp.server.tls import server_ssl_context, ssl_context_from_pem
+from epp.wire.health import Health
+from epp.wire.server import GrpcServer
+
+__all__ = ["MirroredHealth", "WorkerPool", "WorkerSpec", "main"]
+
+log = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("!I")
+_READY_TIMEOUT = 60.0  # a deadline, not a measurement: a loaded 2-core machine starts Python slowly
+_DRAIN_MARGIN = 5.0  # seconds past the grace period before a draining worker is killed
+_MODELS_INTERVAL = 1.0  # how often the owner checks whether the pool's model lists changed
+_STABLE_AFTER = 10.0  # a worker that lived this long is restarted at once when it dies
+_MAX_RESTART_DELAY = 5.0
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    """What a worker needs to serve: the first frame its socket carries (then the channel's messages)."""
+
+    index: int
+    max_request_body_bytes: int
+    max_message: int
+    flag: str  # how log lines name the port ("--grpc-port 9002")
+    cert_path: str = ""  # TLS from these files
+    cert_pem: bytes = b""  # or from this certificate and key (the owner's self-signed pair)
+    key_pem: bytes = b""
+    tls: bool = False
+    tracing: bool = False
+    verbosity: int = 1
+    log_format: str = "console"
+    wait_for_headers: bool = False  # a plugin's response_received hook may set response headers
+    health: dict[str, int] = msgspec.field(default_factory=dict)
+    models: list[dict[str, Any]] | None = None
+
+
+def _unconnected(message: msgspec.Struct) -> None:
+    raise RuntimeError("the worker's channel is not connected yet")
+
+
+def _frame(data: bytes) -> bytes:
+    return _LENGTH.pack(len(data)) + data
+
+
+class MirroredHealth(Health):
+    """The owner's health statuses; every change is pushed to the workers (they answer on the ext_proc port)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.statuses: dict[str, int] = {}
+        self.listeners: list[Callable[[dict[str, int]], None]] = []
+
+    def set(self, service: str, status: int) -> None:
+        super().set(service, status)
+        if self.statuses.get(service) != status:
+            self.statuses[service] = status
+            for listener in self.listeners:
+                listener(dict(self.statuses))
+
+
+class _Slot:
+    """One worker: its process, its channel and the requests the owner holds for it."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.process: subprocess.Popen[bytes] | None = None
+        self.channel: ipc.Channel | None = None
+        self.requests: WorkerRequests | None = None
+        self.ready: asyncio.Future[None] | None = None
+        self.gone: asyncio.Event = asyncio.Event()
+        self.started_at = 0.0
+        self.fast_failures = 0
+        self.restarts = 0
+        self.restart: asyncio.TimerHandle | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+
+class WorkerPool:
+    """The owner's workers: start them on a listening socket, keep them running, drain them.
+
+    ``spec(index)``: each worker's :class:`WorkerSpec` (health and models are filled in here).
+    ``endpoints``: the pool's endpoints (for ``GET /v1/models``). ``registry``: the owner's metrics.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        director: Director,
+        spec: Callable[[int], WorkerSpec],
+        *,
+        endpoints: Callable[[], tuple[Endpoint, ...]],
+        registry: CollectorRegistry,
+        tracing: Tracing | None = None,
+    ) -> None:
+        if count < 1:
+            raise ValueError("a worker pool needs at least one worker")
+        self._director = director
+        self._spec = spec
+        self._endpoints = endpoints
+        self._tracing = tracing
+        self.health = MirroredHealth()
+        self.health.listeners.append(self._push_health)
+        self._slots = [_Slot(index) for index in range(count)]
+        self._listener: socket.socket | None = None
+        self._stopping = False
+        self._models: list[dict[str, Any]] | None = None
+        self._served: tuple[Any, ...] = ()
+        self._models_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._requests = Counter(
+            "epp_worker_requests_total",
+            "Requests each ext_proc worker process (--workers) routed through this process.",
+            ["worker"],
+            registry=registry,
+        )
+        self._restarts = Counter(
+            "epp_worker_restarts_total",
+            "ext_proc worker processes (--workers) restarted after they stopped.",
+            ["worker"],
+            registry=registry,
+        )
+        for slot in self._slots:  # the series exist from the start, at 0
+            self._requests.labels(str(slot.index))
+            self._restarts.labels(str(slot.index))
+
+    @property
+    def count(self) -> int:
+        return len(self._slots)
+
+    def pids(self) -> list[int | None]:
+        return [slot.pid for slot in self._slots]
+
+    async def start(self, listener: socket.socket, timeout: float = _READY_TIMEOUT) -> None:
+        """Spawn every worker on ``listener`` and wait until each serves; RuntimeError if one cannot."""
+        self._listener = listener
+        self._sync_models()
+        for slot in self._slots:
+            await self._spawn(slot)
+        try:
+            async with asyncio.timeout(timeout):
+                for slot in self._slots:
+                    assert slot.ready is not None
+                    await slot.ready
+        except (TimeoutError, RuntimeError) as exc:
+            await self.stop(0)
+            raise RuntimeError(f"the ext_proc workers did not start: {exc or 'timed out'}") from None
+        self._models_task = asyncio.get_running_loop().create_task(self._watch_models())
+        log.info(
+            "ext_proc served by %d worker process(es) (pids %s) on %d core(s); this process (pid %d) routes",
+            len(self._slots),
+            ", ".join(str(pid) for pid in self.pids()),
+            len(os.sched_getaffinity(0)),
+            os.getpid(),
+        )
+
+    async def _spawn(self, slot: _Slot) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        owner_end, worker_end = socket.socketpair()
+        listener_fd, worker_fd = self._listener.fileno(), worker_end.fileno()
+        python = [sys.executable, "-P"] if sys.flags.safe_path else [sys.executable]
+        try:
+            slot.process = subprocess.Popen(
+                [*python, "-m", "epp.server.workers", str(listener_fd), str(worker_fd)],
+                pass_fds=[listener_fd, worker_fd],
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError:
+            owner_end.close()
+            raise
+        finally:
+            worker_end.close()
+        slot.started_at = time.monotonic()
+        slot.ready = loop.create_future()
+        slot.gone = asyncio.Event()
+        label = str(slot.index)
+        requests = WorkerRequests(
+            self._director, _unconnected, tracing=self._tracing, on_route=self._requests.labels(label).inc
+        )
+        handlers: dict[type, Callable[[Any], None]] = {**requests.handlers(), ipc.Ready: lambda m: self._ready(slot)}
+        channel = ipc.Channel(ipc.owner_decoder, handlers, lambda: self._lost(slot))
+        owner_end.setblocking(False)
+        await loop.create_unix_connection(lambda: channel, sock=owner_end)
+        requests.send = channel.send
+        slot.channel, slot.requests = channel, requests
+        spec = msgspec.structs.replace(self._spec(slot.index), health=dict(self.health.statuses), models=self._models)
+        assert channel.transport is not None
+        channel.transport.write(_frame(msgspec.msgpack.encode(spec)))  # the worker reads it before anything else
+
+    def _ready(self, slot: _Slot) -> None:
+        if slot.ready is not None and not slot.ready.done():
+            slot.ready.set_result(None)
+
+    def _lost(self, slot: _Slot) -> None:
+        """A worker's socket closed: its process exited (or is about to)."""
+        if slot.requests is not None:
+            slot.requests.lost()  # its streams are gone with it: finish what it held
+        slot.channel = None
+        slot.gone.set()
+        if slot.ready is not None and not slot.ready.done():
+            status = slot.process.poll() if slot.process is not None else None
+            slot.ready.set_exception(RuntimeError(f"worker {slot.index} exited (status {status}) before serving"))
+            slot.ready.exception()  # retrieved here: start() may not be waiting on this one yet
+        if self._stopping:
+            return
+        lived = time.monotonic() - slot.started_at
+        slot.fast_failures = 0 if lived >= _STABLE_AFTER else slot.fast_failures + 1
+        delay = 0.0 if slot.fast_failures == 0 else min(_MAX_RESTART_DELAY, 0.25 * 2**slot.fast_failures)
+        status = slot.process.poll() if slot.process is not None else None
+        log.error(
+            "ext_proc worker %d (pid %s) stopped (exit status %s) after %.1fs; restarting it%s",
+            slot.index,
+            slot.pid,
+            status,
+            lived,
+            f" in {delay:.2f}s" if delay else "",
+        )
+        loop = asyncio.get_running_loop()
+        slot.restart = loop.call_later(delay, lambda: self._track(loop.create_task(self._restart(slot))))
+
+    async def _restart(self, slot: _Slot) -> None:
+        slot.restart = None
+        if self._stopping:
+            return
+        await self._reap(slot)
+        slot.restarts += 1
+        self._restarts.labels(str(slot.index)).inc()
+        try:
+            await self._spawn(slot)
+        except OSError as exc:
+            log.error("cannot restart ext_proc worker %d: %s", slot.index, exc)
+
+    async def _reap(self, slot: _Slot, timeout: float = 5.0) -> None:
+        process = slot.process
+        if process is None:
+            return
+        try:
+            await asyncio.to_thread(process.wait, timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            await asyncio.to_thread(process.wait)
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- state the workers answer from ------------------------------------------------------------
+
+    def _push_health(self, statuses: dict[str, int]) -> None:
+        for slot in self._slots:
+            if slot.channel is not None:
+                slot.channel.send(ipc.Health(statuses))
+
+    def _sync_models(self) -> bool:
+        """Recompute the pool's ``GET /v1/models`` union if any endpoint's list changed; True if it did."""
+        endpoints = self._endpoints()
+        served = tuple((e.name, e.served) for e in endpoints)
+        if served == self._served:
+            return False
+        self._served = served
+        cards = models_union(endpoints)
+        models = None if cards is None else [dict(card) for card in cards]
+        if models == self._models:
+            return False
+        self._models = models
+        return True
+
+    async def _watch_models(self) -> None:
+        while True:
+            await asyncio.sleep(_MODELS_INTERVAL)
+            if self._sync_models():
+                for slot in self._slots:
+                    if slot.channel is not None:
+                        slot.channel.send(ipc.Models(self._models))
+
+    # -- stopping ---------------------------------------------------------------------------------
+
+    async def stop(self, grace: float) -> None:
+        """Drain every worker (see the module docstring), then make sure each has exited."""
+        self._stopping = True
+        if self._models_task is not None:
+            self._models_task.cancel()
+        for slot in self._slots:
+            if slot.restart is not None:
+                slot.restart.cancel()
+            if slot.channel is not None:
+                slot.channel.send(ipc.Drain(grace))
+        waiting = [slot.gone.wait() for slot in self._slots if slot.process is not None]
+        if waiting:
+            try:
+                async with asyncio.timeout(max(grace, 0.0) + _DRAIN_MARGIN):
+                    await asyncio.gather(*waiting)
+            except TimeoutError:
+                log.warning("ext_proc workers still running %.0fs after the drain began: killing them", grace)
+        for slot in self._slots:
+            process = slot.process
+            if process is not None and process.poll() is None and not slot.gone.is_set():
+                process.kill()
+            await self._reap(slot)
+            if slot.requests is not None:
+                slot.requests.lost()  # anything a killed worker still held
+        for task in list(self._tasks):
+            task.cancel()
+
+    # -- the debug view ---------------------------------------------------------------------------
+
+    def view(self) -> list[dict[str, Any]]:
+        """Each worker: index, pid, alive, requests routed, in flight, restarts (for ``/debug/workers``)."""
+        views = []
+        for slot in self._slots:
+            requests = slot.requests
+            views.append(
+                {
+                    "worker": slot.index,
+                    "pid": slot.pid,
+                    "serving": slot.channel is not None and slot.ready is not None and slot.ready.done(),
+                    "requests": requests.requests if requests is not None else 0,
+                    "in_flight": requests.in_flight if requests is not None else 0,
+                    "restarts": slot.restarts,
+                }
+            )
+        return views
+
+
+# --- the worker process --------------------------------------------------------------------------
+
+
+def _read_spec(sock: socket.socket) -> WorkerSpec:
+    """The first frame on the socket, read exactly (what follows is the channel's)."""
+    head = sock.recv(4, socket.MSG_WAITALL)
+    if len(head) < 4:
+        raise SystemExit("epp worker: the owner process closed the socket before sending the spec")
+    (length,) = _LENGTH.unpack(head)
+    body = sock.recv(length, socket.MSG_WAITALL)
+    return msgspec.msgpack.decode(body, type=WorkerSpec)
+
+
+async def _serve(spec: WorkerSpec, listener: socket.socket, sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    tracing = Tracing() if spec.tracing else None
+    director = RemoteDirector(tracing=tracing, wait_for_headers=spec.wait_for_headers)
+    director.datastore.update(spec.models)
+    metrics = RemoteMetrics()
+    health = Health()
+    for service, status in spec.health.items():
+        health.set(service, status)
+    stop: asyncio.Future[float | None] = loop.create_future()
+    closed = asyncio.Event()
+
+    def drain(message: ipc.Drain) -> None:
+        if not stop.done():
+            stop.set_result(message.grace)
+
+    def mirror(message: ipc.Health) -> None:
+        for service, status in message.statuses.items():
+            health.set(service, status)
+
+    def lost() -> None:
+        director.owner_lost()
+        closed.set()
+        if not stop.done():
+            stop.set_result(None)
+
+    handlers: Mapping[type, Callable[[Any], None]] = {**director.handlers(), ipc.Health: mirror, ipc.Drain: drain}
+    channel = ipc.Channel(ipc.worker_decoder, handlers, lost)
+    sock.setblocking(False)
+    await loop.create_unix_connection(lambda: channel, sock=sock)
+    director.send = metrics.send = channel.send
+    context = None
+    if spec.tls:
+        if spec.cert_path:
+            context = server_ssl_context(spec.cert_path)
+        else:
+            context = ssl_context_from_pem(spec.cert_pem, spec.key_pem)
+    processor = ExternalProcessor(
+        cast(Director, director),  # the edge uses a director's route/tracing/base_models/datastore: see remote.py
+        cast(RequestMetrics, metrics),  # and only refused() of the metrics
+        max_request_body_bytes=spec.max_request_body_bytes,
+    )
+    server = GrpcServer(
+        {**processor.methods(), **health.methods()}, ssl_context=context, max_message=spec.max_message, flag=spec.flag
+    )
+    server.serve_socket(listener)
+    channel.send(ipc.Ready(os.getpid()))
+    grace = await stop
+    if grace is None:
+        log.error("worker %d: the owner process went away; exiting", spec.index)
+        await server.stop(0)
+        return
+    await server.stop(grace)  # GOAWAY, the open streams get the grace period, the rest are cancelled
+    health.stop()
+    await asyncio.sleep(0)  # the cancelled calls' last messages are queued
+    channel.close()  # flushed, then EOF for the owner
+    try:
+        async with asyncio.timeout(_DRAIN_MARGIN):
+            await closed.wait()
+    except TimeoutError:
+        pass
+    if tracing is not None:
+        await asyncio.to_thread(tracing.shutdown)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)  # the owner decides when a worker ends (see the module docstring)
+    listener = socket.socket(fileno=int(args[0]))
+    sock = socket.socket(fileno=int(args[1]))
+    spec = _read_spec(sock)
+    configure_logging(spec.verbosity, spec.log_format)
+    try:
+        import uvloop
+    except ImportError:  # no Windows build
+        asyncio.run(_serve(spec, listener, sock))
+    else:
+        uvloop.run(_serve(spec, listener, sock))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
