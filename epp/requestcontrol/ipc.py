@@ -9,8 +9,9 @@ proxy (:mod:`epp.requestcontrol.remote`) that sends each parsed request here and
 the owner's side is :mod:`epp.requestcontrol.owner`. One unix socketpair per worker carries:
 
 worker -> owner: :class:`Route` (a parsed request, its subset hint and trace context),
-:class:`Cancel`, and the response events :class:`Headers`, :class:`Started`, :class:`Finish`, plus
-:class:`Refused` (a refusal for the refused-requests metric) and :class:`Ready`;
+:class:`Cancel`, and the response events :class:`Started` and :class:`Finish` (the response headers
+ride with the first of them, or go alone as :class:`Headers` when the worker waits for hooks), plus
+:class:`Refused` (a refusal for the refused-requests metric), :class:`Ready` and :class:`Connections`;
 
 owner -> worker: :class:`Routed` / :class:`Refusal` / :class:`Failed` (the answer to a route),
 :class:`HeadersAnswer` (only when a plugin's ``response_received`` hook may set response headers),
@@ -22,8 +23,12 @@ small msgspec struct encoded as a msgpack array (``array_like``, an integer tag 
 names on the wire, decoded straight into the typed struct in C. A channel collects what its process
 sends during one event-loop turn and writes it as one frame (a 4-byte length, then a msgpack array
 of messages) at the turn's end: one ``write`` per turn, not per message, and the peer's read of one
-frame dispatches every message in it with no task per message. ``bench/workers.py --ipc`` measures
-the round trip of a route and its response events in-process: see its docstring.
+frame dispatches every message in it with no task per message. What nobody waits for (the response
+events, refusal counts) is :meth:`Channel.post`-ed: it rides in the next frame that something
+urgent (a route, an answer) sends, or goes on its own :data:`LAZY_DELAY` later, so that a busy
+worker wakes the owner about once per route instead of twice (each write to a sleeping process is a
+wake-up, the costliest part of a message). ``bench/workers.py --parts ipc`` measures a route's
+round trip and its events in-process: see its docstring.
 
 Ordering: one socket, one writer per direction, so the messages of a request arrive in the order
 they were sent, which is all the protocol relies on (a :class:`Cancel` after the :class:`Route` it
@@ -41,8 +46,10 @@ from typing import Any, cast
 import msgspec
 
 __all__ = [
+    "LAZY_DELAY",
     "Cancel",
     "Channel",
+    "Connections",
     "Drain",
     "Failed",
     "Finish",
@@ -68,7 +75,7 @@ log = logging.getLogger(__name__)
 # -- worker -> owner ------------------------------------------------------------------------------
 
 
-class Route(msgspec.Struct, array_like=True, tag=1, frozen=True):
+class Route(msgspec.Struct, array_like=True, gc=False, tag=1, frozen=True):
     """Route this request (the fields of :class:`epp.framework.InferenceRequest` the edge parsed).
 
     ``traceparent``: the W3C context of the worker's orchestration span (the owner's admission and
@@ -91,54 +98,65 @@ class Route(msgspec.Struct, array_like=True, tag=1, frozen=True):
     traceparent: str | None = None
 
 
-class Cancel(msgspec.Struct, array_like=True, tag=2, frozen=True):
+class Cancel(msgspec.Struct, array_like=True, gc=False, tag=2, frozen=True):
     """The stream went away: stop routing ``id`` (it leaves the flow-control queue), or finish it cancelled."""
 
     id: int
 
 
-class Headers(msgspec.Struct, array_like=True, tag=3, frozen=True):
-    """The response headers of ``id``; ``wait``: the worker waits for a :class:`HeadersAnswer`."""
+class Headers(msgspec.Struct, array_like=True, gc=False, tag=3, frozen=True):
+    """The response headers of ``id``, sent alone only when the worker waits for a :class:`HeadersAnswer`
+    (a plugin's ``response_received`` hook may set response headers); otherwise they ride with
+    :class:`Started` or :class:`Finish`."""
 
     id: int
     headers: dict[str, str]
     wait: bool = False
 
 
-class Started(msgspec.Struct, array_like=True, tag=4, frozen=True):
-    """The first response body bytes of ``id`` arrived."""
+class Started(msgspec.Struct, array_like=True, gc=False, tag=4, frozen=True):
+    """The first response body bytes of ``id`` arrived (after ``headers``, if they were not sent yet)."""
 
     id: int
+    headers: dict[str, str] | None = None
 
 
-class Finish(msgspec.Struct, array_like=True, tag=5, frozen=True):
-    """``id``'s stream ended with ``outcome``; ``ended``: the response body's (size, usage) if it ended."""
+class Finish(msgspec.Struct, array_like=True, gc=False, tag=5, frozen=True):
+    """``id``'s stream ended with ``outcome``; ``ended``: the response body's (size, usage) if it ended;
+    ``headers``: the response headers, if they arrived and were not sent yet."""
 
     id: int
     outcome: str
     ended: tuple[int, tuple[int, int] | None] | None = None
+    headers: dict[str, str] | None = None
 
 
-class Refused(msgspec.Struct, array_like=True, tag=6, frozen=True):
+class Refused(msgspec.Struct, array_like=True, gc=False, tag=6, frozen=True):
     """The worker answered a request with a refusal (``epp.errors.Refusal`` value): count it."""
 
     refusal: str
     model: str | None = None
 
 
-class Ready(msgspec.Struct, array_like=True, tag=7, frozen=True):
-    """The worker serves the ext_proc socket."""
+class Ready(msgspec.Struct, array_like=True, gc=False, tag=7, frozen=True):
+    """The worker serves: the owner may hand it connections."""
 
     pid: int
 
 
-WorkerMessage = Route | Cancel | Headers | Started | Finish | Refused | Ready
+class Connections(msgspec.Struct, array_like=True, gc=False, tag=8, frozen=True):
+    """The worker's open ext_proc connections (sent when the count changes)."""
+
+    count: int
+
+
+WorkerMessage = Route | Cancel | Headers | Started | Finish | Refused | Ready | Connections
 
 
 # -- owner -> worker ------------------------------------------------------------------------------
 
 
-class Routed(msgspec.Struct, array_like=True, tag=21, frozen=True):
+class Routed(msgspec.Struct, array_like=True, gc=False, tag=21, frozen=True):
     """``id`` is routed: the destination header's value, the primary's name, the request's priority."""
 
     id: int
@@ -147,7 +165,7 @@ class Routed(msgspec.Struct, array_like=True, tag=21, frozen=True):
     priority: int = 0
 
 
-class Refusal(msgspec.Struct, array_like=True, tag=22, frozen=True):
+class Refusal(msgspec.Struct, array_like=True, gc=False, tag=22, frozen=True):
     """``id`` is refused (an :class:`epp.errors.EppError`: refusal value, message, extra headers)."""
 
     id: int
@@ -156,33 +174,33 @@ class Refusal(msgspec.Struct, array_like=True, tag=22, frozen=True):
     headers: dict[str, str] | None = None
 
 
-class Failed(msgspec.Struct, array_like=True, tag=23, frozen=True):
+class Failed(msgspec.Struct, array_like=True, gc=False, tag=23, frozen=True):
     """Routing ``id`` raised an unexpected exception (logged by the owner)."""
 
     id: int
     message: str
 
 
-class HeadersAnswer(msgspec.Struct, array_like=True, tag=24, frozen=True):
+class HeadersAnswer(msgspec.Struct, array_like=True, gc=False, tag=24, frozen=True):
     """The response headers the plugins' ``response_received`` hooks set for ``id`` (None: none)."""
 
     id: int
     added: dict[str, str] | None = None
 
 
-class Health(msgspec.Struct, array_like=True, tag=25, frozen=True):
+class Health(msgspec.Struct, array_like=True, gc=False, tag=25, frozen=True):
     """Health statuses (``grpc.health.v1`` enum values) by service, as the owner sets them."""
 
     statuses: dict[str, int]
 
 
-class Models(msgspec.Struct, array_like=True, tag=26, frozen=True):
+class Models(msgspec.Struct, array_like=True, gc=False, tag=26, frozen=True):
     """The pool's ``GET /v1/models`` union (model cards), None while no pod's list was read."""
 
     cards: list[dict[str, Any]] | None
 
 
-class Drain(msgspec.Struct, array_like=True, tag=27, frozen=True):
+class Drain(msgspec.Struct, array_like=True, gc=False, tag=27, frozen=True):
     """Stop accepting, give open streams ``grace`` seconds, then exit."""
 
     grace: float
@@ -197,6 +215,11 @@ worker_decoder = msgspec.msgpack.Decoder(list[OwnerMessage])
 
 _LENGTH = struct.Struct("!I")
 _encoder = msgspec.msgpack.Encoder()
+
+LAZY_DELAY = 0.002
+"""Seconds a posted message may wait for an urgent one to share its frame. The owner then sees a
+response's start and end up to 2 ms late: in-flight accounting and admission's wake-up by so much,
+against a 50 ms scrape interval and responses of hundreds of milliseconds."""
 
 
 class Channel(asyncio.Protocol):
@@ -217,6 +240,8 @@ class Channel(asyncio.Protocol):
         self._on_lost = on_lost
         self._buffer = bytearray()
         self._out: list[msgspec.Struct] = []
+        self._flushing = False  # a flush is scheduled at the end of this turn
+        self._timer: asyncio.TimerHandle | None = None  # a flush of posted messages, LAZY_DELAY on
         self._loop: asyncio.AbstractEventLoop | None = None
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -226,18 +251,30 @@ class Channel(asyncio.Protocol):
 
     def send(self, message: msgspec.Struct) -> None:
         """Queue ``message``; everything queued in this loop turn is written once, at its end."""
-        out = self._out
-        if not out:
-            if self.closed:
-                return
+        self._out.append(message)
+        if not self._flushing and not self.closed:
+            self._flushing = True
             loop = self._loop
             if loop is None:
                 loop = self._loop = asyncio.get_running_loop()
             loop.call_soon(self.flush)
-        out.append(message)
+
+    def post(self, message: msgspec.Struct) -> None:
+        """Queue ``message``, which nobody waits for: it goes with the next :meth:`send`'s frame, or
+        :data:`LAZY_DELAY` from now (order is kept either way)."""
+        self._out.append(message)
+        if not self._flushing and self._timer is None and not self.closed:
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(LAZY_DELAY, self.flush)
 
     def flush(self) -> None:
         """Write what is queued now (called at the end of the turn; call it before closing)."""
+        self._flushing = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         out = self._out
         if not out:
             return
@@ -290,4 +327,7 @@ class Channel(asyncio.Protocol):
             return
         self.closed = True
         self._out.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._on_lost()

@@ -11,12 +11,15 @@ the same :class:`~epp.framework.InferenceRequest` the edge would have built in o
 scheduler, the prefix index and in-flight accounting see every request of every worker. Its
 :class:`~epp.requestcontrol.lifecycle.RoutedRequest` stays here, keyed by the worker's id, and the
 worker's events call its methods: ``response_headers`` (answered with the hooks' headers only when
-the worker waits for them), ``response_body_started``, and ``response_ended`` + ``finish`` (one
-:class:`~epp.requestcontrol.ipc.Finish`).
+the worker waits for them; else the headers come with the next event), ``response_body_started``,
+and ``response_ended`` + ``finish`` (one :class:`~epp.requestcontrol.ipc.Finish`).
 
-A route that waits in admission is one task (as in one process: admission may queue); a
-:class:`~epp.requestcontrol.ipc.Cancel` cancels it (the request leaves the queue), or finishes the
-pick ``cancelled`` if it was already routed. When the worker dies (:meth:`WorkerRequests.lost`) its
+A route runs at once, in the read of its message: the director's coroutine is stepped by hand,
+and when admission lets it through (flow control off, or nothing queued) it finishes in that step,
+with no task, and its answer leaves in the frame written at the end of the turn. Only a route that
+waits in admission continues in a task (as in one process, where every route is one); a
+:class:`~epp.requestcontrol.ipc.Cancel` cancels that task (the request leaves the queue), or
+finishes the pick ``cancelled`` if it was already routed. When the worker dies (:meth:`WorkerRequests.lost`) its
 waiting routes are cancelled and every pick it held is finished as ``error``: in-flight accounting
 and the running-requests gauge are released, nothing leaks.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Coroutine, Generator
 from typing import Any
 
 import msgspec
@@ -53,12 +56,10 @@ class WorkerRequests:
         send: Callable[[msgspec.Struct], None],
         *,
         tracing: Tracing | None = None,
-        on_route: Callable[[], None] | None = None,
     ) -> None:
         self._director = director
         self.send = send
         self._tracing = tracing
-        self._on_route = on_route
         self._routing: dict[int, asyncio.Task[None]] = {}
         self._routed: dict[int, RoutedRequest] = {}
         self.requests = 0  # routes received from this worker
@@ -83,8 +84,6 @@ class WorkerRequests:
 
     def _route(self, message: ipc.Route) -> None:
         self.requests += 1
-        if self._on_route is not None:
-            self._on_route()
         director = self._director
         model = message.model
         request = InferenceRequest(
@@ -105,9 +104,13 @@ class WorkerRequests:
         trace = None
         if message.traceparent is not None and self._tracing is not None:
             trace = continued_trace(self._tracing, message.traceparent)
-        self._routing[message.id] = asyncio.get_running_loop().create_task(
-            self._run(message.id, request, message.subset, trace)
-        )
+        # Step the route by hand: it usually ends in this first step (see the module docstring).
+        routing = self._run(message.id, request, message.subset, trace)
+        try:
+            waiting_on = routing.send(None)
+        except StopIteration:
+            return
+        self._routing[message.id] = asyncio.get_running_loop().create_task(_resumed(routing, waiting_on))
 
     async def _run(
         self, request_id: int, request: InferenceRequest, subset: Collection[str] | None, trace: RequestTrace | None
@@ -148,12 +151,16 @@ class WorkerRequests:
     def _started(self, message: ipc.Started) -> None:
         routed = self._routed.get(message.id)
         if routed is not None:
+            if message.headers is not None:
+                routed.response_headers(message.headers)
             routed.response_body_started()
 
     def _finish(self, message: ipc.Finish) -> None:
         routed = self._routed.pop(message.id, None)
         if routed is None:
             return
+        if message.headers is not None:
+            routed.response_headers(message.headers)
         if message.ended is not None:
             size, usage = message.ended
             routed.response_ended(size, usage)
@@ -177,6 +184,39 @@ class WorkerRequests:
         routed, self._routed = self._routed, {}
         for request in routed.values():
             request.finish("error")
+
+
+class _Resume:
+    """Carries on a coroutine stepped by hand that yielded ``waiting_on`` (a future), as a task's own would."""
+
+    __slots__ = ("_coroutine", "_waiting_on")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+        self._coroutine = coroutine
+        self._waiting_on = waiting_on
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        coroutine, value = self._coroutine, self._waiting_on
+        while True:
+            try:
+                sent = yield value  # the task waits on it, then sends (or throws) its outcome in
+            except GeneratorExit:
+                coroutine.close()
+                raise
+            except BaseException as exc:  # a cancellation: thrown into the coroutine
+                try:
+                    value = coroutine.throw(exc)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    value = coroutine.send(sent)
+                except StopIteration:
+                    return
+
+
+async def _resumed(coroutine: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+    await _Resume(coroutine, waiting_on)
 
 
 def continued_trace(tracing: Tracing, traceparent: str) -> RequestTrace | None:

@@ -16,14 +16,17 @@ awaiting stream resumes on the owner's answer; the lifecycle calls become one-wa
   stream cancelled while it waits (its client went away while queued in flow control) sends
   :class:`Cancel`: the owner cancels its admission wait, or finishes the request ``cancelled`` if the
   pick crossed the cancel on the way.
-* ``response_headers``: one :class:`Headers` message. When a configured plugin has a
-  ``response_received`` hook (it may set response headers, as ``session-affinity-scorer`` does), the
-  answer depends on the owner: the call returns a future the edge awaits before answering Envoy (the
-  response chunks that arrive meanwhile wait in order behind it); with no such hook it returns None
-  at once and nothing waits.
+* ``response_headers``: when a configured plugin has a ``response_received`` hook (it may set
+  response headers, as ``session-affinity-scorer`` does), the answer depends on the owner: one
+  :class:`Headers` message, and the call returns a future the edge awaits before answering Envoy
+  (the response chunks that arrive meanwhile wait in order behind it). With no such hook it returns
+  None at once, nothing waits, and the headers ride with the next event (the owner reads only the
+  status, and for a 503 whether the pod sent it, so only those are sent): the owner's side effects
+  of a 404 or a 503 (the pod's model list re-read, the pod marked unreachable) happen at the first
+  body bytes or the end of the response instead, which for such answers is at once.
 * ``response_body_started``: one :class:`Started`; ``response_ended`` is kept and travels with
   :class:`Finish` (the owner's request only reads it when it finishes); ``finish``: one
-  :class:`Finish`, exactly once.
+  :class:`Finish`, exactly once. Three messages per request in all: the route, the first byte, the end.
 * ``GET /v1/models`` is answered from the pool's union, which the owner pushes when it changes
   (:class:`Models`); ``base_models`` is empty here: the owner sets each request's ``adapter`` from its
   own pool's lists when the route arrives.
@@ -103,16 +106,24 @@ class _ModelsView:
 
 
 class RemoteDirector:
-    """The director of a worker process; ``send`` writes a message to the owner (see the module docstring).
+    """The director of a worker process (see the module docstring).
 
+    ``send`` writes a message someone waits for to the owner (at the end of this loop turn), ``post``
+    one nobody waits for (it may wait a little for company: :meth:`epp.requestcontrol.ipc.Channel.post`).
     ``wait_for_headers``: some plugin has a ``response_received`` hook, so response headers wait for
     the owner's answer.
     """
 
     def __init__(
-        self, send: Send = _not_connected, *, tracing: Tracing | None = None, wait_for_headers: bool = False
+        self,
+        send: Send = _not_connected,
+        post: Send | None = None,
+        *,
+        tracing: Tracing | None = None,
+        wait_for_headers: bool = False,
     ) -> None:
         self.send = send
+        self.post = send if post is None else post
         self.tracing = tracing
         self.wait_for_headers = wait_for_headers
         self.datastore = _ModelsView()
@@ -135,13 +146,14 @@ class RemoteDirector:
         request_id = self._next_id
         future: asyncio.Future[msgspec.Struct] = asyncio.get_running_loop().create_future()
         self._routes[request_id] = future
+        headers = request.headers
         self.send(
             ipc.Route(
                 request_id,
                 request.request_id,
                 request.method,
                 request.path,
-                dict(request.headers),
+                headers if type(headers) is dict else dict(headers),
                 request.api.value,
                 request.model,
                 request.prompt,
@@ -149,7 +161,7 @@ class RemoteDirector:
                 request.cache_salt,
                 request.max_tokens,
                 request.body_size,
-                None if subset is None else list(subset),
+                subset if subset is None or type(subset) is list else list(subset),
                 _traceparent(trace) if trace is not None else None,
             )
         )
@@ -230,8 +242,8 @@ class RemoteRouted:
     """A request routed by the owner, as the edge sees it: the pick, and the lifecycle calls as messages."""
 
     __slots__ = (
-        "_director", "_ended", "_finished", "_first_byte", "_id", "_sent", "_started", "destination", "primary",
-        "request", "status",
+        "_director", "_ended", "_finished", "_first_byte", "_headers", "_id", "_sent", "_started", "destination",
+        "primary", "request", "status",
     )  # fmt: skip
 
     def __init__(
@@ -249,6 +261,7 @@ class RemoteRouted:
         self._started = False
         self._finished = False
         self._ended: tuple[int, tuple[int, int] | None] | None = None
+        self._headers: dict[str, str] | None = None  # response headers the owner has not had yet
 
     @property
     def response_bytes(self) -> int:
@@ -275,14 +288,16 @@ class RemoteRouted:
             future = director._wait_headers(self._id)
             director.send(ipc.Headers(self._id, dict(headers), True))
             return future
-        director.send(ipc.Headers(self._id, dict(headers)))
+        # The owner's request reads the status, and only for a 503 whether the pod sent it (its headers).
+        self._headers = dict(headers) if self.status == 503 else {":status": status}
         return None
 
     def response_body_started(self) -> None:
         if not self._started and not self._finished:
             self._started = True
             self._first_byte = time.monotonic()
-            self._director.send(ipc.Started(self._id))
+            headers, self._headers = self._headers, None
+            self._director.post(ipc.Started(self._id, headers))
 
     def response_ended(self, size: int, usage: tuple[int, int] | None) -> None:
         self._ended = (size, usage)
@@ -292,17 +307,18 @@ class RemoteRouted:
             return
         self._finished = True
         self._director._forget_headers(self._id)
-        self._director.send(ipc.Finish(self._id, outcome, self._ended))
+        headers, self._headers = self._headers, None
+        self._director.post(ipc.Finish(self._id, outcome, self._ended, headers))
 
 
 class RemoteMetrics:
     """The edge's request metrics in a worker: refusals go to the owner's registry (:class:`Refused`)."""
 
-    def __init__(self, send: Send = _not_connected) -> None:
-        self.send = send
+    def __init__(self, post: Send = _not_connected) -> None:
+        self.post = post
 
     def refused(self, error: EppError, model: str | None = None) -> None:
-        self.send(ipc.Refused(error.refusal.value, model))
+        self.post(ipc.Refused(error.refusal.value, model))
 
 
 def _traceparent(trace: RequestTrace) -> str | None:

@@ -15,9 +15,20 @@ The process ``epp serve`` starts stays the **owner**: datastore, scraping, disco
 flow control, the scheduler and plugins, the prefix index, in-flight accounting, the metrics
 registry and ``/metrics``, the health port. It binds the ext_proc port (never ``SO_REUSEPORT``) and
 starts N **workers** (``python -m epp.server.workers``, spawned rather than forked: the owner has a
-running event loop and threads by then) that inherit that listening socket's descriptor and accept
-on it: the kernel hands each new connection to one of them (Envoy opens a few HTTP/2 connections
-and keeps them, so streams spread per connection, not per request). A worker runs the same
+running event loop and threads by then).
+
+Connections, not requests, are what can be spread: an HTTP/2 connection's streams share one
+HPACK state and one byte stream, so one process serves all of a connection. Envoy opens one
+connection to the picker per worker thread and keeps it, so two things are needed to use N
+processes. (1) Each worker announces ``SETTINGS_MAX_CONCURRENT_STREAMS`` (:data:`STREAMS_PER_CONNECTION`):
+Envoy honours it (measured, Envoy 1.40: one worker thread, 32 concurrent requests, a limit of 8 ->
+5 connections to the picker) and opens another connection when one is full. (2) The owner accepts
+each connection itself and hands its descriptor (``SCM_RIGHTS`` over a second socketpair) to the
+worker with the fewest requests in flight, then the fewest connections. Letting the workers accept
+on the shared listening socket instead was measured first: Envoy with two worker threads, two
+connections, and the kernel gave both to the same worker (2,340 requests to one, 0 to the other).
+
+A worker runs the same
 :mod:`epp.extproc` stream handling as one process, with a
 :class:`~epp.requestcontrol.remote.RemoteDirector` as its director: a parsed request goes to the
 owner over the worker's unix socketpair (:mod:`epp.requestcontrol.ipc`), the owner routes it
@@ -71,7 +82,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from epp.extproc.models import models_union
 from epp.extproc.processor import ExternalProcessor
@@ -87,7 +99,7 @@ from epp.server.tls import server_ssl_context, ssl_context_from_pem
 from epp.wire.health import Health
 from epp.wire.server import GrpcServer
 
-__all__ = ["MirroredHealth", "WorkerPool", "WorkerSpec", "main"]
+__all__ = ["STREAMS_PER_CONNECTION", "MirroredHealth", "WorkerPool", "WorkerSpec", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +109,11 @@ _DRAIN_MARGIN = 5.0  # seconds past the grace period before a draining worker is
 _MODELS_INTERVAL = 1.0  # how often the owner checks whether the pool's model lists changed
 _STABLE_AFTER = 10.0  # a worker that lived this long is restarted at once when it dies
 _MAX_RESTART_DELAY = 5.0
+_CONNECTIONS_INTERVAL = 1.0  # how often a worker checks whether its connection count changed
+STREAMS_PER_CONNECTION = 8
+"""The stream limit each worker announces per connection. Small enough that a busy Envoy thread
+opens a few connections (spread over the workers); large enough that Envoy's default circuit
+breaker (1,024 connections per cluster) still allows 32,768 concurrent requests per Envoy."""
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -106,6 +123,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     max_request_body_bytes: int
     max_message: int
     flag: str  # how log lines name the port ("--grpc-port 9002")
+    max_concurrent_streams: int = STREAMS_PER_CONNECTION
     cert_path: str = ""  # TLS from these files
     cert_pem: bytes = b""  # or from this certificate and key (the owner's self-signed pair)
     key_pem: bytes = b""
@@ -149,12 +167,15 @@ class _Slot:
         self.index = index
         self.process: subprocess.Popen[bytes] | None = None
         self.channel: ipc.Channel | None = None
+        self.handoff: socket.socket | None = None  # connections go to the worker through this
+        self.connections = 0  # as the worker last reported, plus those handed since
         self.requests: WorkerRequests | None = None
         self.ready: asyncio.Future[None] | None = None
         self.gone: asyncio.Event = asyncio.Event()
         self.started_at = 0.0
         self.fast_failures = 0
         self.restarts = 0
+        self.earlier_requests = 0  # requests routed for this slot's earlier processes
         self.restart: asyncio.TimerHandle | None = None
 
     @property
@@ -189,26 +210,14 @@ class WorkerPool:
         self.health.listeners.append(self._push_health)
         self._slots = [_Slot(index) for index in range(count)]
         self._listener: socket.socket | None = None
+        self._accepting = False
+        self.accepted = 0  # connections accepted and handed over
         self._stopping = False
         self._models: list[dict[str, Any]] | None = None
         self._served: tuple[Any, ...] = ()
         self._models_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._requests = Counter(
-            "epp_worker_requests_total",
-            "Requests each ext_proc worker process (--workers) routed through this process.",
-            ["worker"],
-            registry=registry,
-        )
-        self._restarts = Counter(
-            "epp_worker_restarts_total",
-            "ext_proc worker processes (--workers) restarted after they stopped.",
-            ["worker"],
-            registry=registry,
-        )
-        for slot in self._slots:  # the series exist from the start, at 0
-            self._requests.labels(str(slot.index))
-            self._restarts.labels(str(slot.index))
+        registry.register(_Collector(self._slots))
 
     @property
     def count(self) -> int:
@@ -218,8 +227,10 @@ class WorkerPool:
         return [slot.pid for slot in self._slots]
 
     async def start(self, listener: socket.socket, timeout: float = _READY_TIMEOUT) -> None:
-        """Spawn every worker on ``listener`` and wait until each serves; RuntimeError if one cannot."""
+        """Spawn every worker, wait until each serves, then accept on ``listener`` for them; RuntimeError
+        if one cannot start."""
         self._listener = listener
+        listener.setblocking(False)
         self._sync_models()
         for slot in self._slots:
             await self._spawn(slot)
@@ -232,6 +243,7 @@ class WorkerPool:
             await self.stop(0)
             raise RuntimeError(f"the ext_proc workers did not start: {exc or 'timed out'}") from None
         self._models_task = asyncio.get_running_loop().create_task(self._watch_models())
+        self._accept_on()
         log.info(
             "ext_proc served by %d worker process(es) (pids %s) on %d core(s); this process (pid %d) routes",
             len(self._slots),
@@ -241,30 +253,36 @@ class WorkerPool:
         )
 
     async def _spawn(self, slot: _Slot) -> None:
-        assert self._listener is not None
         loop = asyncio.get_running_loop()
         owner_end, worker_end = socket.socketpair()
-        listener_fd, worker_fd = self._listener.fileno(), worker_end.fileno()
+        handoff, worker_handoff = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fds = [worker_end.fileno(), worker_handoff.fileno()]
         python = [sys.executable, "-P"] if sys.flags.safe_path else [sys.executable]
         try:
             slot.process = subprocess.Popen(
-                [*python, "-m", "epp.server.workers", str(listener_fd), str(worker_fd)],
-                pass_fds=[listener_fd, worker_fd],
-                stdin=subprocess.DEVNULL,
+                [*python, "-m", "epp.server.workers", *map(str, fds)], pass_fds=fds, stdin=subprocess.DEVNULL
             )
         except OSError:
             owner_end.close()
+            handoff.close()
             raise
         finally:
             worker_end.close()
+            worker_handoff.close()
+        handoff.setblocking(False)
+        slot.handoff = handoff
+        slot.connections = 0
         slot.started_at = time.monotonic()
         slot.ready = loop.create_future()
         slot.gone = asyncio.Event()
-        label = str(slot.index)
-        requests = WorkerRequests(
-            self._director, _unconnected, tracing=self._tracing, on_route=self._requests.labels(label).inc
-        )
-        handlers: dict[type, Callable[[Any], None]] = {**requests.handlers(), ipc.Ready: lambda m: self._ready(slot)}
+        if slot.requests is not None:
+            slot.earlier_requests += slot.requests.requests
+        requests = WorkerRequests(self._director, _unconnected, tracing=self._tracing)
+        handlers: dict[type, Callable[[Any], None]] = {
+            **requests.handlers(),
+            ipc.Ready: lambda m: self._ready(slot),
+            ipc.Connections: lambda m: setattr(slot, "connections", m.count),
+        }
         channel = ipc.Channel(ipc.owner_decoder, handlers, lambda: self._lost(slot))
         owner_end.setblocking(False)
         await loop.create_unix_connection(lambda: channel, sock=owner_end)
@@ -277,12 +295,65 @@ class WorkerPool:
     def _ready(self, slot: _Slot) -> None:
         if slot.ready is not None and not slot.ready.done():
             slot.ready.set_result(None)
+        if self._listener is not None and not self._accepting and not self._stopping:
+            self._accept_on()  # a worker serves again after none did
+
+    # -- connections ------------------------------------------------------------------------------
+
+    def _serving(self) -> list[_Slot]:
+        return [s for s in self._slots if s.channel is not None and s.ready is not None and s.ready.done()]
+
+    def _accept_on(self) -> None:
+        assert self._listener is not None
+        if not self._accepting and self._serving():
+            asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept)
+            self._accepting = True
+
+    def _accept_off(self) -> None:
+        if self._accepting and self._listener is not None:
+            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+        self._accepting = False
+
+    def _accept(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        for _ in range(64):  # a burst of new connections, bounded per wake-up
+            serving = self._serving()
+            if not serving:  # none to hand it to: the kernel's backlog keeps it until a worker is back
+                self._accept_off()
+                return
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: try again on the next wake-up
+                log.warning("cannot accept an ext_proc connection: %s", exc)
+                return
+            with sock:
+                self._hand_over(sock, serving)
+
+    def _hand_over(self, sock: socket.socket, serving: list[_Slot]) -> None:
+        """Give ``sock`` to the serving worker with the fewest requests in flight, then connections."""
+        for slot in sorted(serving, key=_load):
+            assert slot.handoff is not None
+            try:
+                socket.send_fds(slot.handoff, [b"c"], [sock.fileno()])
+            except OSError as exc:  # its process is going away (or not reading): the next one
+                log.debug("handing a connection to worker %d failed: %s", slot.index, exc)
+                continue
+            slot.connections += 1
+            self.accepted += 1
+            return
+        log.warning("no ext_proc worker took a new connection: closed")
 
     def _lost(self, slot: _Slot) -> None:
         """A worker's socket closed: its process exited (or is about to)."""
         if slot.requests is not None:
             slot.requests.lost()  # its streams are gone with it: finish what it held
         slot.channel = None
+        if slot.handoff is not None:
+            slot.handoff.close()
+            slot.handoff = None
         slot.gone.set()
         if slot.ready is not None and not slot.ready.done():
             status = slot.process.poll() if slot.process is not None else None
@@ -311,7 +382,6 @@ class WorkerPool:
             return
         await self._reap(slot)
         slot.restarts += 1
-        self._restarts.labels(str(slot.index)).inc()
         try:
             await self._spawn(slot)
         except OSError as exc:
@@ -365,6 +435,7 @@ class WorkerPool:
     async def stop(self, grace: float) -> None:
         """Drain every worker (see the module docstring), then make sure each has exited."""
         self._stopping = True
+        self._accept_off()
         if self._models_task is not None:
             self._models_task.cancel()
         for slot in self._slots:
@@ -401,12 +472,43 @@ class WorkerPool:
                     "worker": slot.index,
                     "pid": slot.pid,
                     "serving": slot.channel is not None and slot.ready is not None and slot.ready.done(),
-                    "requests": requests.requests if requests is not None else 0,
+                    "connections": slot.connections,
+                    "requests": slot.earlier_requests + (requests.requests if requests is not None else 0),
                     "in_flight": requests.in_flight if requests is not None else 0,
                     "restarts": slot.restarts,
                 }
             )
         return views
+
+
+class _Collector:
+    """``epp_worker_requests_total`` and ``epp_worker_restarts_total``, read from the slots when scraped
+    (a counter per request would cost the owner a lock and a call on every route)."""
+
+    def __init__(self, slots: list[_Slot]) -> None:
+        self._slots = slots
+
+    def collect(self) -> list[Metric]:
+        requests = CounterMetricFamily(
+            "epp_worker_requests",
+            "Requests each ext_proc worker process (--workers) routed through this process.",
+            labels=["worker"],
+        )
+        restarts = CounterMetricFamily(
+            "epp_worker_restarts",
+            "ext_proc worker processes (--workers) restarted after they stopped.",
+            labels=["worker"],
+        )
+        for slot in self._slots:
+            current = slot.requests.requests if slot.requests is not None else 0
+            requests.add_metric([str(slot.index)], slot.earlier_requests + current)
+            restarts.add_metric([str(slot.index)], slot.restarts)
+        return [requests, restarts]
+
+
+def _load(slot: _Slot) -> tuple[int, int, int]:
+    requests = slot.requests
+    return (requests.in_flight if requests is not None else 0, slot.connections, slot.index)
 
 
 # --- the worker process --------------------------------------------------------------------------
@@ -422,7 +524,7 @@ def _read_spec(sock: socket.socket) -> WorkerSpec:
     return msgspec.msgpack.decode(body, type=WorkerSpec)
 
 
-async def _serve(spec: WorkerSpec, listener: socket.socket, sock: socket.socket) -> None:
+async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) -> None:
     loop = asyncio.get_running_loop()
     tracing = Tracing() if spec.tracing else None
     director = RemoteDirector(tracing=tracing, wait_for_headers=spec.wait_for_headers)
@@ -452,7 +554,7 @@ async def _serve(spec: WorkerSpec, listener: socket.socket, sock: socket.socket)
     channel = ipc.Channel(ipc.worker_decoder, handlers, lost)
     sock.setblocking(False)
     await loop.create_unix_connection(lambda: channel, sock=sock)
-    director.send = metrics.send = channel.send
+    director.send, director.post, metrics.post = channel.send, channel.post, channel.post
     context = None
     if spec.tls:
         if spec.cert_path:
@@ -465,11 +567,46 @@ async def _serve(spec: WorkerSpec, listener: socket.socket, sock: socket.socket)
         max_request_body_bytes=spec.max_request_body_bytes,
     )
     server = GrpcServer(
-        {**processor.methods(), **health.methods()}, ssl_context=context, max_message=spec.max_message, flag=spec.flag
+        {**processor.methods(), **health.methods()},
+        ssl_context=context,
+        max_message=spec.max_message,
+        flag=spec.flag,
+        max_concurrent_streams=spec.max_concurrent_streams,
     )
-    server.serve_socket(listener)
+    reported = [0]
+
+    def report() -> None:
+        if server.connections != reported[0]:
+            reported[0] = server.connections
+            channel.post(ipc.Connections(server.connections))
+
+    def receive() -> None:
+        while True:
+            try:
+                _, fds, _, _ = socket.recv_fds(handoff, 64, 16)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                fds = []
+            if not fds:  # EOF: the owner is gone (its channel says so too)
+                loop.remove_reader(handoff.fileno())
+                break
+            for fd in fds:
+                server.serve_connection(socket.socket(fileno=fd))
+        loop.call_later(0.05, report)  # once the new connections are set up
+
+    async def watch_connections() -> None:
+        while True:
+            await asyncio.sleep(_CONNECTIONS_INTERVAL)
+            report()
+
+    handoff.setblocking(False)
+    loop.add_reader(handoff.fileno(), receive)
+    watcher = loop.create_task(watch_connections())
     channel.send(ipc.Ready(os.getpid()))
     grace = await stop
+    watcher.cancel()
+    loop.remove_reader(handoff.fileno())
     if grace is None:
         log.error("worker %d: the owner process went away; exiting", spec.index)
         await server.stop(0)
@@ -491,16 +628,16 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)  # the owner decides when a worker ends (see the module docstring)
-    listener = socket.socket(fileno=int(args[0]))
-    sock = socket.socket(fileno=int(args[1]))
+    sock = socket.socket(fileno=int(args[0]))
+    handoff = socket.socket(fileno=int(args[1]))
     spec = _read_spec(sock)
     configure_logging(spec.verbosity, spec.log_format)
     try:
         import uvloop
     except ImportError:  # no Windows build
-        asyncio.run(_serve(spec, listener, sock))
+        asyncio.run(_serve(spec, sock, handoff))
     else:
-        uvloop.run(_serve(spec, listener, sock))
+        uvloop.run(_serve(spec, sock, handoff))
     return 0
 
 

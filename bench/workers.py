@@ -1,0 +1,353 @@
+"""``--workers N`` against one process, side by side: CPU per request, throughput at saturation, routing quality.
+
+Three parts (``--parts``, default all):
+
+* ``ipc``: the channel's own cost, in-process (no Envoy): a worker's :class:`RemoteDirector` and the
+  owner's :class:`WorkerRequests` joined by a real socketpair on one event loop, with a stand-in
+  director that routes instantly, against that stand-in called directly. CPU microseconds per request
+  (route, response headers, first byte, end) at 1, 8 and 64 requests in flight: what the messages,
+  their encoding and the frames cost, both ends together, without the cross-process wake-ups.
+* ``load``: a real Envoy per variant (``--envoy-threads`` worker threads, 2 by default: one thread
+  opens one connection to the picker, and a connection is served by one worker) in front of the
+  same echo backends, and the picker as a child process (``epp serve``, scraping off so that only
+  requests cost CPU), one per variant: ``--variants 0,2`` is one process and ``--workers 2``. wrk
+  drives each variant in turn (alternating, ``--rounds`` times, at each ``--connections`` level) with
+  1 KB completions; per run: req/s, P50/P99, the picker's CPU per request (owner + workers, user +
+  system from /proc, above its idle rate measured before) and Envoy's, and how the requests split
+  over the workers (``/debug/workers``).
+* ``quality``: ``bench/routing_quality.py``'s shared-prefix workload (a) on the simulated pods with
+  upstream's default profile, one process against ``--workers 2``, alternating ``--quality-rounds``
+  times: prefix-cache hit rate (the simulator's own counters), TTFT, and the routing CPU per 1,000
+  requests (picker above idle, workers included).
+
+Run: ``python bench/workers.py`` (about 8 minutes; ``--parts load --rounds 2`` for a quicker look).
+Needs ``wrk`` (``apt-get install wrk``) and Envoy (``pip install -e '.[bench]'``); talks only to
+127.0.0.1; everything it starts is stopped when it ends.
+
+Measured
+--------
+(2-core machine shared with other benches: load average 4-9 during the runs; quote ratios.)
+See the module docstring of :mod:`epp.server.workers` for the design; the figures are filled in
+below by the runs quoted there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import extproc_overhead  # bench/ is not a package: its neighbours are imported from its folder
+import routing_quality
+
+from epp.envoy.bootstrap import BootstrapOptions, render
+from epp.testing.envoy import EnvoyProcess
+from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _label(workers: int) -> str:
+    return "1 process" if workers == 0 else f"--workers {workers}"
+
+
+# -- ipc: the channel alone ------------------------------------------------------------------------
+
+
+class _Routed:
+    destination = "10.0.0.1:8000"
+    primary = type("P", (), {"name": "10.0.0.1:8000"})()
+    request = type("R", (), {"priority": 0})()
+
+    def response_headers(self, headers: Any) -> None:
+        return None
+
+    def response_body_started(self) -> None:
+        pass
+
+    def response_ended(self, size: int, usage: Any) -> None:
+        pass
+
+    def finish(self, outcome: str = "complete") -> None:
+        pass
+
+
+class _Instant:
+    """A director stand-in that routes at once: what is left to measure is the channel."""
+
+    base_models: frozenset[str] = frozenset()
+    metrics = None
+
+    async def route(self, request: Any, subset: Any = None, trace: Any = None) -> _Routed:
+        return _Routed()
+
+
+async def _ipc(requests: int, in_flight: int) -> dict[str, float]:
+    from epp.extproc.parsing import parse_request
+    from epp.requestcontrol import ipc
+    from epp.requestcontrol.owner import WorkerRequests
+    from epp.requestcontrol.remote import RemoteDirector
+
+    loop = asyncio.get_running_loop()
+    owner_end, worker_end = socket.socketpair()
+    remote = RemoteDirector()
+    owner = WorkerRequests(_Instant(), lambda m: None)  # type: ignore[arg-type]
+    owner_channel = ipc.Channel(ipc.owner_decoder, owner.handlers(), lambda: None)
+    worker_channel = ipc.Channel(ipc.worker_decoder, remote.handlers(), lambda: None)
+    await loop.create_unix_connection(lambda: owner_channel, sock=owner_end)
+    await loop.create_unix_connection(lambda: worker_channel, sock=worker_end)
+    owner.send = owner_channel.send
+    remote.send, remote.post = worker_channel.send, worker_channel.post
+    headers = {":method": "POST", ":path": "/v1/completions", "x-request-id": "0b6f"}
+    headers["content-type"] = "application/json"
+    headers.update({f"x-envoy-{i}": "v" * 20 for i in range(8)})  # Envoy's own headers, roughly
+    body = json.dumps({"model": "m", "prompt": "x" * 1024}).encode()
+    parsed = [parse_request(headers, body) for _ in range(requests)]
+    results: dict[str, float] = {}
+    for label, director in (("direct", _Instant()), ("channel", remote)) * 2:
+        gate = asyncio.Semaphore(in_flight)
+
+        async def one(request: Any, director: Any = director, gate: asyncio.Semaphore = gate) -> None:
+            async with gate:
+                routed = await director.route(request)
+                routed.response_headers({":status": "200", "content-type": "application/json"})
+                routed.response_body_started()
+                routed.response_ended(512, (256, 16))
+                routed.finish("complete")
+
+        started = time.process_time()
+        await asyncio.gather(*(one(r) for r in parsed))
+        await asyncio.sleep(0.005)
+        results[label] = (time.process_time() - started) / requests * 1e6  # the second round of each wins
+    owner_channel.close()
+    worker_channel.close()
+    return results
+
+
+def run_ipc() -> None:
+    print("\nipc: the channel's CPU per request, both ends in one process (a stand-in director routes at once)")
+    print(f"{'in flight':>9} | {'direct µs':>9} | {'channel µs':>10} | {'added µs':>8}")
+    for in_flight in (1, 8, 64):
+        result = routing_quality._run_loop(_ipc(5000, in_flight))
+        print(f"{in_flight:9d} | {result['direct']:9.1f} | {result['channel']:10.1f} | "
+              f"{result['channel'] - result['direct']:8.1f}")
+
+
+# -- load: through Envoy, at saturation ----------------------------------------------------------------
+
+
+@dataclass
+class LoadRun:
+    variant: int
+    connections: int
+    round: int
+    requests: int
+    errors: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    picker_ms: float  # CPU per request above idle, owner + workers
+    envoy_ms: float
+    split: list[int]  # requests per worker in this run
+
+
+def _worker_requests(picker: PickerProcess) -> list[int]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{picker.metrics_port}/debug/workers", timeout=5) as reply:
+            return [w["requests"] for w in json.load(reply)["workers"]]
+    except OSError:
+        return []
+
+
+def run_load(args: argparse.Namespace) -> list[LoadRun]:
+    work = Path(tempfile.mkdtemp(prefix="epp-bench-workers-"))
+    script = work / "post.lua"
+    script.write_text(extproc_overhead._WRK_SCRIPT)
+    body = extproc_overhead._prompt_body(1024, work)
+    backends, pool = extproc_overhead._start_backends(2)
+    variants = [int(v) for v in args.variants.split(",")]
+    levels = [int(c) for c in args.connections.split(",")]
+    pickers: dict[int, PickerProcess] = {}
+    envoys: dict[int, EnvoyProcess] = {}
+    runs: list[LoadRun] = []
+    try:
+        base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
+        for variant in variants:
+            extra = ["--scrape-metrics=false", "--enable-debug-endpoints"]
+            picker = pickers[variant] = PickerProcess(pool, extra_args=[*extra, "--workers", str(variant)])
+            picker.start()
+            envoy = envoys[variant] = EnvoyProcess(render(replace(base, picker_port=picker.grpc_port)),
+                                                   concurrency=args.envoy_threads)
+            envoy.start()
+            wait_for_picker(envoy)
+        idle: dict[int, float] = {}
+        for variant in variants:  # warm-up (connections, caches), then the idle rate
+            envoy = envoys[variant]
+            extproc_overhead.run_wrk(f"http://127.0.0.1:{envoy.listen_port}/v1/completions", body, script,
+                                     connections=max(levels), duration=2)
+        time.sleep(1.0)
+        for variant in variants:
+            pid = pickers[variant].pid
+            before, t0 = cpu_seconds(pid), time.perf_counter()
+            time.sleep(args.idle_window)
+            idle[variant] = (cpu_seconds(pid) - before) / (time.perf_counter() - t0)
+            print(f"  idle: {_label(variant)} {idle[variant]:.4f} cores", flush=True)
+        for round_ in range(args.rounds):
+            for connections in levels:
+                order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
+                for variant in order:
+                    picker, envoy = pickers[variant], envoys[variant]
+                    split0 = _worker_requests(picker) if variant else []
+                    p0, e0 = cpu_seconds(picker.pid), cpu_seconds(envoy.pid)
+                    t0 = time.perf_counter()
+                    result = extproc_overhead.run_wrk(f"http://127.0.0.1:{envoy.listen_port}/v1/completions", body,
+                                                      script, connections=connections, duration=args.duration)
+                    wall = time.perf_counter() - t0
+                    picker_s = cpu_seconds(picker.pid) - p0 - idle[variant] * wall
+                    envoy_s = cpu_seconds(envoy.pid) - e0
+                    split = [b - a for a, b in zip(split0, _worker_requests(picker), strict=False)] if variant else []
+                    n = int(result["requests"])
+                    run = LoadRun(variant, connections, round_, n, int(result["errors"]), result["rps"],
+                                  result["p50"] * 1e3, result["p99"] * 1e3, picker_s * 1e3 / n, envoy_s * 1e3 / n,
+                                  split)
+                    runs.append(run)
+                    print(f"  round {round_ + 1} c={connections:<3} {_label(variant):<12} {run.rps:7.0f} req/s, "
+                          f"picker {run.picker_ms:.3f} ms/req, Envoy {run.envoy_ms:.3f} ms/req, "
+                          f"P50 {run.p50_ms:.1f} ms" + (f", per worker {split}" if split else ""), flush=True)
+                    time.sleep(0.5)
+    finally:
+        for envoy in envoys.values():
+            envoy.stop()
+        for picker in pickers.values():
+            picker.stop()
+        backends.terminate()
+        backends.wait(10)
+    return runs
+
+
+def print_load(runs: Sequence[LoadRun], args: argparse.Namespace) -> None:
+    variants = sorted({r.variant for r in runs})
+    single = variants[0]
+    print(f"\nload: 1 KB completions through Envoy ({args.envoy_threads} threads), echo backends; medians of "
+          f"{args.rounds} rounds x {args.duration}s; picker CPU = owner + workers above idle")
+    header = (f"{'conns':>5} | {'variant':<12} | {'req/s':>7} {'x':>5} | {'picker ms/req':>13} {'x':>5} | "
+              f"{'Envoy ms/req':>12} | {'P50 ms':>6} {'P99 ms':>6} | per-worker share")
+    print(header)
+    print("-" * len(header))
+    for connections in sorted({r.connections for r in runs}):
+        base_rows = [r for r in runs if r.connections == connections and r.variant == single]
+        base_rps = statistics.median(r.rps for r in base_rows)
+        base_cpu = statistics.median(r.picker_ms for r in base_rows)
+        for variant in variants:
+            rows = [r for r in runs if r.connections == connections and r.variant == variant]
+            rps = statistics.median(r.rps for r in rows)
+            cpu = statistics.median(r.picker_ms for r in rows)
+            totals = [sum(col) for col in zip(*(r.split for r in rows), strict=False)] if variant else []
+            share = "/".join(f"{t / max(1, sum(totals)):.0%}" for t in totals) if totals else ""
+            print(f"{connections:5d} | {_label(variant):<12} | {rps:7.0f} {rps / base_rps:5.2f} | {cpu:13.3f} "
+                  f"{cpu / base_cpu:5.2f} | {statistics.median(r.envoy_ms for r in rows):12.3f} | "
+                  f"{statistics.median(r.p50_ms for r in rows):6.1f} {statistics.median(r.p99_ms for r in rows):6.1f}"
+                  f" | {share}")
+            print(f"{'':5} | {'':12} | rounds: picker ms/req " + ", ".join(f"{r.picker_ms:.3f}" for r in rows)
+                  + "; req/s " + ", ".join(f"{r.rps:.0f}" for r in rows))
+
+
+# -- quality: routing_quality.py's shared-prefix workload ----------------------------------------------
+
+
+def run_quality(args: argparse.Namespace) -> list[tuple[int, routing_quality.Result]]:
+    opts = routing_quality.Options(workloads=("a",), policies=("default",), duration=args.quality_duration,
+                                   drain=30.0, rounds=1, seed=args.seed)
+    workload = routing_quality.make_workload("a", opts)
+    oracle = routing_quality.oracle_hit_rate(workload, seed=opts.seed)
+    blocks = routing_quality.num_gpu_blocks(opts)
+    print(f"\nquality: workload a, {len(workload.items)} requests, oracle hit rate {oracle:.1%}", flush=True)
+    plain = routing_quality.PickerProcess
+    results = []
+    try:
+        for round_ in range(args.quality_rounds):
+            for variant in ((0, args.quality_workers) if round_ % 2 == 0 else (args.quality_workers, 0)):
+
+                class _Picker(plain):  # type: ignore[misc, valid-type]
+                    workers = variant
+
+                    def __init__(self, endpoints: Sequence[str], *, extra_args: Sequence[str] = (),
+                                 **kwargs: Any) -> None:
+                        flags = [*extra_args, "--workers", str(self.workers)]
+                        super().__init__(endpoints, extra_args=flags, **kwargs)
+
+                routing_quality.PickerProcess = _Picker  # type: ignore[misc]
+                result = routing_quality.run_policy(workload, "default", opts, oracle, blocks, round_=round_)
+                cpu = routing_quality.routing_cpu_per_1k(result)
+                print(f"  round {round_ + 1} {_label(variant):<12} hit {result.hit_rate:.2%}, TTFT P50/P90 "
+                      f"{result.ttft_p50_ms:.0f}/{result.ttft_p90_ms:.0f} ms, stickiness "
+                      f"{result.stickiness or 0:.2f}, picker {cpu.get('picker', 0):.2f} CPU-s/1k, Envoy "
+                      f"{cpu.get('envoy', 0):.2f}, {result.completed} done, {result.errors} errors", flush=True)
+                results.append((variant, result))
+    finally:
+        routing_quality.PickerProcess = plain  # type: ignore[misc]
+    return results
+
+
+def print_quality(results: Sequence[tuple[int, routing_quality.Result]]) -> None:
+    print("\nquality: medians")
+    print(f"{'variant':<12} | {'hit rate':>8} | {'TTFT P50':>8} {'P90':>6} | {'picker CPU-s/1k':>15} | errors")
+    for variant in sorted({v for v, _ in results}):
+        rows = [r for v, r in results if v == variant]
+        cpu = [routing_quality.routing_cpu_per_1k(r).get("picker", 0.0) for r in rows]
+        ttft50, ttft90 = (statistics.median(getattr(r, f) for r in rows) for f in ("ttft_p50_ms", "ttft_p90_ms"))
+        hit = statistics.median(r.hit_rate for r in rows)
+        print(f"{_label(variant):<12} | {hit:8.2%} | {ttft50:8.0f} {ttft90:6.0f}"
+              f" | {statistics.median(cpu):15.2f} | {sum(r.errors for r in rows)}   (hit rates "
+              + ", ".join(f"{r.hit_rate:.2%}" for r in rows) + ")")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="ipc,load,quality", help="comma-separated: ipc, load, quality")
+    parser.add_argument("--variants", default="0,2", help="worker counts to compare (0: one process)")
+    parser.add_argument("--connections", default="16,64", help="wrk connections, comma-separated levels")
+    parser.add_argument("--duration", type=int, default=8, help="seconds per wrk run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--envoy-threads", type=int, default=2)
+    parser.add_argument("--idle-window", type=float, default=3.0)
+    parser.add_argument("--quality-rounds", type=int, default=2)
+    parser.add_argument("--quality-workers", type=int, default=2)
+    parser.add_argument("--quality-duration", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=_ROOT / "bench" / "results" / "workers.json")
+    args = parser.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    if "ipc" in parts:
+        run_ipc()
+    if "load" in parts:
+        runs = run_load(args)
+        print_load(runs, args)
+        report["load"] = [dataclasses.asdict(r) for r in runs]
+    if "quality" in parts:
+        quality = run_quality(args)
+        print_quality(quality)
+        report["quality"] = [{"workers": v, **dataclasses.asdict(r)} for v, r in quality]
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(ValueError):
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
