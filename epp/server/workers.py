@@ -176,7 +176,6 @@ class _Slot:
         self.fast_failures = 0
         self.restarts = 0
         self.earlier_requests = 0  # requests routed for this slot's earlier processes
-        self.restart: asyncio.TimerHandle | None = None
 
     @property
     def pid(self) -> int | None:
@@ -355,32 +354,31 @@ class WorkerPool:
             slot.handoff.close()
             slot.handoff = None
         slot.gone.set()
+        self._track(asyncio.get_running_loop().create_task(self._recover(slot)))
+
+    async def _recover(self, slot: _Slot) -> None:
+        """Reap a worker that went away (its exit status for the log) and, unless stopping, start another."""
+        await self._reap(slot)
+        status = _exit_status(slot.process)
         if slot.ready is not None and not slot.ready.done():
-            status = slot.process.poll() if slot.process is not None else None
-            slot.ready.set_exception(RuntimeError(f"worker {slot.index} exited (status {status}) before serving"))
+            slot.ready.set_exception(RuntimeError(f"worker {slot.index} {status} before serving"))
             slot.ready.exception()  # retrieved here: start() may not be waiting on this one yet
         if self._stopping:
             return
         lived = time.monotonic() - slot.started_at
         slot.fast_failures = 0 if lived >= _STABLE_AFTER else slot.fast_failures + 1
         delay = 0.0 if slot.fast_failures == 0 else min(_MAX_RESTART_DELAY, 0.25 * 2**slot.fast_failures)
-        status = slot.process.poll() if slot.process is not None else None
         log.error(
-            "ext_proc worker %d (pid %s) stopped (exit status %s) after %.1fs; restarting it%s",
+            "ext_proc worker %d (pid %s) %s after %.1fs; restarting it%s",
             slot.index,
             slot.pid,
             status,
             lived,
             f" in {delay:.2f}s" if delay else "",
         )
-        loop = asyncio.get_running_loop()
-        slot.restart = loop.call_later(delay, lambda: self._track(loop.create_task(self._restart(slot))))
-
-    async def _restart(self, slot: _Slot) -> None:
-        slot.restart = None
+        await asyncio.sleep(delay)
         if self._stopping:
             return
-        await self._reap(slot)
         slot.restarts += 1
         try:
             await self._spawn(slot)
@@ -436,11 +434,11 @@ class WorkerPool:
         """Drain every worker (see the module docstring), then make sure each has exited."""
         self._stopping = True
         self._accept_off()
+        if self._listener is not None:
+            self._listener.close()  # new connections are refused now, as one process's server.stop() does
         if self._models_task is not None:
             self._models_task.cancel()
         for slot in self._slots:
-            if slot.restart is not None:
-                slot.restart.cancel()
             if slot.channel is not None:
                 slot.channel.send(ipc.Drain(grace))
         waiting = [slot.gone.wait() for slot in self._slots if slot.process is not None]
@@ -504,6 +502,18 @@ class _Collector:
             requests.add_metric([str(slot.index)], slot.earlier_requests + current)
             restarts.add_metric([str(slot.index)], slot.restarts)
         return [requests, restarts]
+
+
+def _exit_status(process: subprocess.Popen[bytes] | None) -> str:
+    code = process.poll() if process is not None else None
+    if code is None:
+        return "stopped"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def _load(slot: _Slot) -> tuple[int, int, int]:
