@@ -38,8 +38,11 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -145,6 +148,113 @@ def run_ipc() -> None:
         result = routing_quality._run_loop(_ipc(5000, in_flight))
         print(f"{in_flight:9d} | {result['direct']:9.1f} | {result['channel']:10.1f} | "
               f"{result['channel'] - result['direct']:8.1f}")
+
+
+# -- direct: the picker alone, driven by h2load ---------------------------------------------------------
+
+
+def _grpc_body(path: Path) -> Path:
+    """One whole ext_proc exchange as a gRPC request body: request headers, a 1 KB completion body, the
+    response headers and a JSON response with usage (what Envoy sends for a non-streamed request)."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    def header_map(pairs: dict[str, str]) -> Any:
+        return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
+
+    request_headers = {":method": "POST", ":path": "/v1/completions", ":authority": "gateway", ":scheme": "http",
+                       "content-type": "application/json", "x-request-id": "8a3f0c2e-1111-2222-3333-444455556666",
+                       "user-agent": "bench", "x-forwarded-proto": "http"}
+    prompt = ("the quick brown fox jumps over the lazy dog " * 30)[:1024]
+    usage = {"prompt_tokens": 256, "completion_tokens": 16}
+    answer = {"id": "cmpl-1", "choices": [{"text": "hello " * 16}], "usage": usage}
+    completion = {"model": "bench-model", "prompt": prompt, "max_tokens": 16}
+    messages = [
+        pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=header_map(request_headers))),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(completion).encode(), end_of_stream=True)),
+        pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=header_map(
+            {":status": "200", "content-type": "application/json", "x-envoy-upstream-service-time": "3"}))),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=json.dumps(answer).encode(), end_of_stream=True)),
+    ]
+    data = b"".join(b"\x00" + len(m.SerializeToString()).to_bytes(4, "big") + m.SerializeToString() for m in messages)
+    path.write_bytes(data)
+    return path
+
+
+@dataclass
+class DirectRun:
+    variant: int
+    round: int
+    requests: int
+    rps: float
+    picker_us: float  # CPU per request, owner + workers
+    cores: float  # the picker's CPU over the run's wall time
+    split: list[int]
+
+
+def run_direct(args: argparse.Namespace) -> list[DirectRun]:
+    if shutil.which("h2load") is None:
+        print("direct: skipped (h2load is needed: apt-get install nghttp2-client)")
+        return []
+    body = _grpc_body(Path(tempfile.mkdtemp(prefix="epp-bench-workers-")) / "exchange.bin")
+    variants = [int(v) for v in args.variants.split(",")]
+    pickers = {v: PickerProcess(["127.0.0.1:1001", "127.0.0.1:1002"],
+                                extra_args=["--scrape-metrics=false", "--enable-debug-endpoints", "--workers", str(v)])
+               for v in variants}
+    runs: list[DirectRun] = []
+    try:
+        for picker in pickers.values():
+            picker.start()
+
+        def h2load(picker: PickerProcess, requests: int) -> str:
+            return subprocess.run(
+                ["h2load", "-n", str(requests), "-c", str(args.h2_connections), "-m", str(args.h2_streams), "-t", "1",
+                 "-H", "content-type: application/grpc", "-H", "te: trailers", "-d", str(body),
+                 f"http://127.0.0.1:{picker.grpc_port}/envoy.service.ext_proc.v3.ExternalProcessor/Process"],
+                capture_output=True, text=True, check=True, timeout=600,
+            ).stdout
+
+        for picker in pickers.values():
+            h2load(picker, 2000)  # warm-up
+        for round_ in range(args.rounds):
+            order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
+            for variant in order:
+                picker = pickers[variant]
+                split0 = _worker_requests(picker) if variant else []
+                cpu0, t0 = cpu_seconds(picker.pid), time.perf_counter()
+                out = h2load(picker, args.h2_requests)
+                wall, used = time.perf_counter() - t0, cpu_seconds(picker.pid) - cpu0
+                done = int(re.search(r"(\d+) succeeded", out).group(1))  # type: ignore[union-attr]
+                rps = float(re.search(r"finished in \S+, ([\d.]+) req/s", out).group(1))  # type: ignore[union-attr]
+                split = [b - a for a, b in zip(split0, _worker_requests(picker), strict=False)] if variant else []
+                run = DirectRun(variant, round_, done, rps, used * 1e6 / max(done, 1), used / wall, split)
+                runs.append(run)
+                print(f"  round {round_ + 1} {_label(variant):<12} {rps:7.0f} req/s, picker {run.picker_us:4.0f} "
+                      f"µs/req ({run.cores:.2f} cores)" + (f", per worker {split}" if split else ""), flush=True)
+    finally:
+        for picker in pickers.values():
+            picker.stop()
+    return runs
+
+
+def print_direct(runs: Sequence[DirectRun], args: argparse.Namespace) -> None:
+    if not runs:
+        return
+    variants = sorted({r.variant for r in runs})
+    base = [r for r in runs if r.variant == variants[0]]
+    base_cpu = statistics.median(r.picker_us for r in base)
+    base_rps = statistics.median(r.rps for r in base)
+    print(f"\ndirect: h2load -> picker (no Envoy), {args.h2_connections} connections x {args.h2_streams} streams, "
+          f"{args.h2_requests} exchanges per run, medians of {args.rounds} rounds")
+    print(f"{'variant':<12} | {'req/s':>7} {'x':>5} | {'picker µs/req':>13} {'x':>5} | {'cores':>5} | per-worker share")
+    for variant in variants:
+        rows = [r for r in runs if r.variant == variant]
+        cpu, rps = statistics.median(r.picker_us for r in rows), statistics.median(r.rps for r in rows)
+        totals = [sum(col) for col in zip(*(r.split for r in rows), strict=False)] if variant else []
+        share = "/".join(f"{t / max(1, sum(totals)):.0%}" for t in totals) if totals else ""
+        print(f"{_label(variant):<12} | {rps:7.0f} {rps / base_rps:5.2f} | {cpu:13.0f} {cpu / base_cpu:5.2f} | "
+              f"{statistics.median(r.cores for r in rows):5.2f} | {share}")
+        print(f"{'':12} | rounds: µs/req " + ", ".join(f"{r.picker_us:.0f}" for r in rows))
 
 
 # -- load: through Envoy, at saturation ----------------------------------------------------------------
@@ -318,12 +428,15 @@ def print_quality(results: Sequence[tuple[int, routing_quality.Result]]) -> None
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="ipc,load,quality", help="comma-separated: ipc, load, quality")
+    parser.add_argument("--parts", default="ipc,direct,load,quality", help="comma-separated, of those four")
     parser.add_argument("--variants", default="0,2", help="worker counts to compare (0: one process)")
     parser.add_argument("--connections", default="16,64", help="wrk connections, comma-separated levels")
     parser.add_argument("--duration", type=int, default=8, help="seconds per wrk run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--envoy-threads", type=int, default=2)
+    parser.add_argument("--h2-connections", type=int, default=4, help="direct: h2load connections")
+    parser.add_argument("--h2-streams", type=int, default=16, help="direct: h2load streams per connection")
+    parser.add_argument("--h2-requests", type=int, default=10000, help="direct: exchanges per run")
     parser.add_argument("--idle-window", type=float, default=3.0)
     parser.add_argument("--quality-rounds", type=int, default=2)
     parser.add_argument("--quality-workers", type=int, default=2)
@@ -335,6 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     if "ipc" in parts:
         run_ipc()
+    if "direct" in parts:
+        direct = run_direct(args)
+        print_direct(direct, args)
+        report["direct"] = [dataclasses.asdict(r) for r in direct]
     if "load" in parts:
         runs = run_load(args)
         print_load(runs, args)
