@@ -16,7 +16,7 @@ ride with the first of them, or go alone as :class:`Headers` when the worker wai
 owner -> worker: :class:`Routed` / :class:`Refusal` / :class:`Failed` (the answer to a route),
 :class:`HeadersAnswer` (only when a plugin's ``response_received`` hook may set response headers),
 :class:`Health` and :class:`Models` (state the worker answers from on its own: health checks on the
-ext_proc port, ``GET /v1/models``) and :class:`Drain`.
+ext_proc port, ``GET /v1/models``), :class:`Rebalance` and :class:`Drain`.
 
 Cost (the point of the design: a worker must not spend its savings on talking). Every message is a
 small msgspec struct encoded as a msgpack array (``array_like``, an integer tag first): no field
@@ -59,6 +59,7 @@ __all__ = [
     "Models",
     "OwnerMessage",
     "Ready",
+    "Rebalance",
     "Refusal",
     "Refused",
     "Route",
@@ -206,7 +207,12 @@ class Drain(msgspec.Struct, array_like=True, gc=False, tag=27, frozen=True):
     grace: float
 
 
-OwnerMessage = Routed | Refusal | Failed | HeadersAnswer | Health | Models | Drain
+class Rebalance(msgspec.Struct, array_like=True, gc=False, tag=28, frozen=True):
+    """This worker carries more than its share: GOAWAY its busiest connection (the gateway then puts new
+    streams on other connections, or opens one, which the owner hands to the least-loaded worker)."""
+
+
+OwnerMessage = Routed | Refusal | Failed | HeadersAnswer | Health | Models | Drain | Rebalance
 
 owner_decoder = msgspec.msgpack.Decoder(list[WorkerMessage])
 """What the owner reads: lists of :data:`WorkerMessage`."""

@@ -344,7 +344,9 @@ class EndpointPicker:
 
     def _workers_view(self) -> bytes:
         assert self.workers is not None
-        return json.dumps({"workers": self.workers.view(), "accepted": self.workers.accepted}, indent=1).encode()
+        workers = self.workers
+        view = {"workers": workers.view(), "accepted": workers.accepted, "rebalances": workers.rebalances}
+        return json.dumps(view, indent=1).encode()
 
     def _metrics_guard(self) -> Callable[[dict[str, Any]], Any] | None:
         """The metrics port's check (--metrics-endpoint-auth): with discovery only, a static pool has no API server."""

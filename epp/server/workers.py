@@ -24,9 +24,16 @@ processes. (1) Each worker announces ``SETTINGS_MAX_CONCURRENT_STREAMS`` (:data:
 Envoy honours it (measured, Envoy 1.40: one worker thread, 32 concurrent requests, a limit of 8 ->
 5 connections to the picker) and opens another connection when one is full. (2) The owner accepts
 each connection itself and hands its descriptor (``SCM_RIGHTS`` over a second socketpair) to the
-worker with the fewest requests in flight, then the fewest connections. Letting the workers accept
-on the shared listening socket instead was measured first: Envoy with two worker threads, two
-connections, and the kernel gave both to the same worker (2,340 requests to one, 0 to the other).
+worker with the fewest requests in flight, then the fewest routed lately, then the fewest
+connections. Letting the workers accept on the shared listening socket instead was measured first:
+Envoy with two worker threads, two connections, and the kernel gave both to the same worker (2,340
+requests to one, 0 to the other).
+(3) Envoy does not spread streams evenly over its connections (it fills the one it used last), so
+even connections spread evenly can carry uneven loads, and connections outlive the burst that
+opened them. Every 2 s the owner compares the requests each worker routed; a worker that carried
+more than twice the least busy one's, twice in a row, is told to GOAWAY its busiest connection
+(open streams finish there; Envoy puts new ones on another connection, or opens one, which the
+owner hands to the least-loaded worker), at most once per 10 s.
 
 A worker runs the same
 :mod:`epp.extproc` stream handling as one process, with a
@@ -110,6 +117,13 @@ _MODELS_INTERVAL = 1.0  # how often the owner checks whether the pool's model li
 _STABLE_AFTER = 10.0  # a worker that lived this long is restarted at once when it dies
 _MAX_RESTART_DELAY = 5.0
 _CONNECTIONS_INTERVAL = 1.0  # how often a worker checks whether its connection count changed
+# Rebalancing (see the module docstring): checked every _BALANCE_INTERVAL; a worker is told to GOAWAY
+# its busiest connection when it routed more than _IMBALANCE times the least busy worker's requests
+# (and _IMBALANCE_FLOOR more) over two checks in a row, at most once per _BALANCE_COOLDOWN.
+_BALANCE_INTERVAL = 2.0
+_IMBALANCE = 2.0
+_IMBALANCE_FLOOR = 20
+_BALANCE_COOLDOWN = 10.0
 STREAMS_PER_CONNECTION = 8
 """The stream limit each worker announces per connection. Small enough that a busy Envoy thread
 opens a few connections (spread over the workers); large enough that Envoy's default circuit
@@ -176,6 +190,7 @@ class _Slot:
         self.fast_failures = 0
         self.restarts = 0
         self.earlier_requests = 0  # requests routed for this slot's earlier processes
+        self.recent = 0  # requests routed in the last balancing interval
 
     @property
     def pid(self) -> int | None:
@@ -215,6 +230,8 @@ class WorkerPool:
         self._models: list[dict[str, Any]] | None = None
         self._served: tuple[Any, ...] = ()
         self._models_task: asyncio.Task[None] | None = None
+        self._balance_task: asyncio.Task[None] | None = None
+        self.rebalances = 0
         self._tasks: set[asyncio.Task[None]] = set()
         registry.register(_Collector(self._slots))
 
@@ -242,6 +259,8 @@ class WorkerPool:
             await self.stop(0)
             raise RuntimeError(f"the ext_proc workers did not start: {exc or 'timed out'}") from None
         self._models_task = asyncio.get_running_loop().create_task(self._watch_models())
+        if len(self._slots) > 1:
+            self._balance_task = asyncio.get_running_loop().create_task(self._balance())
         self._accept_on()
         log.info(
             "ext_proc served by %d worker process(es) (pids %s) on %d core(s); this process (pid %d) routes",
@@ -399,6 +418,38 @@ class WorkerPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _balance(self) -> None:
+        """Ask a worker that carries far more than the others to shed its busiest connection."""
+        last: dict[int, int] = {}
+        uneven = 0
+        quiet_until = 0.0
+        while True:
+            await asyncio.sleep(_BALANCE_INTERVAL)
+            serving = self._serving()
+            totals = {s.index: s.earlier_requests + (s.requests.requests if s.requests else 0) for s in serving}
+            routed = {index: total - last.get(index, total) for index, total in totals.items()}
+            last = totals
+            for slot in serving:
+                slot.recent = routed[slot.index]
+            if len(routed) < 2:
+                uneven = 0
+                continue
+            busiest = max(routed, key=routed.__getitem__)
+            least = min(routed.values())
+            if routed[busiest] > _IMBALANCE * least + _IMBALANCE_FLOOR:
+                uneven += 1
+            else:
+                uneven = 0
+            now = time.monotonic()
+            if uneven >= 2 and now >= quiet_until:
+                channel = self._slots[busiest].channel
+                if channel is not None:
+                    log.debug("worker %d routed %s in %.0fs: shedding a connection", busiest, routed, _BALANCE_INTERVAL)
+                    channel.send(ipc.Rebalance())
+                    self.rebalances += 1
+                uneven = 0
+                quiet_until = now + _BALANCE_COOLDOWN
+
     # -- state the workers answer from ------------------------------------------------------------
 
     def _push_health(self, statuses: dict[str, int]) -> None:
@@ -436,8 +487,9 @@ class WorkerPool:
         self._accept_off()
         if self._listener is not None:
             self._listener.close()  # new connections are refused now, as one process's server.stop() does
-        if self._models_task is not None:
-            self._models_task.cancel()
+        for task in (self._models_task, self._balance_task):
+            if task is not None:
+                task.cancel()
         for slot in self._slots:
             if slot.channel is not None:
                 slot.channel.send(ipc.Drain(grace))
@@ -516,9 +568,11 @@ def _exit_status(process: subprocess.Popen[bytes] | None) -> str:
     return f"exited with status {code}"
 
 
-def _load(slot: _Slot) -> tuple[int, int, int]:
+def _load(slot: _Slot) -> tuple[int, int, int, int]:
+    """A new connection goes to the worker with the fewest requests in flight, then the fewest routed
+    lately (a connection shed by a busy worker must not land on it again), then the fewest connections."""
     requests = slot.requests
-    return (requests.in_flight if requests is not None else 0, slot.connections, slot.index)
+    return (requests.in_flight if requests is not None else 0, slot.recent, slot.connections, slot.index)
 
 
 # --- the worker process --------------------------------------------------------------------------
@@ -560,7 +614,16 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
         if not stop.done():
             stop.set_result(None)
 
-    handlers: Mapping[type, Callable[[Any], None]] = {**director.handlers(), ipc.Health: mirror, ipc.Drain: drain}
+    def rebalance(message: ipc.Rebalance) -> None:
+        shed = server.goaway_busiest()
+        log.debug("worker %d: GOAWAY on a connection with %d open streams (the owner rebalances)", spec.index, shed)
+
+    handlers: Mapping[type, Callable[[Any], None]] = {
+        **director.handlers(),
+        ipc.Health: mirror,
+        ipc.Drain: drain,
+        ipc.Rebalance: rebalance,
+    }
     channel = ipc.Channel(ipc.worker_decoder, handlers, lost)
     sock.setblocking(False)
     await loop.create_unix_connection(lambda: channel, sock=sock)

@@ -206,6 +206,15 @@ class GrpcServer:
         more = self._suppressed.pop(kind, 0)
         log.warning("%s%s", message, f" ({more} more such connections in the last minute)" if more else "")
 
+    def goaway_busiest(self) -> int:
+        """GOAWAY the connection with the most open streams (its peer takes new streams elsewhere, the open
+        ones finish); how many streams it had (0: no connection had any, nothing was sent)."""
+        busiest = max((c for c in self._connections if not c.going_away), key=lambda c: len(c.streams), default=None)
+        if busiest is None or not busiest.streams:
+            return 0
+        busiest.goaway()
+        return len(busiest.streams)
+
     # -- stopping ---------------------------------------------------------------------------------
 
     async def stop(self, grace: float) -> None:

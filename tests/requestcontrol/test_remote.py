@@ -27,7 +27,7 @@ from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics, RemoteRoute
 from epp.requestcontrol.tracing import Tracing
 from epp.scheduling.runner import Scheduler
 from epp.wire._fast import StreamBase
-from tests.requestcontrol.test_director import POD, Stack, config, settle
+from tests.requestcontrol.test_director import POD, Stack, config
 
 OTHER = Endpoint("pod-b", "10.0.0.2", 8000)
 
@@ -274,9 +274,10 @@ async def test_a_request_queued_when_its_worker_dies_leaves_the_queue() -> None:
     stack = Stack(config(flow_control=True, max_concurrency=1))
     pair = await connect(stack.director)
     first = await pair.remote.route(request("first"))
-    asyncio.ensure_future(pair.remote.route(request("second")))
+    second = asyncio.ensure_future(pair.remote.route(request("second")))
     await until(lambda: stack.admission.queued == 1, "the second request queued")
     await pair.kill_worker()
+    second.cancel()
     await until(lambda: stack.admission.queued == 0, "the queue emptied")
     assert in_flight(stack) == 0  # the first, routed, was finished as an error
     assert pair.owner.in_flight == 0
@@ -407,10 +408,8 @@ class _Wire(StreamBase):
 
 
 def _headers_message(pairs: dict[str, str], *, response: bool = False, end_of_stream: bool = False) -> bytes:
-    headers = pb.HttpHeaders(
-        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]),
-        end_of_stream=end_of_stream,
-    )
+    fields = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    headers = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=fields), end_of_stream=end_of_stream)
     if response:
         return pb.ProcessingRequest(response_headers=headers).SerializeToString()
     return pb.ProcessingRequest(request_headers=headers).SerializeToString()

@@ -225,3 +225,33 @@ def test_the_help_names_the_flag_as_ours(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["serve", "-h"]) == 0
     out = capsys.readouterr().out
     assert "-workers int" in out and "not upstream's" in out
+
+
+async def test_a_worker_that_carries_far_more_sheds_a_connection_to_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    from epp.server import workers as module
+
+    monkeypatch.setattr(module, "_BALANCE_INTERVAL", 0.3)
+    monkeypatch.setattr(module, "_BALANCE_COOLDOWN", 60.0)
+    picker = await start()
+    assert picker.workers is not None
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    busy = grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_port}", options=options)
+    idle = grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_port}", options=options)
+    try:
+        for channel in (busy, idle):  # one connection each, one on each worker
+            talk, _ = await routed_stream(channel)
+            await complete(talk)
+        start_counts = [w["requests"] for w in picker.workers.view()]
+        deadline = asyncio.get_running_loop().time() + 30.0  # a bound, not a measurement
+        while asyncio.get_running_loop().time() < deadline:  # all the traffic on one connection
+            talk, _ = await routed_stream(busy)
+            await complete(talk)
+            counts = [w["requests"] - then for w, then in zip(picker.workers.view(), start_counts, strict=True)]
+            if picker.workers.rebalances and min(counts) >= 5:
+                break
+    finally:
+        await busy.close()
+        await idle.close()
+        await picker.stop(0)
+    assert picker.workers.rebalances == 1  # then the cooldown
+    assert min(counts) >= 5, counts  # the busy connection's requests moved to the other worker
