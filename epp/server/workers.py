@@ -18,25 +18,25 @@ starts N **workers** (``python -m epp.server.workers``, spawned rather than fork
 running event loop and threads by then).
 
 Connections, not requests, are what can be spread: an HTTP/2 connection's streams share one
-HPACK state and one byte stream, so one process serves all of a connection. Envoy opens one
-connection to the picker per worker thread and keeps it, so two things are needed to use N
-processes. (1) Each worker announces ``SETTINGS_MAX_CONCURRENT_STREAMS`` (:data:`STREAMS_PER_CONNECTION`):
-Envoy honours it (measured, Envoy 1.40: one worker thread, 32 concurrent requests, a limit of 8 ->
-5 connections to the picker) and opens another connection when one is full. (2) The owner accepts
-each connection itself and hands its descriptor (``SCM_RIGHTS`` over a second socketpair) to the
-worker with the fewest requests in flight, then the fewest routed lately, then the fewest
-connections. Letting the workers accept on the shared listening socket instead was measured first:
-Envoy with two worker threads, two connections, and the kernel gave both to the same worker (2,340
-requests to one, 0 to the other).
-(3) Envoy does not spread streams evenly over its connections (it fills the one it used last), so
-even connections spread evenly can carry uneven loads, and connections outlive the burst that
-opened them. Every 2 s the owner compares the requests each worker routed; a worker that carried
-more than twice the least busy one's, twice in a row, is told to GOAWAY its busiest connection
-(open streams finish there; Envoy puts new ones on another connection, or opens one, which the
-owner hands to the least-loaded worker), at most once per 10 s.
+HPACK state and one byte stream, so one process serves all of a connection, and Envoy opens one
+connection to the picker per worker thread and keeps it. Three things spread the load:
 
-A worker runs the same
-:mod:`epp.extproc` stream handling as one process, with a
+1. Each worker announces ``SETTINGS_MAX_CONCURRENT_STREAMS`` (:data:`STREAMS_PER_CONNECTION`, 8):
+   Envoy honours it and opens another connection when one is full (measured, Envoy 1.40: one
+   worker thread, 32 concurrent requests, a limit of 8 -> 5 connections to the picker).
+2. The owner accepts each connection itself and hands its descriptor (``SCM_RIGHTS`` over a second
+   socketpair) to the worker with the fewest requests in flight, then the fewest connections.
+   Letting the workers accept on the shared listening socket was measured first: Envoy with two
+   worker threads opened two connections, and the kernel gave both to the same worker (2,340
+   requests to one, 0 to the other).
+3. Envoy does not spread streams evenly over its connections (it fills the one it used last), and
+   connections outlive the burst that opened them, so evenly spread connections can still carry
+   uneven loads. Every 2 s the owner compares the requests each worker routed; a worker that carried
+   more than twice the least busy one's (and 20 more), twice in a row, is told to GOAWAY its busiest
+   connection (its open streams finish there; Envoy puts new ones on another connection, or opens
+   one, which the owner hands to another worker), at most once per 10 s.
+
+A worker runs the same :mod:`epp.extproc` stream handling as one process, with a
 :class:`~epp.requestcontrol.remote.RemoteDirector` as its director: a parsed request goes to the
 owner over the worker's unix socketpair (:mod:`epp.requestcontrol.ipc`), the owner routes it
 (:mod:`epp.requestcontrol.owner`) and answers with the pick; the response's events flow back one way.
@@ -45,8 +45,8 @@ connection, from the statuses the owner pushes on every change; ``GET /v1/models
 union, pushed when a list changes (checked every second).
 
 * ``--workers 0`` (the default) is today's single process, exactly: nothing here runs. ``--workers 1``
-  is one owner and one worker (the owner's core then only routes); N is not capped, but more
-  workers than cores only adds context switches.
+  is one owner and one worker (the owner's core then only routes); ``epp serve`` takes up to 256,
+  but workers beyond the cores add only context switches (and the owner caps the gain: see below).
 * A worker that dies is restarted (at once if it had lived 10 s, else after a growing delay up to
   5 s); its streams fail at Envoy (the connection is gone), and the owner finishes every request it
   held as ``error`` (in-flight accounting released). The other workers go on serving.
@@ -125,9 +125,9 @@ _IMBALANCE = 2.0
 _IMBALANCE_FLOOR = 20
 _BALANCE_COOLDOWN = 10.0
 STREAMS_PER_CONNECTION = 8
-"""The stream limit each worker announces per connection. Small enough that a busy Envoy thread
-opens a few connections (spread over the workers); large enough that Envoy's default circuit
-breaker (1,024 connections per cluster) still allows 32,768 concurrent requests per Envoy."""
+"""The stream limit each worker announces per connection: small enough that a busy Envoy thread opens
+several connections for the owner to spread; with Envoy's default circuit breakers (1,024 requests
+and 1,024 connections per cluster) the request limit binds first (8 x 1,024 = 8,192 streams)."""
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -190,7 +190,7 @@ class _Slot:
         self.fast_failures = 0
         self.restarts = 0
         self.earlier_requests = 0  # requests routed for this slot's earlier processes
-        self.recent = 0  # requests routed in the last balancing interval
+        self.shedding_until = 0.0  # told to shed a connection: new ones go elsewhere until then
 
     @property
     def pid(self) -> int | None:
@@ -352,7 +352,8 @@ class WorkerPool:
 
     def _hand_over(self, sock: socket.socket, serving: list[_Slot]) -> None:
         """Give ``sock`` to the serving worker with the fewest requests in flight, then connections."""
-        for slot in sorted(serving, key=_load):
+        now = time.monotonic()
+        for slot in sorted(serving, key=lambda slot: _load(slot, now)):
             assert slot.handoff is not None
             try:
                 socket.send_fds(slot.handoff, [b"c"], [sock.fileno()])
@@ -429,8 +430,6 @@ class WorkerPool:
             totals = {s.index: s.earlier_requests + (s.requests.requests if s.requests else 0) for s in serving}
             routed = {index: total - last.get(index, total) for index, total in totals.items()}
             last = totals
-            for slot in serving:
-                slot.recent = routed[slot.index]
             if len(routed) < 2:
                 uneven = 0
                 continue
@@ -446,6 +445,7 @@ class WorkerPool:
                 if channel is not None:
                     log.debug("worker %d routed %s in %.0fs: shedding a connection", busiest, routed, _BALANCE_INTERVAL)
                     channel.send(ipc.Rebalance())
+                    self._slots[busiest].shedding_until = now + _BALANCE_COOLDOWN
                     self.rebalances += 1
                 uneven = 0
                 quiet_until = now + _BALANCE_COOLDOWN
@@ -568,11 +568,13 @@ def _exit_status(process: subprocess.Popen[bytes] | None) -> str:
     return f"exited with status {code}"
 
 
-def _load(slot: _Slot) -> tuple[int, int, int, int]:
-    """A new connection goes to the worker with the fewest requests in flight, then the fewest routed
-    lately (a connection shed by a busy worker must not land on it again), then the fewest connections."""
+def _load(slot: _Slot, now: float) -> tuple[bool, int, int, int]:
+    """A new connection goes to a worker not shedding connections (one it shed must not come back to
+    it), then to the one with the fewest requests in flight, then the fewest connections (counted as
+    they are handed, so a burst of new connections alternates)."""
     requests = slot.requests
-    return (requests.in_flight if requests is not None else 0, slot.recent, slot.connections, slot.index)
+    in_flight = requests.in_flight if requests is not None else 0
+    return (now < slot.shedding_until, in_flight, slot.connections, slot.index)
 
 
 # --- the worker process --------------------------------------------------------------------------

@@ -114,3 +114,39 @@ async def test_streams_spread_over_both_workers_and_a_shared_prefix_sticks_to_it
     assert sum(total.values()) == 81
     completed = metric(parts.picker.metrics_port, "inference_objective_request_duration_seconds_count")
     assert sum(completed.values()) == 81
+
+
+async def test_workers_serve_tls_with_the_owners_self_signed_certificate() -> None:
+    from epp.datalayer.static import parse_endpoints
+    from epp.envoy.bootstrap import BootstrapOptions, render
+    from epp.server.server import EndpointPicker
+    from epp.testing.backends import start_echo_servers
+    from epp.testing.envoy import EnvoyProcess
+    from epp.testing.harness import wait_for_picker
+    from tests.pickers import loopback_settings
+
+    backends = await start_echo_servers(2)
+    pool = ",".join(b.hostport for b in backends)
+    picker = EndpointPicker(
+        loopback_settings(endpoints=tuple(parse_endpoints(pool)), secure_serving=True, workers=2, scrape_metrics=False)
+    )
+    await picker.start()
+    options = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, picker_port=picker.grpc_port,
+                               picker_tls=True)  # fmt: skip
+    envoy = EnvoyProcess(render(options), concurrency=2)
+    try:
+        await asyncio.to_thread(envoy.start)
+        await asyncio.to_thread(wait_for_picker, envoy)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            for i in range(4):
+                body = {"model": MODEL, "prompt": f"over tls {i}", "max_tokens": 2}
+                async with session.post(f"http://127.0.0.1:{envoy.listen_port}/v1/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+                    answer = await response.json()
+                assert f"127.0.0.1:{answer['port']}" in pool.split(",")
+        assert picker.workers is not None and sum(w["requests"] for w in picker.workers.view()) == 4
+    finally:
+        await asyncio.to_thread(envoy.stop)
+        await picker.stop(0)
+        for backend in backends:
+            await backend.stop()
