@@ -306,10 +306,13 @@ class Channel(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # a unix stream connection's transport
 
     def data_received(self, data: bytes) -> None:
-        if self._buffer:  # the rest of a frame that arrived in parts (large routes, a full socket buffer)
-            self._buffer += data
-            data = bytes(self._buffer)
-            self._buffer.clear()
+        buffer = self._buffer
+        if buffer:  # the rest of a frame that arrived in parts (large routes, a full socket buffer)
+            buffer += data
+            if len(buffer) < 4 or len(buffer) < 4 + _LENGTH.unpack_from(buffer)[0]:
+                return  # still incomplete: wait for more without copying what is here
+            data = bytes(buffer)
+            buffer.clear()
         decode, handlers = self._decode, self._handlers
         size = len(data)
         view = memoryview(data)

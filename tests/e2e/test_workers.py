@@ -150,3 +150,73 @@ async def test_workers_serve_tls_with_the_owners_self_signed_certificate() -> No
         await picker.stop(0)
         for backend in backends:
             await backend.stop()
+
+
+async def test_a_request_traced_across_the_processes_is_one_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: F401
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+    except ImportError as exc:  # xds-protos' old opentelemetry/proto won the install (see test_tracing.py)
+        pytest.skip(f"opentelemetry/proto is xds-protos' old copy ({exc})")
+    import grpc
+
+    from epp.datalayer.static import parse_endpoints
+    from epp.envoy.bootstrap import BootstrapOptions, render
+    from epp.server.server import EndpointPicker
+    from epp.testing.backends import start_echo_servers
+    from epp.testing.envoy import EnvoyProcess
+    from epp.testing.harness import wait_for_picker
+    from tests.pickers import loopback_settings
+
+    spans: list[tuple[object, object]] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+        async def Export(self, request, context):  # type: ignore[no-untyped-def]
+            for resource_spans in request.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    spans.extend((resource_spans.resource, span) for span in scope_spans.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    collector = grpc.aio.server()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), collector)
+    port = collector.add_insecure_port("127.0.0.1:0")
+    await collector.start()
+    # The worker processes read the same environment (they inherit it).
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    backends = await start_echo_servers(2)
+    pool = ",".join(b.hostport for b in backends)
+    picker = EndpointPicker(
+        loopback_settings(endpoints=tuple(parse_endpoints(pool)), workers=2, tracing=True, scrape_metrics=False)
+    )
+    await picker.start()
+    envoy = EnvoyProcess(render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
+                                                 picker_port=picker.grpc_port)), concurrency=1)  # fmt: skip
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        await asyncio.to_thread(envoy.start)
+        await asyncio.to_thread(wait_for_picker, envoy)
+        headers = {"traceparent": f"00-{client_trace}-{client_span}-01"}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            url = f"http://127.0.0.1:{envoy.listen_port}/v1/completions"
+            async with session.post(url, json={"model": "m", "prompt": "hello"}, headers=headers) as response:
+                assert response.status == 200, await response.text()
+        for _ in range(200):
+            if len([s for _, s in spans if s.trace_id.hex() == client_trace]) >= 6:  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await asyncio.to_thread(envoy.stop)
+        await picker.stop(0)  # the workers export what is left as they exit
+        for backend in backends:
+            await backend.stop()
+        await collector.stop(0)
+    traced = {span.name: span for _, span in spans if span.trace_id.hex() == client_trace}  # type: ignore[attr-defined]
+    assert set(traced) == {
+        "gateway.request", "epp.parse", "gateway.request_orchestration", "epp.admission", "epp.scheduling",
+        "epp.response",
+    }  # fmt: skip
+    assert traced["gateway.request"].parent_span_id.hex() == client_span
+    for name in ("epp.admission", "epp.scheduling"):  # made in the owner, under the worker's span
+        assert traced[name].parent_span_id == traced["gateway.request_orchestration"].span_id, name
