@@ -86,10 +86,11 @@ N ≈ ``c_w / c_o`` ≈ 1.2, so with two workers already. More workers raise the
 per-request work outside routing grows: every streamed response chunk and every body byte is worker
 work (a 1k-event stream multiplies ``c_w``, not ``c_o``), while a larger pool or a longer prompt grows
 the owner's (the prefix index hashes and records the prompt: a 16 KB prompt never seen before routed
-in ~420 µs in-process with 8 pods, a ceiling of ~2,400 req/s for such requests). Beyond that, the next steps would take work off the owner: hash the prompt's blocks
-in the worker that parsed it (the prefix producer would consume hashes, not text), keep the response
-metrics' histograms in the workers and merge them at scrape time, or shard the routing state across
-several owners (by model or pool).
+in ~420 µs in-process with 8 pods, a ceiling of ~2,400 req/s for such requests). Beyond that, the
+next steps would take work off the owner: hash the prompt's blocks in the worker that parsed it (the
+prefix producer would consume hashes, not text), keep the response metrics' histograms in the
+workers and merge them at scrape time, or shard the routing state across several owners (by model or
+pool).
 """
 
 from __future__ import annotations
