@@ -34,9 +34,11 @@ awaiting stream resumes on the owner's answer; the lifecycle calls become one-wa
   through :class:`RemoteMetrics` (one :class:`Refused` each), so the owner's metrics count every
   request exactly once.
 
-Timing: the owner measures a request's durations (time to first byte, response time) when the
-events arrive, one event-loop turn of each process after the worker saw them; both ends of each
-duration are shifted alike.
+Timing: the owner measures a request's durations (time to first byte, response time) from its pick
+to when the events arrive; the events are posted (:meth:`epp.requestcontrol.ipc.Channel.post`), so
+they arrive up to :data:`~epp.requestcontrol.ipc.LAZY_DELAY` (2 ms) and a loop turn after the worker
+saw them: those series read up to about 2 ms long, and in-flight accounting releases a request as
+much later.
 
 Tracing: the worker makes the request's spans (``gateway.request``, ``epp.parse``, the
 orchestration and response spans); the route carries the orchestration span's context, under which
