@@ -75,6 +75,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Mapping
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -127,6 +128,7 @@ class _Stream:
         "chunks",
         "done",
         "headers",
+        "later",
         "model",
         "outcome",
         "pending",
@@ -155,6 +157,9 @@ class _Stream:
         self.routed: RoutedRequest | None = None
         self.done = False  # the request phase has been answered (routed)
         self.pending: str | None = None  # the message that asked to route: headers, body or trailers
+        # A routed request whose response_received hooks run in another process answers the response
+        # headers later (epp.requestcontrol.remote): the headers' answer waits on this (see route()).
+        self.later: asyncio.Future[Mapping[str, str] | None] | None = None
         self.outcome: Outcome = "cancelled"
         self.model: str | None = None  # known once the body is parsed
         self.sse = False
@@ -219,6 +224,10 @@ class _Stream:
     async def route(self) -> _Answers:
         """Route the request as the last request message asked (headers, body or trailers); the answers."""
         kind, self.pending = self.pending, None
+        if kind == "response_headers":  # hook: the headers' answer from another process (see response_headers)
+            later, self.later = self.later, None
+            added = await later if later is not None else None
+            return [response_headers_answer(added) if added else CONTINUE_RESPONSE_HEADERS]
         if kind == "headers":
             routed = await self._route(b"")
             return [routing_answer(routed, self.headers, "request_headers", self._propagated())]
@@ -274,13 +283,18 @@ class _Stream:
 
     # -- the response phase --------------------------------------------------------------------
 
-    def response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def response_headers(self, message: pb.HttpHeaders) -> pb.ProcessingResponse | None:
+        """The answer to the response headers, or None when it is to come from :meth:`route` (a future)."""
         routed = self.routed
         headers = headers_of(message)
         self.sse = headers.get("content-type", "").startswith("text/event-stream")
         added = routed.response_headers(headers) if routed is not None else None
         if message.end_of_stream:
             self.outcome = "complete"
+        if isinstance(added, asyncio.Future):  # hook: hooks in another process decide (epp.requestcontrol.remote)
+            self.later = added
+            self.pending = "response_headers"
+            return None
         return response_headers_answer(added) if added else CONTINUE_RESPONSE_HEADERS
 
     def response_body(self, body: pb.HttpBody) -> pb.ProcessingResponse:
@@ -413,7 +427,10 @@ class _Call:
                     return True
                 self._send(answers)
             elif kind == "response_headers":
-                self._wire.send(stream.response_headers(message.response_headers).SerializeToString())
+                answer = stream.response_headers(message.response_headers)
+                if answer is None:  # hook: answered by a task once another process decides (see _Stream)
+                    return True
+                self._wire.send(answer.SerializeToString())
             elif kind == "request_trailers":
                 answers = stream.request_trailers()
                 if answers is None:

@@ -42,6 +42,9 @@ _METRIC_FLAGS = {
     "cache-info-metric": ("vllm:cache_config_info", "KV-cache block size and count (labels)"),
 }
 
+# --workers above this is a typo, not a pod (each worker is a Python process of some 60 MB).
+_MAX_WORKERS = 256
+
 # The only InferencePool API discovery speaks: inference.networking.k8s.io/v1.
 _POOL_GROUP = "inference.networking.k8s.io"
 
@@ -89,6 +92,12 @@ SERVE_FLAGS = FlagSet(
         make_flag("max-request-body-bytes", DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413"),
         make_flag("bind-address", "0.0.0.0", "address the gRPC, health and metrics servers listen on"),
         make_flag("shutdown-grace-period", Duration(20.0), "how long in-flight streams get to finish after SIGTERM"),
+        make_flag(
+            "workers",
+            0,
+            "this project's, not upstream's: ext_proc worker processes that share the --grpc-port socket while "
+            "this process routes for them (a core each); 0: one process does everything",
+        ),
         make_flag(
             "tracing",
             False,
@@ -164,6 +173,8 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         raise FlagError(f"--zap-encoder must be console or json, got {values['zap-encoder']!r}")
     if values["max-request-body-bytes"] < 1:
         raise FlagError("--max-request-body-bytes must be positive")
+    if not 0 <= values["workers"] <= _MAX_WORKERS:
+        raise FlagError(f"--workers must be between 0 and {_MAX_WORKERS}, got {values['workers']}")
     if values["refresh-metrics-interval"] <= 0:
         raise FlagError("--refresh-metrics-interval must be positive (use --scrape-metrics=false to turn scraping off)")
     if values["refresh-metrics-idle-interval"] < 0:
@@ -198,6 +209,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         tracing=values["tracing"],
         log_format=values["zap-encoder"],
         shutdown_grace_seconds=float(values["shutdown-grace-period"]),
+        workers=values["workers"],
         scrape_metrics=values["scrape-metrics"],
         metrics_scraper_process=values["metrics-scraper-process"],
         refresh_metrics_interval=float(values["refresh-metrics-interval"]),

@@ -18,6 +18,10 @@ not shutting down: a pod that never answered is not known to serve, and requests
 requests then wait in the queue for a pod (``noEndpointRequestTTL``), which is how a pool scaled
 to zero is woken, instead of Envoy failing them before they reach the picker.
 
+With ``--workers N`` (:mod:`epp.server.workers`) this process is the owner: it binds the ext_proc
+port and N worker processes serve it, routing every request through this process's director; the
+health statuses set here are mirrored to them (Envoy's health check reaches a worker).
+
 The metrics port is guarded by ``--metrics-endpoint-auth`` (:mod:`epp.server.metrics_auth`) when
 the pool comes from Kubernetes: the reviews go through discovery's API client, on this event loop.
 
@@ -26,7 +30,8 @@ Shutdown, in order:
  2. admission closes: queued requests are answered 503 (``rejected-shutting-down``) at once, and
     new ones too (they would otherwise wait out the grace period for nothing);
  3. the ext_proc server stops accepting streams and in-flight ones get ``shutdown_grace_seconds``
-    to finish; any still open after that are cancelled;
+    to finish; any still open after that are cancelled (with ``--workers``, each worker drains so
+    and exits);
  4. the health server stops, discovery's watches and the scrape loops are cancelled and awaited;
     the process exits 0.
 """
@@ -34,6 +39,7 @@ Shutdown, in order:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -49,7 +55,7 @@ from epp.datalayer.served import ModelPoller
 from epp.extproc.processor import ExternalProcessor
 from epp.flowcontrol import FlowControlMetrics, build_admission
 from epp.flowcontrol.objectives import Objectives
-from epp.framework import Endpoint, Handle, PluginMetrics
+from epp.framework import Endpoint, Handle, PluginMetrics, ResponseReceived
 from epp.kube.discovery import Discovery
 from epp.kube.pods import PoolSpec
 from epp.requestcontrol.director import Director
@@ -60,7 +66,8 @@ from epp.server.debug import DebugViews
 from epp.server.metrics import Metrics, start_metrics_server
 from epp.server.metrics_auth import MetricsAuth
 from epp.server.settings import Settings
-from epp.server.tls import server_ssl_context
+from epp.server.tls import self_signed_certificate, server_ssl_context, ssl_context_from_pem
+from epp.server.workers import WorkerPool, WorkerSpec
 from epp.wire.health import NOT_SERVING, SERVING, Health
 from epp.wire.server import GrpcServer, bind_socket
 
@@ -213,7 +220,19 @@ class EndpointPicker:
         self._answered: set[str] = set()  # endpoints that have answered a scrape: see _update_readiness
         if self.scraper is not None:
             self.datastore.on_metrics(self._first_answer)
-        self.health = Health()
+        # --workers: the ext_proc port is served by worker processes that route through this one.
+        self.workers: WorkerPool | None = None
+        if settings.workers:
+            self.workers = WorkerPool(
+                settings.workers,
+                self.director,
+                self._worker_spec,
+                endpoints=self.datastore.endpoints,
+                registry=self.metrics.registry,
+                tracing=self.tracing,
+            )
+        self.health = self.workers.health if self.workers is not None else Health()
+        self._pem: tuple[bytes, bytes] = (b"", b"")  # a self-signed pair the workers serve too
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: GrpcServer | None = None
@@ -230,7 +249,11 @@ class EndpointPicker:
         context = None
         if settings.secure_serving:
             try:
-                context = server_ssl_context(settings.cert_path)
+                if self.workers is not None and not settings.cert_path:
+                    self._pem = self_signed_certificate()  # one certificate for every worker
+                    context = ssl_context_from_pem(*self._pem)
+                else:
+                    context = server_ssl_context(settings.cert_path)
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
         main = _listen("--grpc-port", settings.bind_address, settings.grpc_port)
@@ -242,18 +265,21 @@ class EndpointPicker:
         self._sockets = (main, health_socket)
         self.grpc_port = main.getsockname()[1]
         self.grpc_health_port = health_socket.getsockname()[1]
-        self._server = GrpcServer(
-            {**self.processor.methods(), **self.health.methods()},
-            ssl_context=context,
-            max_message=settings.max_request_body_bytes + _MESSAGE_HEADROOM,
-            flag=f"--grpc-port {self.grpc_port}",
-        )
+        if self.workers is None:
+            self._server = GrpcServer(
+                {**self.processor.methods(), **self.health.methods()},
+                ssl_context=context,
+                max_message=settings.max_request_body_bytes + _MESSAGE_HEADROOM,
+                flag=f"--grpc-port {self.grpc_port}",
+            )
         self._health_server = GrpcServer(self.health.methods(), flag=f"--grpc-health-port {self.grpc_health_port}")
         # Every port is bound before anything else starts (the scrape worker, discovery's watches),
         # so a clash stops startup with nothing to clean up.
         if settings.metrics_port >= 0:
             try:
                 routes = DebugViews(self.datastore.endpoints, self.config, settings.config_text).routes()
+                if self.workers is not None:
+                    routes["/debug/workers"] = self._workers_view
                 self.metrics_port = start_metrics_server(
                     self.metrics,
                     settings.metrics_port,
@@ -269,6 +295,13 @@ class EndpointPicker:
                     f"{settings.bind_address}:{settings.metrics_port} ({exc.strerror or exc})"
                 ) from None
 
+        if self.workers is not None:
+            try:
+                await self.workers.start(main)
+            except (RuntimeError, OSError) as exc:
+                for sock in self._sockets:
+                    sock.close()
+                raise StartupError(f"--workers {settings.workers}: {exc}") from None
         if self.scraper is not None:
             await self.scraper.start()
         if self.models is not None:
@@ -278,7 +311,8 @@ class EndpointPicker:
         await self._update_readiness()
         if self.discovery is not None:
             await self.discovery.start()  # lists and watches in the background; readiness waits for its first sync
-        self._server.serve_socket(self._sockets[0])
+        if self._server is not None:
+            self._server.serve_socket(self._sockets[0])
         self._health_server.serve_socket(self._sockets[1])
         log.info(
             "serving ext_proc on %s:%d (%s), health on :%d, metrics on :%d; pool has %d endpoint(s)",
@@ -289,6 +323,31 @@ class EndpointPicker:
             self.metrics_port,  # the port bound (--metrics-port 0 picks one)
             len(self.datastore.endpoints()),
         )
+
+    def _worker_spec(self, index: int) -> WorkerSpec:
+        settings = self.settings
+        cert, key = self._pem
+        return WorkerSpec(
+            index=index,
+            max_request_body_bytes=settings.max_request_body_bytes,
+            max_message=settings.max_request_body_bytes + _MESSAGE_HEADROOM,
+            flag=f"--grpc-port {self.grpc_port}",
+            tls=settings.secure_serving,
+            cert_path=settings.cert_path,
+            cert_pem=cert,
+            key_pem=key,
+            tracing=settings.tracing,
+            verbosity=settings.verbosity,
+            log_format=settings.log_format,
+            # A plugin's response_received hook may set response headers: the workers wait for them.
+            wait_for_headers=any(isinstance(plugin, ResponseReceived) for _, plugin in self.config.plugins.values()),
+        )
+
+    def _workers_view(self) -> bytes:
+        assert self.workers is not None
+        workers = self.workers
+        view = {"workers": workers.view(), "accepted": workers.accepted, "rebalances": workers.rebalances}
+        return json.dumps(view, indent=1).encode()
 
     def _metrics_guard(self) -> Callable[[dict[str, Any]], Any] | None:
         """The metrics port's check (--metrics-endpoint-auth): with discovery only, a static pool has no API server."""
@@ -314,6 +373,9 @@ class EndpointPicker:
         self.admission.close()  # 2. queued requests: 503 rejected-shutting-down
         if self._server is not None:
             await self._server.stop(grace)  # 3. drain in-flight streams
+        if self.workers is not None:
+            await self.workers.stop(grace)  # 3. each worker drains its streams, then exits
+            self._sockets[0].close()
         self.health.stop()
         if self._health_server is not None:
             await self._health_server.stop(0)  # 4.

@@ -42,6 +42,8 @@ class Settings:
     tracing: bool = False
     log_format: str = "console"  # or json (--zap-encoder)
     shutdown_grace_seconds: float = 20.0
+    # ext_proc worker processes (epp.server.workers; ours, not upstream's): 0 is one process.
+    workers: int = 0
     # Model-server telemetry (epp.datalayer.scraper).
     scrape_metrics: bool = True
     metrics_scraper_process: bool = True  # scrape in a child process, off the request loop

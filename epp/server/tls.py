@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-__all__ = ["self_signed_certificate", "server_ssl_context"]
+__all__ = ["self_signed_certificate", "server_ssl_context", "ssl_context_from_pem"]
 
 
 def self_signed_certificate(common_name: str = "epp") -> tuple[bytes, bytes]:
@@ -56,8 +56,14 @@ def server_ssl_context(cert_path: str) -> ssl.SSLContext:
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"--cert-path {cert_path}: cannot load tls.crt and tls.key: {exc}") from exc
         return context
-    cert, key = self_signed_certificate()
-    # load_cert_chain reads files only: the fresh pair goes through a private file that is removed at once.
+    return ssl_context_from_pem(*self_signed_certificate())
+
+
+def ssl_context_from_pem(cert: bytes, key: bytes) -> ssl.SSLContext:
+    """A TLS server context serving the PEM certificate ``cert`` with its private key ``key``."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2  # HTTP/2 requires 1.2 or later (RFC 9113 section 9.2)
+    # load_cert_chain reads files only: the pair goes through a private file that is removed at once.
     with tempfile.TemporaryDirectory(prefix="epp-tls-") as private:
         pem = os.path.join(private, "tls.pem")
         with open(os.open(pem, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as file:

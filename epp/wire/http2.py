@@ -263,8 +263,14 @@ class Connection(ConnectionBase, asyncio.Protocol):
         max_message: int,
         on_close: Callable[[Connection], None] | None = None,
         on_bad_preface: Callable[[Connection, bytes], None] | None = None,
+        max_concurrent_streams: int = 0,
     ) -> None:
         ConnectionBase.__init__(self)  # streams, out, windows
+        # Announced (SETTINGS_MAX_CONCURRENT_STREAMS) when given, not enforced: a client that honours it
+        # (Envoy does) opens another connection for more streams (epp.server.workers spreads those).
+        self._our_settings = _OUR_SETTINGS
+        if max_concurrent_streams:
+            self._our_settings += struct.pack(">HI", _MAX_CONCURRENT_STREAMS, max_concurrent_streams)
         self._handlers = handlers
         self._max_message = max_message
         self._on_close = on_close
@@ -288,7 +294,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         # Our SETTINGS, then open the connection's receive window to the maximum.
-        self.write_frame(_SETTINGS, 0, 0, _OUR_SETTINGS)
+        self.write_frame(_SETTINGS, 0, 0, self._our_settings)
         self.write_frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", _MAX_WINDOW - 65_535))
         self._flush()
 

@@ -3,7 +3,9 @@
 :class:`GrpcServer` serves a table of methods (``"/package.Service/Method"`` -> handler) on one or
 more listening sockets, plaintext or TLS. It binds without ``SO_REUSEPORT``, so that a second
 process on the same port fails to start instead of silently taking half of the streams; a worker
-process serves a socket its parent bound and passed on (:meth:`GrpcServer.serve_socket`).
+process serves the connections its parent accepted and handed over (:meth:`GrpcServer.serve_connection`;
+``max_concurrent_streams`` announces a per-connection stream limit, so that a client such as Envoy
+opens more connections under load, which the parent spreads over its workers).
 
 Mismatches are explained, once a minute at most: each connection's first byte says what the client
 speaks before anything is decoded. On a TLS port, a connection whose first bytes are not a TLS
@@ -61,8 +63,10 @@ class GrpcServer:
         ssl_context: ssl.SSLContext | None = None,
         max_message: int = 4 * 1024 * 1024,
         flag: str = "the port",
+        max_concurrent_streams: int = 0,
     ) -> None:
         self._methods = methods
+        self._max_streams = max_concurrent_streams  # announced per connection when given (see Connection)
         self._ssl = ssl_context
         if ssl_context is not None:
             ssl_context.set_alpn_protocols(["h2"])
@@ -90,7 +94,6 @@ class GrpcServer:
     # -- accepting --------------------------------------------------------------------------------
 
     def _accept(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
         for _ in range(64):  # a burst of new connections, bounded per wake-up
             try:
                 sock, _ = listener.accept()
@@ -99,14 +102,22 @@ class GrpcServer:
             except OSError as exc:  # EMFILE and the like: keep serving what is open
                 log.warning("%s: cannot accept a connection: %s", self._flag, exc)
                 return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl is None:
-                self._start(sock, None)
-            else:  # the first byte says whether the client speaks TLS
-                self._sniffing.add(sock)
-                deadline = loop.call_later(_FIRST_BYTES_TIMEOUT, self._give_up, sock)
-                loop.add_reader(sock.fileno(), self._first_bytes, sock, deadline)
+            self.serve_connection(sock)
+
+    def serve_connection(self, sock: socket.socket) -> None:
+        """Serve a connection accepted here or handed over by another process (epp.server.workers)."""
+        if self._stopping:
+            sock.close()
+            return
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._ssl is None:
+            self._start(sock, None)
+        else:  # the first byte says whether the client speaks TLS
+            self._sniffing.add(sock)
+            deadline = loop.call_later(_FIRST_BYTES_TIMEOUT, self._give_up, sock)
+            loop.add_reader(sock.fileno(), self._first_bytes, sock, deadline)
 
     def _give_up(self, sock: socket.socket) -> None:
         if sock in self._sniffing:
@@ -163,6 +174,7 @@ class GrpcServer:
             max_message=self._max_message,
             on_close=self._connections.discard,
             on_bad_preface=self._bad_preface,
+            max_concurrent_streams=self._max_streams,
         )
         self._connections.add(connection)
         if self._stopping:
@@ -193,6 +205,15 @@ class GrpcServer:
         self._last_logged[kind] = now
         more = self._suppressed.pop(kind, 0)
         log.warning("%s%s", message, f" ({more} more such connections in the last minute)" if more else "")
+
+    def goaway_busiest(self) -> int:
+        """GOAWAY the connection with the most open streams (its peer takes new streams elsewhere, the open
+        ones finish); how many streams it had (0: no connection had any, nothing was sent)."""
+        busiest = max((c for c in self._connections if not c.going_away), key=lambda c: len(c.streams), default=None)
+        if busiest is None or not busiest.streams:
+            return 0
+        busiest.goaway()
+        return len(busiest.streams)
 
     # -- stopping ---------------------------------------------------------------------------------
 
