@@ -1,13 +1,16 @@
-"""Plugin doubles shared by the request-control and scheduling-config tests."""
+"""Doubles shared by tests: plugins (request control, scheduling config) and an ext_proc stream's wire side."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epp.framework import Endpoint, InferenceRequest, ScoredEndpoint, SchedulingResult
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-__all__ = ["Hooks", "OnlyPicker"]
+from epp.framework import Endpoint, InferenceRequest, SchedulingResult, ScoredEndpoint
+from epp.wire._fast import StreamBase
+
+__all__ = ["Hooks", "OnlyPicker", "WireStream"]
 
 
 class OnlyPicker:
@@ -36,3 +39,29 @@ class Hooks:
 
     def response_complete(self, req: InferenceRequest, endpoint: Endpoint, outcome: str) -> None:
         self.events.append(("complete", endpoint.name, outcome, endpoint.inflight.requests))
+
+
+class WireStream(StreamBase):
+    """One ext_proc stream's wire side, in memory: what the call sends, and how it ended.
+
+    No C read path here (``echo_response_bodies`` does nothing): every chunk reaches the call.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[pb.ProcessingResponse] = []
+        self.status: tuple[int, str] | None = None
+
+    def send(self, data: bytes) -> None:
+        assert self.status is None, "an answer after the stream ended"
+        self.sent.append(pb.ProcessingResponse.FromString(data))
+
+    def finish(self, status: int = 0, message: str = "") -> None:
+        if self.status is None:
+            self.status = (status, message)
+
+    def echo_response_bodies(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass

@@ -28,8 +28,8 @@ from epp.requestcontrol.lifecycle import RoutedRequest
 from epp.requestcontrol.metrics import RequestMetrics
 from epp.scheduling.config import load_config
 from epp.scheduling.registry import default_registry
-from epp.wire._fast import StreamBase
 from epp.server.server import EXT_PROC_SERVICE, EndpointPicker
+from tests.doubles import WireStream
 from tests.pickers import loopback_settings
 
 Mode = processing_mode_pb2.ProcessingMode
@@ -527,37 +527,16 @@ def _message(draw: st.DrawFn) -> pb.ProcessingRequest:
     return pb.ProcessingRequest()
 
 
-class _Wire(StreamBase):
-    """The wire side of one stream, in memory: what the call sends, and how it ended."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sent: list[pb.ProcessingResponse] = []
-        self.status: tuple[int, str] | None = None
-
-    def send(self, data: bytes) -> None:
-        assert self.status is None, "an answer after the stream ended"
-        self.sent.append(pb.ProcessingResponse.FromString(data))
-
-    def finish(self, status: int = 0, message: str = "") -> None:
-        if self.status is None:
-            self.status = (status, message)
-
-    def echo_response_bodies(self) -> None:
-        pass  # no C read path here: every chunk reaches the call
-
-    def flush(self) -> None:
-        pass  # nothing buffered here
-
-
 async def _settle() -> None:
     for _ in range(5):  # a routing task runs to its end (no admission wait in these tests)
         await asyncio.sleep(0)
 
 
-async def _drive(processor: ExternalProcessor, sequence: list[pb.ProcessingRequest], cancel_after: int | None = None) -> _Wire:
+async def _drive(
+    processor: ExternalProcessor, sequence: list[pb.ProcessingRequest], cancel_after: int | None = None
+) -> WireStream:
     """Deliver ``sequence`` as the wire does (nothing after the stream ended), then half-close, or cancel."""
-    wire = _Wire()
+    wire = WireStream()
     call = processor.open(wire)  # type: ignore[arg-type]
     for message in sequence:
         if wire.status is not None:

@@ -26,7 +26,7 @@ from epp.requestcontrol.owner import WorkerRequests
 from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics, RemoteRouted
 from epp.requestcontrol.tracing import Tracing
 from epp.scheduling.runner import Scheduler
-from epp.wire._fast import StreamBase
+from tests.doubles import WireStream
 from tests.requestcontrol.test_director import POD, Stack, config
 
 OTHER = Endpoint("pod-b", "10.0.0.2", 8000)
@@ -388,25 +388,6 @@ async def test_a_frame_that_arrives_in_pieces_is_decoded_whole(stack: Stack) -> 
 # -- the edge over a remote director (the processor's hook for a later headers answer) ----------
 
 
-class _Wire(StreamBase):
-    """One ext_proc stream's wire side, in memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sent: list[pb.ProcessingResponse] = []
-        self.status: tuple[int, str] | None = None
-
-    def send(self, data: bytes) -> None:
-        self.sent.append(pb.ProcessingResponse.FromString(data))
-
-    def finish(self, status: int = 0, message: str = "") -> None:
-        if self.status is None:
-            self.status = (status, message)
-
-    def echo_response_bodies(self) -> None:
-        pass  # no C read path here: every chunk reaches the call
-
-
 def _headers_message(pairs: dict[str, str], *, response: bool = False, end_of_stream: bool = False) -> bytes:
     fields = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
     headers = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=fields), end_of_stream=end_of_stream)
@@ -426,7 +407,7 @@ async def test_the_edge_waits_for_the_hooks_headers_and_answers_the_chunks_behin
     stack.director.scheduler = Scheduler(stack.director.scheduler.profile, hooks=[_SetsAHeader()])
     pair = await connect(stack.director, wait_for_headers=True)
     processor = ExternalProcessor(pair.remote, RemoteMetrics(pair.worker_channel.post), max_request_body_bytes=10_000)  # type: ignore[arg-type]
-    wire = _Wire()
+    wire = WireStream()
     call = processor.open(wire)  # type: ignore[arg-type]
     call.message(_headers_message({":method": "POST", ":path": "/v1/completions", "x-request-id": "r1"}))
     call.message(_body_message(json.dumps({"model": "m", "prompt": "hello"}).encode(), end_of_stream=True))
@@ -453,7 +434,7 @@ async def test_the_edge_waits_for_the_hooks_headers_and_answers_the_chunks_behin
 async def test_a_bad_body_in_a_worker_is_refused_there_and_counted_in_the_owner(stack: Stack) -> None:
     pair = await connect(stack.director)
     processor = ExternalProcessor(pair.remote, RemoteMetrics(pair.worker_channel.post), max_request_body_bytes=10_000)  # type: ignore[arg-type]
-    wire = _Wire()
+    wire = WireStream()
     call = processor.open(wire)  # type: ignore[arg-type]
     call.message(_headers_message({":method": "POST", ":path": "/v1/completions"}))
     call.message(_body_message(b"{not json", end_of_stream=True))
