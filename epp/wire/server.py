@@ -61,6 +61,7 @@ class GrpcServer:
         ssl_context: ssl.SSLContext | None = None,
         max_message: int = 4 * 1024 * 1024,
         flag: str = "the port",
+        first_bytes_timeout: float = _FIRST_BYTES_TIMEOUT,
     ) -> None:
         self._methods = methods
         self._ssl = ssl_context
@@ -68,6 +69,7 @@ class GrpcServer:
             ssl_context.set_alpn_protocols(["h2"])
         self._max_message = max_message
         self._flag = flag  # how the operator names this port, for log lines ("--grpc-port 9002")
+        self._first_bytes_timeout = first_bytes_timeout
         self._sockets: list[socket.socket] = []
         self._connections: set[Connection] = set()
         self._sniffing: set[socket.socket] = set()
@@ -105,7 +107,7 @@ class GrpcServer:
                 self._start(sock, None)
             else:  # the first byte says whether the client speaks TLS
                 self._sniffing.add(sock)
-                deadline = loop.call_later(_FIRST_BYTES_TIMEOUT, self._give_up, sock)
+                deadline = loop.call_later(self._first_bytes_timeout, self._give_up, sock)
                 loop.add_reader(sock.fileno(), self._first_bytes, sock, deadline)
 
     def _give_up(self, sock: socket.socket) -> None:
