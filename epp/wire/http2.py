@@ -436,8 +436,6 @@ class Connection(ConnectionBase, asyncio.Protocol):
                 stream.finish(Status.INTERNAL, "the stream ended inside a message")
             if not stream.ended and call is not None:
                 call.half_close()
-            if stream.ended:
-                self._forget(stream)
 
     def _messages(self, stream: Stream, payload: bytes) -> None:
         """Split ``payload`` (the stream's buffer plus a DATA frame) into whole messages; keep the rest."""
@@ -519,8 +517,6 @@ class Connection(ConnectionBase, asyncio.Protocol):
             stream.echo = 0
             if not stream.ended and stream.call is not None:
                 stream.call.half_close()
-            if stream.ended:
-                self._forget(stream)
             return
         if stream_id % 2 == 0 or stream_id <= self._last_stream:
             if stream_id <= self._last_stream and stream_id % 2:

@@ -204,6 +204,43 @@ async def test_reads_split_anywhere_give_the_same_answers_in_the_same_order(draw
 # -- flow control ------------------------------------------------------------------------------------------
 
 
+async def test_a_tiny_stream_window_gets_everything_in_order_after_window_updates_trailers_last() -> None:
+    loop, recorder = echo_loop(initial_window=7)
+    loop.open(1, ECHO)
+    messages = [fill(20 + i, bytes((65 + i,))) for i in range(10)]
+    loop.send(b"".join(data(1, grpc(m)) for m in messages) + data(1, b"", end_stream=True))
+    call = recorder.by_id(1)
+    assert call.finished  # the call ended; its trailers wait behind the data
+    response = loop.response(1)
+    assert response.trailers is None
+    assert sum(len(f.payload) for f in loop.peer.frames if f.kind == DATA and f.stream_id == 1) == 7
+    for _ in range(200):
+        if response.trailers is not None:
+            break
+        loop.send(window_update(1, 7))
+    assert response.messages == messages
+    assert response.status == OK
+    assert 1 not in loop.connection.streams
+
+
+async def test_the_connection_window_holds_every_stream_back_and_releases_them_in_order() -> None:
+    loop, _recorder = echo_loop(initial_window=1 << 20)
+    size = 30_000
+    for stream_id in (1, 3, 5):
+        loop.open(stream_id, ECHO)
+        loop.send(b"".join(data(stream_id, grpc(fill(size, bytes((stream_id, i))))) for i in range(3)))
+    sent = sum(len(f.payload) for f in loop.peer.frames if f.kind == DATA)
+    assert sent == 65_535  # the connection's initial window, no more
+    loop.send(b"".join(data(i, b"", end_stream=True) for i in (1, 3, 5)))
+    for _ in range(100):
+        if all(loop.response(i).trailers is not None for i in (1, 3, 5)):
+            break
+        loop.send(window_update(0, 10_000))
+    for stream_id in (1, 3, 5):
+        assert loop.response(stream_id).messages == [fill(size, bytes((stream_id, i))) for i in range(3)]
+        assert loop.response(stream_id).status == OK
+
+
 async def test_with_the_echo_on_answers_waiting_for_the_window_are_not_reordered() -> None:
     loop, _ = echo_loop(initial_window=100)
     loop.open(1, PATH)
@@ -538,6 +575,18 @@ async def test_a_reset_stream_with_answers_waiting_sends_none_of_them() -> None:
     loop.send(data(1, grpc(fill(100))) + rst_stream(1) + window_update(1, 1000))
     assert sum(len(f.payload) for f in loop.peer.frames if f.kind == DATA) == 10
     assert not loop.connection._blocked
+
+
+async def test_the_connection_dropping_mid_stream_cancels_every_call() -> None:
+    loop, recorder = echo_loop(initial_window=10)
+    for stream_id in (1, 3, 5):
+        loop.open(stream_id, ECHO)
+        loop.send(data(stream_id, grpc(fill(100))))
+    loop.send(data(5, b"", end_stream=True))  # 5 has finished, its trailers wait behind its data
+    loop.transport.lose(ConnectionResetError())
+    assert [c.events[-1] for c in recorder.calls] == [("cancel", b"")] * 3
+    assert all(c.cancelled == 1 for c in recorder.calls)
+    assert not loop.connection.streams
 
 
 async def test_client_trailers_half_close_the_call() -> None:
