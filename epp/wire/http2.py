@@ -414,6 +414,10 @@ class Connection(ConnectionBase, asyncio.Protocol):
         if stream.received > _MAX_WINDOW // 2 and not flags & _END_STREAM:
             self.write_frame(_WINDOW_UPDATE, 0, stream_id, struct.pack(">I", stream.received))
             stream.received = 0
+        if stream.ended:  # the call has ended and its answers wait for the window: what comes now is dropped
+            if flags & _END_STREAM:
+                stream.remote_closed = True  # (no RST_STREAM after the trailers then)
+            return
         call = stream.call
         if payload:
             buffer = stream.buffer

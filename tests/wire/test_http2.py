@@ -604,6 +604,20 @@ async def test_a_second_header_block_without_end_stream_is_a_connection_error() 
     await connection_error(loop, PROTOCOL_ERROR)
 
 
+async def test_messages_after_the_call_finished_do_not_reach_it() -> None:
+    # The call ended while its answer waits for the window: what the client still sends is dropped.
+    loop, recorder = echo_loop(initial_window=10)
+    loop.open(1, ECHO)
+    loop.send(data(1, grpc(fill(100))))
+    recorder.by_id(1).finish()
+    loop.send(data(1, grpc(b"more")) + data(1, grpc(b"and more"), end_stream=True))
+    assert recorder.by_id(1).events == [("message", fill(100))]
+    loop.send(window_update(1, 1000))
+    assert loop.response(1).messages == [fill(100)]
+    assert loop.response(1).status == OK
+    assert not loop.response(1).reset_after_trailers  # the client had half-closed: no reset needed
+
+
 async def test_a_handler_that_fails_to_start_gets_internal_and_the_connection_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
