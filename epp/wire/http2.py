@@ -434,12 +434,20 @@ class Connection(ConnectionBase, asyncio.Protocol):
             else:
                 self._messages(stream, payload)
         if flags & _END_STREAM:
-            stream.remote_closed = True
-            stream.echo = 0
-            if stream.buffer:
-                stream.finish(Status.INTERNAL, "the stream ended inside a message")
-            if not stream.ended and call is not None:
-                call.half_close()
+            self._remote_end(stream)
+
+    def _remote_end(self, stream: Stream) -> None:
+        """The peer half-closed ``stream`` (END_STREAM on DATA, or trailers)."""
+        stream.remote_closed = True
+        stream.echo = 0
+        if stream.ended:  # its trailers wait behind data; end_stream forgets the stream once they are sent
+            return
+        if stream.buffer:
+            stream.buffer = b""
+            stream.finish(Status.INTERNAL, "the stream ended inside a message")
+            self._cancel(stream)  # the call never gets the message: its stream is over
+        elif stream.call is not None:
+            stream.call.half_close()
 
     def _messages(self, stream: Stream, payload: bytes) -> None:
         """Split ``payload`` (the stream's buffer plus a DATA frame) into whole messages; keep the rest."""
@@ -447,7 +455,9 @@ class Connection(ConnectionBase, asyncio.Protocol):
         call = stream.call
         while size - position >= 5 and not stream.ended:
             if payload[position] != 0:
+                stream.buffer = b""
                 stream.finish(Status.UNIMPLEMENTED, "compressed messages are not supported (no grpc-encoding offered)")
+                self._cancel(stream)
                 return
             length = int.from_bytes(payload[position + 1 : position + 5])
             if length > self._max_message:
@@ -517,10 +527,10 @@ class Connection(ConnectionBase, asyncio.Protocol):
         if stream is not None:  # trailers: the client's last word on the stream
             if not flags & _END_STREAM:
                 raise _ConnectionError(PROTOCOL_ERROR, f"a second header block on stream {stream_id}, not its last")
-            stream.remote_closed = True
-            stream.echo = 0
-            if not stream.ended and stream.call is not None:
-                stream.call.half_close()
+            if stream.remote_closed:
+                self._stream_error(stream, STREAM_CLOSED)
+                return
+            self._remote_end(stream)
             return
         if stream_id % 2 == 0 or stream_id <= self._last_stream:
             if stream_id <= self._last_stream and stream_id % 2:

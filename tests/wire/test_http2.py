@@ -535,6 +535,17 @@ async def test_grpc_encoding_is_refused_with_unimplemented() -> None:
 
 
 @pytest.mark.parametrize("split", [False, True])
+async def test_a_compressed_message_is_unimplemented_and_cancels_the_call(split: bool) -> None:
+    loop, recorder = echo_loop()
+    loop.open(1, ECHO)
+    message = grpc(b"hello", compressed=True)
+    loop.send(data(1, message[:3]) + data(1, message[3:]) if split else data(1, message))
+    assert loop.response(1).status == UNIMPLEMENTED
+    assert recorder.by_id(1).events == [("cancel", b"")]
+    assert 1 not in loop.connection.streams
+
+
+@pytest.mark.parametrize("split", [False, True])
 async def test_a_message_over_the_limit_is_resource_exhausted_and_cancels_the_call(split: bool) -> None:
     loop, recorder = echo_loop(max_message=1000)
     loop.open(1, ECHO)
@@ -589,12 +600,41 @@ async def test_the_connection_dropping_mid_stream_cancels_every_call() -> None:
     assert not loop.connection.streams
 
 
+async def test_end_stream_inside_a_message_is_internal_and_cancels_the_call() -> None:
+    loop, recorder = echo_loop()
+    loop.open(1, ECHO)
+    loop.send(data(1, grpc(b"hello")[:4], end_stream=True))
+    response = loop.response(1)
+    assert response.status == INTERNAL
+    assert recorder.by_id(1).events == [("cancel", b"")]
+    assert 1 not in loop.connection.streams
+
+
+async def test_trailers_inside_a_message_are_internal_and_cancel_the_call() -> None:
+    loop, recorder = echo_loop()
+    loop.open(1, ECHO)
+    loop.send(data(1, grpc(b"hello")[:4]) + headers_frames(1, loop.requests.trailers(), end_stream=True))
+    assert loop.response(1).status == INTERNAL
+    assert recorder.by_id(1).events == [("cancel", b"")]
+
+
 async def test_client_trailers_half_close_the_call() -> None:
     loop, recorder = echo_loop()
     loop.open(1, ECHO)
     loop.send(data(1, grpc(b"a")) + headers_frames(1, loop.requests.trailers(), end_stream=True))
     assert recorder.by_id(1).events == [("message", b"a"), ("half_close", b"")]
     assert loop.response(1).status == OK
+
+
+async def test_trailers_after_end_stream_reset_the_stream_and_the_call_half_closes_once() -> None:
+    loop, recorder = echo_loop()
+    recorder.answer = False  # the call goes on after the half-close
+    loop.open(1, ECHO)
+    loop.send(data(1, grpc(b"a"), end_stream=True))
+    loop.send(headers_frames(1, loop.requests.trailers(), end_stream=True))
+    assert loop.response(1).reset == STREAM_CLOSED
+    assert recorder.by_id(1).events == [("message", b"a"), ("half_close", b""), ("cancel", b"")]
+    assert loop.peer.goaway is None
 
 
 async def test_a_second_header_block_without_end_stream_is_a_connection_error() -> None:
