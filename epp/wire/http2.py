@@ -673,8 +673,10 @@ class Connection(ConnectionBase, asyncio.Protocol):
     def _stream_error(self, stream: Stream, code: int) -> None:
         self.write_frame(_RST_STREAM, 0, stream.id, struct.pack(">I", code))
         self.streams.pop(stream.id, None)
+        self._blocked.pop(stream.id, None)  # nothing more is sent on it
         stream.ended = True
         self._cancel(stream)
+        self._check_idle()
 
     def _cancel(self, stream: Stream) -> None:
         stream.ended = True

@@ -637,6 +637,18 @@ async def test_trailers_after_end_stream_reset_the_stream_and_the_call_half_clos
     assert loop.peer.goaway is None
 
 
+async def test_a_stream_reset_for_data_after_end_stream_sends_none_of_its_waiting_answers() -> None:
+    loop, recorder = echo_loop(initial_window=1 << 20)
+    recorder.answer = False
+    loop.open(1, ECHO, end_stream=True)
+    recorder.by_id(1).stream.send(fill(70_000))  # 65,535 bytes go (the connection's window), the rest waits
+    await loop.settle()
+    loop.send(data(1, grpc(b"x")))  # DATA after the client's END_STREAM: the stream is reset
+    assert loop.response(1).reset == STREAM_CLOSED
+    loop.send(window_update(0, 10_000))  # the Peer fails on any DATA after the reset
+    assert sum(len(f.payload) for f in loop.peer.frames if f.kind == DATA) == 65_535
+
+
 async def test_a_second_header_block_without_end_stream_is_a_connection_error() -> None:
     loop, _ = echo_loop()
     loop.open(1, ECHO)
