@@ -376,17 +376,25 @@ class Connection(ConnectionBase, asyncio.Protocol):
         elif kind == _WINDOW_UPDATE:
             self._window_update(stream_id, data[position + 9 : end])
         elif kind == _RST_STREAM:
+            if length != 4:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "RST_STREAM that is not 4 bytes")
             self._reset(stream_id)
         elif kind == _SETTINGS:
             self._settings(stream_id, flags, data[position + 9 : end])
         elif kind == _PING:
             if length != 8:
                 raise _ConnectionError(FRAME_SIZE_ERROR, "a PING that is not 8 bytes")
+            if stream_id:
+                raise _ConnectionError(PROTOCOL_ERROR, "PING on a stream")
             if not flags & _ACK:
                 self.write_frame(_PING, _ACK, 0, data[position + 9 : end])
         elif kind == _CONTINUATION:
             self._continuation(stream_id, flags, data[position + 9 : end])
         elif kind == _GOAWAY:
+            if stream_id:
+                raise _ConnectionError(PROTOCOL_ERROR, "GOAWAY on a stream")
+            if length < 8:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "GOAWAY shorter than 8 bytes")
             self._peer_goaway()
         elif kind == _PUSH_PROMISE:
             raise _ConnectionError(PROTOCOL_ERROR, "a client may not push")
@@ -404,7 +412,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
             payload = payload[1 : len(payload) - payload[0]]
         stream = self.streams.get(stream_id)
         if stream is None:
-            if stream_id == 0 or stream_id > self._last_stream:
+            if stream_id == 0 or self._idle(stream_id):
                 raise _ConnectionError(PROTOCOL_ERROR, f"DATA on stream {stream_id}, which was never opened")
             return  # a stream that has ended
         if stream.remote_closed:
@@ -482,11 +490,15 @@ class Connection(ConnectionBase, asyncio.Protocol):
             raise _ConnectionError(PROTOCOL_ERROR, "HEADERS on stream 0")
         start, end = 0, len(payload)
         if flags & _PADDED:
-            if not payload or payload[0] >= len(payload):
-                raise _ConnectionError(PROTOCOL_ERROR, "HEADERS padding longer than the frame")
+            if not payload:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "HEADERS too short for its padding length")
             start, end = 1, end - payload[0]
         if flags & _PRIORITY_FLAG:
+            if len(payload) < start + 5:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "HEADERS too short for its priority fields")
             start += 5
+        if end < start:
+            raise _ConnectionError(PROTOCOL_ERROR, "HEADERS padding longer than the frame")
         block = payload[start:end]
         if flags & _END_HEADERS:
             self._headers_block(stream_id, flags, block)
@@ -533,8 +545,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
             self._remote_end(stream)
             return
         if stream_id % 2 == 0 or stream_id <= self._last_stream:
-            if stream_id <= self._last_stream and stream_id % 2:
-                return  # trailers of a stream that has ended
+            if stream_id <= self._last_stream and stream_id % 2 and flags & _END_STREAM:
+                return  # trailers of a stream that has ended (ours may have crossed them)
             raise _ConnectionError(PROTOCOL_ERROR, f"a client may not open stream {stream_id}")
         self._last_stream = stream_id
         if self.going_away:
@@ -562,7 +574,13 @@ class Connection(ConnectionBase, asyncio.Protocol):
         if stream.remote_closed and not stream.ended:
             stream.call.half_close()
 
+    def _idle(self, stream_id: int) -> bool:
+        """A stream the client has not opened (nor may: even ids are ours): only HEADERS may come on it."""
+        return stream_id % 2 == 0 or stream_id > self._last_stream
+
     def _reset(self, stream_id: int) -> None:
+        if stream_id == 0 or self._idle(stream_id):
+            raise _ConnectionError(PROTOCOL_ERROR, f"RST_STREAM on stream {stream_id}, which was never opened")
         stream = self.streams.pop(stream_id, None)
         self._blocked.pop(stream_id, None)
         if stream is not None:
@@ -574,6 +592,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
         if stream_id != 0:
             raise _ConnectionError(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & _ACK:
+            if payload:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "a SETTINGS acknowledgement with a payload")
             return
         if len(payload) % 6:
             raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6")
@@ -586,10 +606,14 @@ class Connection(ConnectionBase, asyncio.Protocol):
                 self._stream_window = value
                 for stream in self.streams.values():
                     stream.window += delta
+                    if stream.window > _MAX_WINDOW:
+                        raise _ConnectionError(FLOW_CONTROL_ERROR, f"stream {stream.id}'s window above 2^31-1")
             elif key == _MAX_FRAME_SIZE:
                 if not _DEFAULT_FRAME <= value <= 2**24 - 1:
                     raise _ConnectionError(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} out of range")
                 self.max_frame = value
+            elif key == _ENABLE_PUSH and value > 1:
+                raise _ConnectionError(PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {value}")
             # The peer's header table size does not matter: our blocks never index.
         self.write_frame(_SETTINGS, _ACK, 0, b"")
         self._resume()
@@ -607,8 +631,18 @@ class Connection(ConnectionBase, asyncio.Protocol):
         else:
             stream = self.streams.get(stream_id)
             if stream is None:
+                if self._idle(stream_id):
+                    raise _ConnectionError(
+                        PROTOCOL_ERROR, f"WINDOW_UPDATE on stream {stream_id}, which was never opened"
+                    )
+                return  # a stream that has ended
+            if increment == 0:
+                self._stream_error(stream, PROTOCOL_ERROR)
                 return
             stream.window += increment
+            if stream.window > _MAX_WINDOW:
+                self._stream_error(stream, FLOW_CONTROL_ERROR)
+                return
         self._resume()
 
     def _peer_goaway(self) -> None:

@@ -423,6 +423,23 @@ async def test_an_even_stream_id_is_a_connection_error_and_cancels_the_open_call
     assert recorder.by_id(1).events == [("cancel", b"")]
 
 
+async def test_a_lower_stream_id_than_one_already_opened_is_a_connection_error() -> None:
+    loop, _recorder = echo_loop()
+    loop.open(5, ECHO)
+    loop.open(3, ECHO)
+    await connection_error(loop, PROTOCOL_ERROR)
+
+
+async def test_reopening_a_finished_stream_is_a_connection_error() -> None:
+    loop, recorder = echo_loop()
+    loop.open(1, ECHO)
+    loop.send(data(1, grpc(b"a"), end_stream=True))
+    assert loop.response(1).status == OK
+    loop.open(1, ECHO)  # the same id again, as a new request
+    await connection_error(loop, PROTOCOL_ERROR)
+    assert len(recorder.calls) == 1
+
+
 async def test_late_trailers_of_a_stream_we_ended_are_ignored() -> None:
     # We may end a stream (trailers, RST_STREAM NO_ERROR) while the client's trailers are on their way.
     loop, recorder = echo_loop()
@@ -473,10 +490,67 @@ async def test_a_window_update_of_zero_on_the_connection_is_a_connection_error()
     await connection_error(loop, PROTOCOL_ERROR)
 
 
+async def test_a_window_update_of_zero_on_a_stream_resets_that_stream() -> None:
+    loop, recorder = echo_loop()
+    loop.open(1, ECHO)
+    loop.open(3, ECHO)
+    loop.send(window_update(1, 0))
+    assert loop.response(1).reset == PROTOCOL_ERROR
+    assert recorder.by_id(1).events == [("cancel", b"")]
+    loop.send(data(3, grpc(b"x"), end_stream=True))  # the connection goes on
+    assert loop.response(3).messages == [b"x"]
+
+
 async def test_a_window_over_2_31_is_a_flow_control_error() -> None:
     loop, _ = echo_loop()
     loop.send(window_update(0, MAX_WINDOW))
     await connection_error(loop, FLOW_CONTROL_ERROR)
+
+
+async def test_a_stream_window_over_2_31_resets_that_stream() -> None:
+    loop, recorder = echo_loop()
+    loop.open(1, ECHO)
+    loop.send(window_update(1, MAX_WINDOW))
+    assert loop.response(1).reset == FLOW_CONTROL_ERROR
+    assert recorder.by_id(1).events == [("cancel", b"")]
+    assert loop.peer.goaway is None
+
+
+@pytest.mark.parametrize(
+    ("bad", "code"),
+    [
+        (settings_frame((INITIAL_WINDOW_SIZE, MAX_WINDOW + 1)), FLOW_CONTROL_ERROR),
+        (settings_frame((MAX_FRAME_SIZE, 16_383)), PROTOCOL_ERROR),
+        (settings_frame((MAX_FRAME_SIZE, 1 << 24)), PROTOCOL_ERROR),
+        (settings_frame((ENABLE_PUSH, 2)), PROTOCOL_ERROR),
+        (frame(SETTINGS, 0, 0, b"\x00\x04\x00\x00\x00"), FRAME_SIZE_ERROR),
+        (frame(SETTINGS, 0, 1, b""), PROTOCOL_ERROR),
+        (frame(SETTINGS, 1, 0, b"\x00\x04\x00\x00\x00\x01"), FRAME_SIZE_ERROR),
+        (frame(PING, 0, 0, b"1234567"), FRAME_SIZE_ERROR),
+        (frame(PING, 0, 1, b"12345678"), PROTOCOL_ERROR),
+        (frame(WINDOW_UPDATE, 0, 0, b"\x00\x00\x01"), FRAME_SIZE_ERROR),
+        (frame(RST_STREAM, 0, 0, bytes(4)), PROTOCOL_ERROR),
+        (frame(RST_STREAM, 0, 1, bytes(3)), FRAME_SIZE_ERROR),
+        (rst_stream(11), PROTOCOL_ERROR),  # a stream never opened
+        (frame(GOAWAY, 0, 1, bytes(8)), PROTOCOL_ERROR),
+        (frame(HEADERS, END_HEADERS, 0, b"\x82"), PROTOCOL_ERROR),
+        (frame(HEADERS, END_HEADERS | 0x8, 3, b"\x05\x82"), PROTOCOL_ERROR),  # padding longer than the frame
+        (frame(HEADERS, END_HEADERS | 0x28, 3, b"\x01" + bytes(5)), PROTOCOL_ERROR),  # padding eats the priority
+        (frame(HEADERS, END_HEADERS | 0x20, 3, bytes(4)), FRAME_SIZE_ERROR),  # no room for the priority fields
+        (frame(DATA, 0x8, 1, b"\x04abc"), PROTOCOL_ERROR),
+        (frame(DATA, 0x8, 1, b""), PROTOCOL_ERROR),
+        (frame(HEADERS, END_HEADERS, 3, b"\xfe"), 0x9),  # a table index that does not exist: COMPRESSION_ERROR
+        (frame(HEADERS, END_HEADERS, 3, b"\x3f\xe1\x3f"), 0x9),  # a table size over what we allow
+    ],
+    ids=lambda value: value.hex()[:28] if isinstance(value, bytes) else str(value),
+)
+async def test_each_malformed_frame_gets_its_connection_error(bad: bytes, code: int) -> None:
+    loop, recorder = echo_loop()
+    loop.open(1, ECHO)
+    with no_errors_logged():
+        loop.send(bad)
+        await connection_error(loop, code)
+    assert recorder.by_id(1).events == [("cancel", b"")]
 
 
 async def test_goaway_from_the_client_lets_open_streams_finish_and_refuses_new_ones() -> None:

@@ -135,6 +135,35 @@ async def test_a_grpc_c_core_client_is_served(served: Served) -> None:
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        frame(0x1, 0x4, 2, b"\x82"),  # an even stream id
+        window_update(0, 0),
+        frame(0x6, 0, 0, b"short"),  # a PING of 5 bytes
+        b"\x00\x00\x00\x09\x00\x00\x00\x00\x01",  # CONTINUATION with no header block
+        bytes(range(256)) * 4,  # garbage
+    ],
+    ids=["even id", "window update 0", "short ping", "continuation", "garbage"],
+)
+async def test_a_connection_error_closes_that_connection_only(served: Served, bad: bytes) -> None:
+    other = await Client.connect(served.port)
+    await other.send(other.requests.open(1, ECHO) + data(1, grpc_message(b"before")))
+    await other.until(lambda peer: peer.streams.get(1) is not None and peer.streams[1].messages)
+    broken = await Client.connect(served.port)
+    await broken.send(bad)
+    await broken.closed()
+    assert broken.peer.goaway is not None and broken.peer.goaway[1] != NO_ERROR
+    # the other connection goes on, and new ones are served
+    await other.send(data(1, grpc_message(b"after"), end_stream=True))
+    await other.until(lambda peer: peer.streams[1].ended)
+    assert other.peer.streams[1].messages == [b"before", b"after"]
+    fresh = await Client.connect(served.port)
+    await _echo(fresh, 1, b"fresh")
+    for client in (other, fresh):
+        await client.close()
+
+
 async def test_a_connection_error_is_said_with_goaway_before_the_close(served: Served) -> None:
     client = await Client.connect(served.port)
     await client.send(client.requests.open(1, ECHO) + frame(0x1, 0x4, 2, b"\x82"))
