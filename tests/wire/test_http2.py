@@ -484,6 +484,16 @@ async def test_a_frame_over_our_max_frame_size_is_a_connection_error_as_soon_as_
     await connection_error(loop, FRAME_SIZE_ERROR)
 
 
+async def test_a_whole_frame_over_our_max_frame_size_is_a_connection_error_even_for_an_echoing_stream() -> None:
+    # The peer may take big frames (16 MiB): an oversized request frame is still refused, not echoed in C.
+    loop, _ = echo_loop(initial_window=MAX_WINDOW, max_frame=(1 << 24) - 1)
+    loop.send(window_update(0, MAX_WINDOW - 65_535))
+    loop.open(1, PATH)
+    loop.send(data(1, grpc(chunk_message(b"first"))))
+    loop.send(data(1, grpc(chunk_message(fill(1 << 20)))))
+    await connection_error(loop, FRAME_SIZE_ERROR)
+
+
 async def test_a_window_update_of_zero_on_the_connection_is_a_connection_error() -> None:
     loop, _ = echo_loop()
     loop.send(window_update(0, 0))
