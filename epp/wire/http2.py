@@ -142,12 +142,23 @@ def _percent_encoded(message: str) -> bytes:
     return bytes(out)
 
 
+# grpc-message is cut to this many bytes (encoded): the trailers must fit one frame of the peer's
+# smallest allowed SETTINGS_MAX_FRAME_SIZE (16 KiB); we send no CONTINUATION frames.
+_MAX_STATUS_MESSAGE = 8192
+
+
 def _trailers(status: int, message: str) -> bytes:
     if status == Status.OK and not message:
         return _OK_TRAILERS
     block = _literal(b"grpc-status", str(status).encode())
     if message:
-        block += _literal(b"grpc-message", _percent_encoded(message))
+        encoded = _percent_encoded(message)
+        if len(encoded) > _MAX_STATUS_MESSAGE:
+            encoded = encoded[:_MAX_STATUS_MESSAGE]
+            cut = encoded.rfind(b"%", -2)  # not inside a %XX escape
+            if cut >= 0:
+                encoded = encoded[:cut]
+        block += _literal(b"grpc-message", encoded)
     return block
 
 

@@ -601,6 +601,13 @@ async def test_an_unknown_method_is_answered_unimplemented_trailers_only() -> No
     assert loop.peer.goaway is None
 
 
+async def test_a_long_error_message_still_fits_the_peer_s_frame_size() -> None:
+    loop, _ = echo_loop()
+    loop.open(1, "/" + "x" * 40_000)  # the path goes into grpc-message
+    response = loop.response(1)
+    assert response.status == UNIMPLEMENTED
+
+
 async def test_grpc_message_is_percent_encoded() -> None:
     loop, recorder = echo_loop()
     loop.open(1, ECHO)
