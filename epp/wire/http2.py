@@ -210,8 +210,11 @@ class Stream(StreamBase):
         self._sync_echo()
 
     def _sync_echo(self) -> None:
-        # C may answer only while nothing waits to go out before its answer, and the peer still sends.
-        self.echo = int(self._echo and not self.pending and not self.remote_closed and not self.ended)
+        # C may answer only while nothing waits to go out before its answer, the peer still sends, and
+        # no message is half read (the next frame continues it).
+        self.echo = int(
+            self._echo and not self.pending and not self.remote_closed and not self.ended and not self.buffer
+        )
 
     @property
     def peer(self) -> str:
@@ -438,8 +441,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
                 stream.remote_closed = True  # (no RST_STREAM after the trailers then)
             return
         call = stream.call
+        buffer = stream.buffer
         if payload:
-            buffer = stream.buffer
             if buffer:
                 payload = buffer + payload
             # The common case first: exactly one whole, uncompressed message.
@@ -452,6 +455,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
                 call.message(payload[5:])
             else:
                 self._messages(stream, payload)
+        if buffer and not stream.buffer:
+            stream._sync_echo()  # the split message is whole: C may answer again
         if flags & _END_STREAM:
             self._remote_end(stream)
 
@@ -489,6 +494,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
             call.message(payload[position + 5 : end])
             position = end
         stream.buffer = payload[position:] if position < size and not stream.ended else b""
+        if stream.buffer:
+            stream.echo = 0  # the next frames continue this message: C must not read one as a message of its own
 
     def _too_large(self, stream: Stream, length: int) -> None:
         stream.buffer = b""

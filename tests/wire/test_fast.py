@@ -328,3 +328,19 @@ async def test_a_peer_settings_change_of_frame_size_reaches_c() -> None:
     frames = setup.chunk(chunk)
     assert len(setup.call.seen) == 1  # fits the new frame size: C's
     assert [len(f.payload) for f in frames if f.kind == 0] == [len(grpc(upb_answer(chunk)))]
+
+
+async def test_a_frame_that_ends_a_split_message_is_never_taken_for_a_whole_one() -> None:
+    # A chunk whose body ends with what looks like a whole framed chunk message: split just there,
+    # the second frame alone reads as an echoable message. It is the first message's tail.
+    tail = grpc(chunk_message(b"not a message of its own", metadata=False))
+    chunk = b"binary body " + tail
+    framed = grpc(chunk_message(chunk, metadata=False))
+    assert framed.endswith(tail)
+    setup = EchoSetup()
+    setup.chunk(b"first")
+    setup.loop.send(data(1, framed[: -len(tail)]))
+    setup.loop.send(data(1, tail))
+    assert [m.response_body.body for m in setup.call.seen] == [b"first", chunk]
+    assert setup.answers == [upb_answer(b"first"), upb_answer(chunk)]
+    assert setup.stream.echo == 1  # nothing buffered any more: C's again
