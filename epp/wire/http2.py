@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -179,6 +180,7 @@ class Stream(StreamBase):
         "headers",
         "headers_sent",
         "id",
+        "needed",
         "pending",
         "remote_closed",
         "trailers_pending",
@@ -191,11 +193,12 @@ class Stream(StreamBase):
         self.headers = headers  # the request metadata (names lower-case, as HTTP/2 requires)
         self.call: Call | None = None
         self.window = window  # what we may still send on this stream (the peer's flow-control window)
-        self.buffer = b""  # a gRPC message not yet whole
+        self.buffer: bytes | bytearray = b""  # a gRPC message not yet whole (a bytearray while it grows)
+        self.needed = 0  # the bytes the buffer must hold for its message to be whole (5 while its prefix is not)
         self.headers_sent = False
         self.remote_closed = False
         self.ended = False  # finish() was called: nothing more is sent
-        self.pending: list[bytes] = []  # framed gRPC messages waiting for the peer's window
+        self.pending: deque[bytes | memoryview] = deque()  # framed gRPC messages waiting for the peer's window
         self.trailers_pending: bytes | None = None
         self._echo = False
 
@@ -442,12 +445,17 @@ class Connection(ConnectionBase, asyncio.Protocol):
             return
         call = stream.call
         buffer = stream.buffer
+        if buffer and payload:  # the rest of a message split over frames
+            buffer += payload  # in place (a bytearray): a large message costs its size, not its size squared
+            if len(buffer) < stream.needed:
+                payload = b""  # still not whole
+            else:
+                payload = bytes(buffer)
+                stream.buffer = b""
+                stream._sync_echo()
         if payload:
-            if buffer:
-                payload = buffer + payload
             # The common case first: exactly one whole, uncompressed message.
             if payload[0] == 0 and len(payload) >= 5 and int.from_bytes(payload[1:5]) == len(payload) - 5:
-                stream.buffer = b""
                 if len(payload) - 5 > self._max_message:
                     self._too_large(stream, len(payload) - 5)
                     return
@@ -455,8 +463,6 @@ class Connection(ConnectionBase, asyncio.Protocol):
                 call.message(payload[5:])
             else:
                 self._messages(stream, payload)
-        if buffer and not stream.buffer:
-            stream._sync_echo()  # the split message is whole: C may answer again
         if flags & _END_STREAM:
             self._remote_end(stream)
 
@@ -493,12 +499,13 @@ class Connection(ConnectionBase, asyncio.Protocol):
             assert call is not None
             call.message(payload[position + 5 : end])
             position = end
-        stream.buffer = payload[position:] if position < size and not stream.ended else b""
-        if stream.buffer:
+        if position < size and not stream.ended:  # a message not yet whole: kept until it is
+            rest = bytearray(payload[position:])
+            stream.buffer = rest
+            stream.needed = 5 + int.from_bytes(rest[1:5]) if len(rest) >= 5 else 5
             stream.echo = 0  # the next frames continue this message: C must not read one as a message of its own
 
     def _too_large(self, stream: Stream, length: int) -> None:
-        stream.buffer = b""
         stream.finish(Status.RESOURCE_EXHAUSTED, f"received message larger than max ({length} vs. {self._max_message})")
         if stream.call is not None:
             stream.call.cancel()
@@ -692,10 +699,11 @@ class Connection(ConnectionBase, asyncio.Protocol):
                 return
             head = pending[0]
             if len(head) <= room:
-                pending.pop(0)
-                piece = head
-            else:
-                piece, pending[0] = head[:room], head[room:]
+                pending.popleft()
+                piece = bytes(head)
+            else:  # the rest stays a view: a large message costs its size to send, not its size squared
+                view = memoryview(head)
+                piece, pending[0] = bytes(view[:room]), view[room:]
             self.window -= len(piece)
             stream.window -= len(piece)
             self.write_frame(_DATA, 0, stream.id, piece)
