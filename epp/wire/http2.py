@@ -307,10 +307,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = 1
-        streams = list(self.streams.values())
-        self.streams.clear()
-        for stream in streams:
-            self._cancel(stream)
+        self._cancel_all()
         if self.idle is not None:
             self.idle.set()
         if self._on_close is not None:
@@ -766,13 +763,28 @@ class Connection(ConnectionBase, asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.closed = 1
             self.transport.close()
+        self._cancel_all()
 
     def close(self) -> None:
-        """Flush what is written and close the connection; open calls are cancelled."""
+        """Flush what is written and close the connection; open calls are cancelled now.
+
+        (Not when the transport reports the connection lost: a TLS transport first waits for the
+        peer's answer to its close_notify, up to the loop's SSL shutdown timeout.)
+        """
         self._flush()
         if self.transport is not None and not self.closed:
             self.closed = 1
             self.transport.close()
+        self._cancel_all()
+
+    def _cancel_all(self) -> None:
+        """Cancel every open call: nothing more is sent on this connection."""
+        streams = list(self.streams.values())
+        self.streams.clear()
+        self._blocked.clear()
+        for stream in streams:
+            self._cancel(stream)
+        self._check_idle()
 
 
 class _ConnectionError(Exception):

@@ -422,3 +422,15 @@ async def test_calls_left_after_the_grace_on_tls_are_cancelled(
     await eventually(lambda: served_tls.recorder.by_id(1).cancelled == 1, "the call cancelled", timeout=5)
     await client.closed(timeout=5)
     await client.close()
+
+
+async def test_calls_left_after_the_grace_on_tls_are_cancelled_even_if_the_client_reads_nothing(
+    served_tls: Served, certificate: tuple[bytes, bytes]
+) -> None:
+    client = await Client.connect(served_tls.port, ssl_context=_client_context(certificate))
+    await client.send(client.requests.open(1, ECHO) + data(1, grpc_message(b"one")))
+    await client.until(lambda peer: peer.streams.get(1) is not None and peer.streams[1].messages)
+    client.writer.transport.pause_reading()  # from now on the client reads nothing, so never answers TLS's close
+    await served_tls.server.stop(0.2)
+    await eventually(lambda: served_tls.recorder.by_id(1).cancelled == 1, "the call cancelled", timeout=5)
+    client.writer.transport.abort()
