@@ -19,6 +19,7 @@ to end, then the connections close and the calls left are cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
@@ -143,7 +144,7 @@ class GrpcServer:
             "gateway's cluster for the picker a TLS transport_socket (deploy/envoy/envoy-tls.yaml pairs with "
             "this), or start the picker with --secure-serving=false to serve plaintext",
         )
-        sock.close()
+        _close(sock)
 
     def _start(self, sock: socket.socket, context: ssl.SSLContext | None) -> None:
         task = asyncio.get_running_loop().create_task(self._connect(sock, context))
@@ -226,6 +227,14 @@ class GrpcServer:
         for connection in connections:
             connection.close()
         await asyncio.sleep(0)  # let the transports deliver connection_lost (the calls' cancel)
+
+
+def _close(sock: socket.socket) -> None:
+    """Close a connection we have only peeked at: what it sent is read first, so that the client sees
+    the end of the stream (FIN) rather than a reset (what closing with unread data does)."""
+    with contextlib.suppress(OSError):
+        sock.recv(1 << 16)
+    sock.close()
 
 
 def _peer(sock: socket.socket) -> str:
