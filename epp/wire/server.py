@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 _TLS_RECORD = 0x16  # the first byte of a TLS handshake record (a ClientHello)
 _FIRST_BYTES_TIMEOUT = 30.0  # a connection that says nothing for this long is closed
 _MISMATCH_INTERVAL = 60.0  # one log line per kind per minute at most
+_PEEK_AGAIN = 0.01  # seconds between looks at a connection's first bytes while they are a partial preface
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -126,7 +127,11 @@ class GrpcServer:
         except OSError:
             head = b""
         if head and head[0] != _TLS_RECORD and len(head) < len(PREFACE) and PREFACE.startswith(head):
-            return  # part of a plaintext preface: wait for the rest, to say exactly what it is
+            # Part of a plaintext preface: look again shortly, to say exactly what it is. (Not on the
+            # reader: a socket we only peek at stays readable, and the reader would spin.)
+            loop.remove_reader(sock.fileno())
+            loop.call_later(_PEEK_AGAIN, self._watch, sock, deadline)
+            return
         loop.remove_reader(sock.fileno())
         deadline.cancel()
         self._sniffing.discard(sock)
@@ -145,6 +150,10 @@ class GrpcServer:
             "this), or start the picker with --secure-serving=false to serve plaintext",
         )
         _close(sock)
+
+    def _watch(self, sock: socket.socket, deadline: asyncio.TimerHandle) -> None:
+        if sock in self._sniffing:  # not given up meanwhile
+            asyncio.get_running_loop().add_reader(sock.fileno(), self._first_bytes, sock, deadline)
 
     def _start(self, sock: socket.socket, context: ssl.SSLContext | None) -> None:
         task = asyncio.get_running_loop().create_task(self._connect(sock, context))

@@ -310,6 +310,25 @@ async def test_a_client_that_says_nothing_on_the_tls_port_is_closed_after_the_ti
     writer.close()
 
 
+async def test_a_partial_preface_on_the_tls_port_is_waited_for_without_spinning(served_tls: Served) -> None:
+    calls = 0
+    real = served_tls.server._first_bytes
+
+    def counted(*args: object) -> None:
+        nonlocal calls
+        calls += 1
+        real(*args)  # type: ignore[arg-type]
+
+    with unittest.mock.patch.object(served_tls.server, "_first_bytes", counted):
+        reader, writer = await asyncio.open_connection("127.0.0.1", served_tls.port)
+        writer.write(PREFACE[:10])
+        await asyncio.sleep(0.3)
+        assert calls < 100, f"the first-bytes reader ran {calls} times in 0.3 s: it spins on a peeked socket"
+        writer.write(PREFACE[10:])
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # then said and closed
+    writer.close()
+
+
 async def test_a_failed_tls_handshake_is_said_and_closed(served_tls: Served, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, "epp.wire.server")
     reader, writer = await asyncio.open_connection("127.0.0.1", served_tls.port)
