@@ -294,6 +294,11 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self.going_away = False  # we sent GOAWAY: no new streams
         self.idle: asyncio.Event | None = None  # set when going away and the last stream ended
 
+    @property
+    def started(self) -> bool:
+        """The client's connection preface has arrived."""
+        return self._preface
+
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -179,7 +179,13 @@ class GrpcServer:
         self._connections.add(connection)
         if self._stopping:
             connection.goaway()
+        asyncio.get_running_loop().call_later(self._first_bytes_timeout, self._silent, connection)
         return connection
+
+    def _silent(self, connection: Connection) -> None:
+        """A connection that has not sent the HTTP/2 preface by now will not: it is closed."""
+        if not connection.started:
+            connection.close()
 
     def _bad_preface(self, connection: Connection, head: bytes) -> None:
         if head[:1] == bytes((_TLS_RECORD,)):

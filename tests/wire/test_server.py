@@ -310,6 +310,19 @@ async def test_a_client_that_says_nothing_on_the_tls_port_is_closed_after_the_ti
     writer.close()
 
 
+async def test_a_client_that_says_nothing_on_the_plaintext_port_is_closed_after_the_timeout() -> None:
+    running = await _serve(first_bytes_timeout=0.5)
+    reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+    await asyncio.wait_for(reader.read(), 10)  # our SETTINGS, then the end
+    writer.close()
+    await eventually(lambda: running.server.connections == 0, "the silent connection forgotten")
+    client = await Client.connect(running.port)  # one that speaks is not closed
+    await asyncio.sleep(1)
+    await _echo(client, 1, b"in time")
+    await client.close()
+    await running.server.stop(0)
+
+
 async def test_a_partial_preface_on_the_tls_port_is_waited_for_without_spinning(served_tls: Served) -> None:
     calls = 0
     real = served_tls.server._first_bytes
