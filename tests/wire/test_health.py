@@ -149,6 +149,15 @@ async def test_check_without_a_request_is_invalid_argument() -> None:
     assert loop.response(1).status == 3
 
 
+async def test_watch_without_a_request_is_invalid_argument() -> None:
+    health = Health()
+    loop = Loopback(health.methods())
+    loop.open(1, WATCH, end_stream=True)
+    await asyncio.sleep(0)
+    assert loop.response(1).status == 3
+    assert not loop.connection.streams
+
+
 async def test_a_second_watch_request_on_the_same_stream_changes_nothing() -> None:
     health = Health()
     loop = Loopback(health.methods())
