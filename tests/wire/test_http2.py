@@ -874,6 +874,49 @@ def _frames(draw: st.DrawFn) -> tuple[bytes, list[int]]:
     return out, cuts
 
 
+@settings(
+    max_examples=400,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(stream=_frames(), answer=st.booleans(), grant=st.booleans())
+async def test_fuzz_frame_sequences_raise_nothing_and_end_every_stream_exactly_once(
+    stream: tuple[bytes, list[int]], answer: bool, grant: bool
+) -> None:
+    out, cuts = stream
+    recorder = Recorder(answer=answer)
+    echoes: list[BodyEcho] = []
+
+    def ext_proc(wire: Stream) -> BodyEcho:
+        echoes.append(BodyEcho(wire))
+        return echoes[-1]
+
+    with no_errors_logged():
+        loop = Loopback({ECHO: recorder, PATH: ext_proc}, preface=False)
+        loop.send(out, cuts)  # the Peer raises on anything a strict client would reject
+        if grant and not loop.transport.closed:  # open every window: everything waiting goes out
+            loop.send(settings_frame((INITIAL_WINDOW_SIZE, 1 << 24)) + window_update(0, 1 << 30))
+        await loop.settle()
+        ended_by_server = loop.transport.closed
+        loop.transport.lose()  # the client goes away
+        await loop.settle()
+    event("the server closed the connection" if ended_by_server else "the connection stayed open")
+    event(f"calls: {min(len(recorder.calls) + len(echoes), 5)}")
+    event(f"finished by the call: {min(sum(c.finished for c in recorder.calls), 3)}")
+    for call in recorder.calls:
+        assert call.cancelled <= 1, f"stream {call.stream.id} cancelled {call.cancelled} times"
+        assert call.finished or call.cancelled, f"stream {call.stream.id} never ended"
+        response = loop.peer.streams.get(call.stream.id)
+        if grant and not ended_by_server and call.finished and not call.cancelled:
+            assert response is not None and response.trailers is not None, (
+                f"stream {call.stream.id}'s trailers never sent"
+            )
+    for echo in echoes:
+        assert echo.cancelled or echo.stream.ended
+    assert not loop.connection.streams
+
+
 _GARBAGE_FRAME = st.builds(
     frame,
     st.integers(0, 12),
