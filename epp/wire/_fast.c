@@ -23,8 +23,10 @@
  *
  * What a stream's echo does not take (the first body chunk: its response-start signal; the last:
  * end_of_stream and the usage; an empty chunk; anything with other fields; a message split over
- * frames; an answer the peer's windows or frame size cannot take now) goes to Python, which answers
- * it the same way. The answer's bytes are exactly what upb serializes for the same message (tested).
+ * frames, and every frame of that stream until the message is whole, since one of them could read
+ * as a message of its own; a frame over our 1 MiB maximum, which Python refuses; an answer the
+ * peer's windows or frame size cannot take now) goes to Python, which answers it the same way. The
+ * answer's bytes are exactly what upb serializes for the same message (tests/wire/test_fast.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -5,15 +5,18 @@ more listening sockets, plaintext or TLS. It binds without ``SO_REUSEPORT``, so 
 process on the same port fails to start instead of silently taking half of the streams; a worker
 process serves a socket its parent bound and passed on (:meth:`GrpcServer.serve_socket`).
 
-Mismatches are explained, once a minute at most: each connection's first byte says what the client
-speaks before anything is decoded. On a TLS port, a connection whose first bytes are not a TLS
-handshake (Envoy's cluster without a ``transport_socket`` sends the plaintext HTTP/2 preface) is
-logged with what to change on either side and closed; on a plaintext port, a TLS ClientHello is. TLS
-itself is the event loop's (uvloop's) ``connect_accepted_socket(ssl=...)`` with ALPN ``h2``.
+A client that says nothing is closed after ``first_bytes_timeout`` seconds (30): its first bytes on
+a TLS port, the HTTP/2 preface (after the handshake on a TLS port) on either kind. Mismatches are
+explained, once a minute at most: each connection's first byte says what the client speaks before
+anything is decoded. On a TLS port, a connection whose first bytes are not a TLS handshake (Envoy's
+cluster without a ``transport_socket`` sends the plaintext HTTP/2 preface) is logged with what to
+change on either side and closed; on a plaintext port, a TLS ClientHello is. TLS itself is the
+event loop's (uvloop's) ``connect_accepted_socket(ssl=...)`` with ALPN ``h2``.
 
 Stopping (:meth:`GrpcServer.stop`): the listening sockets close, every connection gets a GOAWAY
-(the peer opens new streams elsewhere, the open ones go on), the open streams get ``grace`` seconds
-to end, then the connections close and the calls left are cancelled.
+(the peer opens new streams elsewhere, the open ones go on; new ones are refused with
+REFUSED_STREAM), the open streams get ``grace`` seconds to end, then the connections close and the
+calls left are cancelled, before ``stop`` returns (not when a TLS peer answers the close).
 """
 
 from __future__ import annotations
