@@ -28,7 +28,8 @@ the pool comes from Kubernetes: the reviews go through discovery's API client, o
 Shutdown, in order:
  1. every health service but liveness goes NOT_SERVING (load balancers stop sending new streams);
  2. admission closes: queued requests are answered 503 (``rejected-shutting-down``) at once, and
-    new ones too (they would otherwise wait out the grace period for nothing);
+    new ones too (they would otherwise wait out the grace period for nothing); health Watches end
+    (UNAVAILABLE), as they would otherwise hold the drain for its whole grace;
  3. the ext_proc server stops accepting streams and in-flight ones get ``shutdown_grace_seconds``
     to finish; any still open after that are cancelled (with ``--workers``, each worker drains so
     and exits);
@@ -371,12 +372,12 @@ class EndpointPicker:
         self._stopping = True
         await self._update_readiness()  # 1. NOT_SERVING
         self.admission.close()  # 2. queued requests: 503 rejected-shutting-down
+        self.health.stop()  # health Watches end now (UNAVAILABLE): they would hold the drain for its grace
         if self._server is not None:
             await self._server.stop(grace)  # 3. drain in-flight streams
         if self.workers is not None:
             await self.workers.stop(grace)  # 3. each worker drains its streams, then exits
             self._sockets[0].close()
-        self.health.stop()
         if self._health_server is not None:
             await self._health_server.stop(0)  # 4.
         if self.discovery is not None:

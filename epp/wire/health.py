@@ -109,7 +109,9 @@ class _Watch:
         self.stream.send(_ANSWERS[_SERVICE_UNKNOWN if status is None else status])
 
     def half_close(self) -> None:
-        pass  # a Watch goes on after the request
+        if self._service is None:  # no request came: there is nothing to watch
+            self.stream.finish(Status.INVALID_ARGUMENT, "Watch needs one HealthCheckRequest")
+        # else a Watch goes on after the request
 
     def cancel(self) -> None:
         if self._service is not None:

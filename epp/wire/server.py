@@ -7,20 +7,24 @@ process serves the connections its parent accepted and handed over (:meth:`GrpcS
 ``max_concurrent_streams`` announces a per-connection stream limit, so that a client such as Envoy
 opens more connections under load, which the parent spreads over its workers).
 
-Mismatches are explained, once a minute at most: each connection's first byte says what the client
-speaks before anything is decoded. On a TLS port, a connection whose first bytes are not a TLS
-handshake (Envoy's cluster without a ``transport_socket`` sends the plaintext HTTP/2 preface) is
-logged with what to change on either side and closed; on a plaintext port, a TLS ClientHello is. TLS
-itself is the event loop's (uvloop's) ``connect_accepted_socket(ssl=...)`` with ALPN ``h2``.
+A client that says nothing is closed after ``first_bytes_timeout`` seconds (30): its first bytes on
+a TLS port, the HTTP/2 preface (after the handshake on a TLS port) on either kind. Mismatches are
+explained, once a minute at most: each connection's first byte says what the client speaks before
+anything is decoded. On a TLS port, a connection whose first bytes are not a TLS handshake (Envoy's
+cluster without a ``transport_socket`` sends the plaintext HTTP/2 preface) is logged with what to
+change on either side and closed; on a plaintext port, a TLS ClientHello is. TLS itself is the
+event loop's (uvloop's) ``connect_accepted_socket(ssl=...)`` with ALPN ``h2``.
 
 Stopping (:meth:`GrpcServer.stop`): the listening sockets close, every connection gets a GOAWAY
-(the peer opens new streams elsewhere, the open ones go on), the open streams get ``grace`` seconds
-to end, then the connections close and the calls left are cancelled.
+(the peer opens new streams elsewhere, the open ones go on; new ones are refused with
+REFUSED_STREAM), the open streams get ``grace`` seconds to end, then the connections close and the
+calls left are cancelled, before ``stop`` returns (not when a TLS peer answers the close).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
@@ -36,6 +40,7 @@ log = logging.getLogger(__name__)
 _TLS_RECORD = 0x16  # the first byte of a TLS handshake record (a ClientHello)
 _FIRST_BYTES_TIMEOUT = 30.0  # a connection that says nothing for this long is closed
 _MISMATCH_INTERVAL = 60.0  # one log line per kind per minute at most
+_PEEK_AGAIN = 0.01  # seconds between looks at a connection's first bytes while they are a partial preface
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -64,6 +69,7 @@ class GrpcServer:
         max_message: int = 4 * 1024 * 1024,
         flag: str = "the port",
         max_concurrent_streams: int = 0,
+        first_bytes_timeout: float = _FIRST_BYTES_TIMEOUT,
     ) -> None:
         self._methods = methods
         self._max_streams = max_concurrent_streams  # announced per connection when given (see Connection)
@@ -72,6 +78,7 @@ class GrpcServer:
             ssl_context.set_alpn_protocols(["h2"])
         self._max_message = max_message
         self._flag = flag  # how the operator names this port, for log lines ("--grpc-port 9002")
+        self._first_bytes_timeout = first_bytes_timeout
         self._sockets: list[socket.socket] = []
         self._connections: set[Connection] = set()
         self._sniffing: set[socket.socket] = set()
@@ -116,7 +123,7 @@ class GrpcServer:
             self._start(sock, None)
         else:  # the first byte says whether the client speaks TLS
             self._sniffing.add(sock)
-            deadline = loop.call_later(_FIRST_BYTES_TIMEOUT, self._give_up, sock)
+            deadline = loop.call_later(self._first_bytes_timeout, self._give_up, sock)
             loop.add_reader(sock.fileno(), self._first_bytes, sock, deadline)
 
     def _give_up(self, sock: socket.socket) -> None:
@@ -134,7 +141,11 @@ class GrpcServer:
         except OSError:
             head = b""
         if head and head[0] != _TLS_RECORD and len(head) < len(PREFACE) and PREFACE.startswith(head):
-            return  # part of a plaintext preface: wait for the rest, to say exactly what it is
+            # Part of a plaintext preface: look again shortly, to say exactly what it is. (Not on the
+            # reader: a socket we only peek at stays readable, and the reader would spin.)
+            loop.remove_reader(sock.fileno())
+            loop.call_later(_PEEK_AGAIN, self._watch, sock, deadline)
+            return
         loop.remove_reader(sock.fileno())
         deadline.cancel()
         self._sniffing.discard(sock)
@@ -152,7 +163,11 @@ class GrpcServer:
             "gateway's cluster for the picker a TLS transport_socket (deploy/envoy/envoy-tls.yaml pairs with "
             "this), or start the picker with --secure-serving=false to serve plaintext",
         )
-        sock.close()
+        _close(sock)
+
+    def _watch(self, sock: socket.socket, deadline: asyncio.TimerHandle) -> None:
+        if sock in self._sniffing:  # not given up meanwhile
+            asyncio.get_running_loop().add_reader(sock.fileno(), self._first_bytes, sock, deadline)
 
     def _start(self, sock: socket.socket, context: ssl.SSLContext | None) -> None:
         task = asyncio.get_running_loop().create_task(self._connect(sock, context))
@@ -179,7 +194,13 @@ class GrpcServer:
         self._connections.add(connection)
         if self._stopping:
             connection.goaway()
+        asyncio.get_running_loop().call_later(self._first_bytes_timeout, self._silent, connection)
         return connection
+
+    def _silent(self, connection: Connection) -> None:
+        """A connection that has not sent the HTTP/2 preface by now will not: it is closed."""
+        if not connection.started:
+            connection.close()
 
     def _bad_preface(self, connection: Connection, head: bytes) -> None:
         if head[:1] == bytes((_TLS_RECORD,)):
@@ -245,6 +266,14 @@ class GrpcServer:
         for connection in connections:
             connection.close()
         await asyncio.sleep(0)  # let the transports deliver connection_lost (the calls' cancel)
+
+
+def _close(sock: socket.socket) -> None:
+    """Close a connection we have only peeked at: what it sent is read first, so that the client sees
+    the end of the stream (FIN) rather than a reset (what closing with unread data does)."""
+    with contextlib.suppress(OSError):
+        sock.recv(1 << 16)
+    sock.close()
 
 
 def _peer(sock: socket.socket) -> str:
