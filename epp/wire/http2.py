@@ -93,6 +93,7 @@ _OUR_MAX_FRAME = 1 << 20
 _DEFAULT_FRAME = 16_384
 _OUR_SETTINGS = struct.pack(">HIHI", _INITIAL_WINDOW_SIZE, _MAX_WINDOW, _MAX_FRAME_SIZE, _OUR_MAX_FRAME)
 
+_COMPRESSED = "compressed messages are not supported (no grpc-encoding offered)"
 _FRAME = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id: the 9-byte frame header
 _DATA_MESSAGE = struct.Struct(">IBIBI")  # a DATA frame header followed by a gRPC message prefix (14 bytes)
 
@@ -503,10 +504,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
         stream.echo = 0
         if stream.ended:  # its trailers wait behind data; end_stream forgets the stream once they are sent
             return
-        if stream.buffer:
-            stream.buffer = b""
-            stream.finish(Status.INTERNAL, "the stream ended inside a message")
-            self._cancel(stream)  # the call never gets the message: its stream is over
+        if stream.buffer:  # the call never gets the message: its stream is over
+            self._refuse(stream, Status.INTERNAL, "the stream ended inside a message")
         elif stream.call is not None:
             stream.call.half_close()
 
@@ -516,9 +515,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         call = stream.call
         while size - position >= 5 and not stream.ended:
             if payload[position] != 0:
-                stream.buffer = b""
-                stream.finish(Status.UNIMPLEMENTED, "compressed messages are not supported (no grpc-encoding offered)")
-                self._cancel(stream)
+                self._refuse(stream, Status.UNIMPLEMENTED, _COMPRESSED)
                 return
             length = int.from_bytes(payload[position + 1 : position + 5])
             if length > self._max_message:
@@ -537,9 +534,16 @@ class Connection(ConnectionBase, asyncio.Protocol):
             stream.echo = 0  # the next frames continue this message: C must not read one as a message of its own
 
     def _too_large(self, stream: Stream, length: int) -> None:
-        stream.finish(Status.RESOURCE_EXHAUSTED, f"received message larger than max ({length} vs. {self._max_message})")
-        if stream.call is not None:
-            stream.call.cancel()
+        message = f"received message larger than max ({length} vs. {self._max_message})"
+        self._refuse(stream, Status.RESOURCE_EXHAUSTED, message)
+
+    def _refuse(self, stream: Stream, status: int, message: str) -> None:
+        """End ``stream`` for a protocol reason: trailers with ``status``, and its call cancelled (no more comes)."""
+        call = stream.call  # finish() forgets the stream, and with it the call
+        stream.buffer = b""
+        stream.finish(status, message)
+        stream.call = call
+        self._cancel(stream)
 
     def _header_frame(self, stream_id: int, flags: int, payload: bytes) -> None:
         if stream_id == 0:
@@ -619,7 +623,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
             stream.finish(Status.UNIMPLEMENTED, f"unknown method {path}")
             return
         if metadata.get(b"grpc-encoding", b"identity") not in (b"identity", b""):
-            stream.finish(Status.UNIMPLEMENTED, "compressed messages are not supported (no grpc-encoding offered)")
+            stream.finish(Status.UNIMPLEMENTED, _COMPRESSED)
             return
         try:
             stream.call = handler(stream)
