@@ -89,8 +89,7 @@ class PickerProcess:
         self.health_port = free_port()
         self.metrics_port = free_port()
         self.args = [
-            # -P: never import epp from the working directory (another tree's python must get its own)
-            python, "-P", "-m", "epp", "serve",
+            python, "-m", "epp", "serve",
             "--bind-address", "127.0.0.1",
             "--grpc-port", str(self.grpc_port),
             "--grpc-health-port", str(self.health_port),
@@ -116,7 +115,12 @@ class PickerProcess:
         # A deadline, not a measurement: generous, since a loaded 2-core machine starts it slowly.
         if self._log.closed:  # started again after stop(): a new log
             self._log = _new_log()
-        self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
+        # PYTHONSAFEPATH: neither the picker nor its scrape worker imports epp from the working
+        # directory (another tree's python, in a bench side by side, must get its own tree's).
+        environment = {**os.environ, "PYTHONSAFEPATH": "1"}
+        self.process = subprocess.Popen(
+            self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=environment
+        )
         deadline = time.monotonic() + timeout
         while self.health("readiness") != health_pb2.HealthCheckResponse.SERVING:
             if self.process.poll() is not None:
