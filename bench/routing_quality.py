@@ -1007,20 +1007,24 @@ def _json_safe(value: Any) -> Any:
 
 def idle_at(pods: int, window: float) -> dict[str, float]:
     """The picker's idle rate with ``pods`` stand-in pods, from ``bench/scrape_cost.py``'s farm (full-size
-    vLLM pages, one loopback address per pod): ``cores_on`` the picker and its scrape worker scraping
-    every 50 ms, ``cores_off`` the same picker with scraping off, ``scrapes_per_s_on`` achieved."""
+    vLLM pages, one loopback address per pod, idle: the same page every scrape): ``cores_on`` the picker
+    and its scrape worker with its defaults (idle pods backed off to once a second), ``cores_off`` the
+    same picker with scraping off, ``scrapes_per_s_on`` achieved."""
     spec = importlib.util.spec_from_file_location("scrape_cost", _ROOT / "bench" / "scrape_cost.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cost: dict[str, float] = module.measure_cost(pods, window)
-    return cost
+    _, runs = module.measure_cost(
+        pods, window, 1, idle=True, settle=5.0, modes=["backoff", "scraping off"], baseline=None
+    )
+    on, off = runs["backoff"][0], runs["scraping off"][0]
+    return {"pods": pods, "cores_on": on["cores"], "cores_off": off["cores"], "scrapes_per_s_on": on["scrapes_per_s"]}
 
 
 def _format_idle(cost: dict[str, float]) -> str:
-    return (f"picker idle rate at {cost['pods']:.0f} pods (scrape_cost.py's farm): {cost['cores_on']:.3f} cores "
-            f"({cost['cores_off']:.3f} with scraping off; {cost['scrapes_per_s_on']:.0f} scrapes/s of "
-            f"{cost['pods'] * 20:.0f} wanted)")
+    return (f"picker idle rate at {cost['pods']:.0f} idle pods (scrape_cost.py's farm): {cost['cores_on']:.3f} cores "
+            f"({cost['cores_off']:.3f} with scraping off; {cost['scrapes_per_s_on']:.0f} scrapes/s, the idle "
+            f"backoff asking each pod about once a second)")
 
 
 # --cpu-comparison: issue 14's side-by-side CPU figure, sized to fit ~30 minutes on a shared 2-core machine.

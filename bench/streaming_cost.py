@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-bytes", type=int, default=1024)
     parser.add_argument("--token-interval", type=float, default=0.002, help="seconds between SSE events")
     parser.add_argument("--baseline-python", help="another tree's python: its picker runs beside this one (mode base)")
+    parser.add_argument(
+        "--picker-arg", action="append", default=[], help="an extra flag for both pickers (e.g. --scrape-metrics=false)"
+    )
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="how long each picker's idle rate is measured")
     args = parser.parse_args(argv)
 
@@ -182,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     assert backends.stdout is not None
     pool = [backends.stdout.readline().split()[1] for _ in range(2)]
-    pickers = {"epp": PickerProcess(pool)}
+    pickers = {"epp": PickerProcess(pool, extra_args=args.picker_arg)}
     if args.baseline_python:
-        pickers["base"] = PickerProcess(pool, python=args.baseline_python)
+        pickers["base"] = PickerProcess(pool, python=args.baseline_python, extra_args=args.picker_arg)
     envoys: dict[str, EnvoyProcess] = {}
     runs: list[Run] = []
     try:
