@@ -637,7 +637,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
 
     def rebalance(message: ipc.Rebalance) -> None:
         shed = server.goaway_busiest()
-        log.debug("worker %d: GOAWAY on a connection with %d open streams (the owner rebalances)", spec.index, shed)
+        log.debug("worker %d: GOAWAY on the connection that carried %d streams since the last time", spec.index, shed)
 
     handlers: Mapping[type, Callable[[Any], None]] = {
         **director.handlers(),

@@ -6,16 +6,15 @@ no one: an `atexit` hook stops whatever this interpreter started and did not sto
 admin `/ready` endpoint, and reads the real listener and admin ports back from Envoy, so bootstraps
 may ask for port 0.
 
-Each instance gets its own `--base-id` (Envoy's shared-memory / hot-restart id), derived from this
-process id and a counter, so Envoys started in parallel by one or several test processes never
-clash.
+Envoys run with `--disable-hot-restart`: nothing here restarts one in place, and without it every
+instance needs its own `--base-id` and leaves a file in /dev/shm behind (84 of them after one run
+of the test suite), while Envoys started in parallel need never clash.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import json
 import os
 import shutil
@@ -35,10 +34,6 @@ import yaml
 
 __all__ = ["EnvoyError", "EnvoyProcess", "envoy_binary", "free_port"]
 
-# Envoy's --base-id is a uint32 and Linux pids stay below 2**22, so pid * 1000 + counter fits and
-# is unique per (process, instance) for the first thousand Envoys of a process.
-_INSTANCES_PER_PROCESS = 1000
-_instance_counter = itertools.count()
 _running: set[EnvoyProcess] = set()
 # Envoy is usually ready within 0.1-1 s; polling at 50 ms adds little to that.
 _POLL_INTERVAL = 0.05
@@ -64,10 +59,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def _next_base_id() -> int:
-    return os.getpid() * _INSTANCES_PER_PROCESS + next(_instance_counter) % _INSTANCES_PER_PROCESS
 
 
 class EnvoyProcess:
@@ -118,7 +109,7 @@ class EnvoyProcess:
         command = [
             binary,
             "-c", str(config_path),
-            "--base-id", str(_next_base_id()),
+            "--disable-hot-restart",
             "--log-level", self._log_level,
             "--admin-address-path", str(admin_path),
         ]  # fmt: skip

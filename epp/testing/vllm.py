@@ -31,7 +31,7 @@ from pathlib import Path
 
 from epp.testing.envoy import free_port
 
-__all__ = ["ADAPTER", "BASE", "VllmServer", "http_get", "http_post", "start_vllm", "tier_paths"]
+__all__ = ["ADAPTER", "BASE", "VllmServer", "http_get", "http_post", "running", "start_vllm", "tier_paths"]
 
 BASE = "tiny"
 """The served name of the tier's base model."""
@@ -63,6 +63,14 @@ def http_post(url: str, body: bytes | dict, timeout: float = 120.0) -> tuple[int
             return reply.status, reply.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+_running: list[VllmServer] = []
+
+
+def running() -> list[VllmServer]:
+    """The servers started and not yet stopped (a failing test's report shows their logs' tails)."""
+    return list(_running)
 
 
 @dataclass
@@ -110,6 +118,8 @@ class VllmServer:
 
     def stop(self) -> None:
         """SIGTERM to the process group, SIGKILL after 30 s; the log file is removed."""
+        if self in _running:
+            _running.remove(self)
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
@@ -152,4 +162,6 @@ def start_vllm(
     with log.open("wb") as out:
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)  # fmt: skip
-    return VllmServer(name, port, process, log)
+    server = VllmServer(name, port, process, log)
+    _running.append(server)
+    return server

@@ -322,6 +322,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self._stream_window = 65_535  # the peer's initial window for each stream
         self._blocked: dict[int, Stream] = {}  # streams with data waiting for a window
         self.going_away = False  # we sent GOAWAY: no new streams
+        self.opened_mark = 0  # streams_opened when the server last compared its connections (rebalancing)
         self.idle: asyncio.Event | None = None  # set when going away and the last stream ended
 
     @property
@@ -782,6 +783,11 @@ class Connection(ConnectionBase, asyncio.Protocol):
                 call.cancel()
             except Exception:
                 log.exception("a call failed to cancel")
+
+    @property
+    def streams_opened(self) -> int:
+        """How many streams the peer has opened on this connection (client stream ids are 1, 3, 5, ...)."""
+        return (self._last_stream + 1) // 2
 
     def goaway(self, code: int = NO_ERROR, reason: str = "") -> None:
         """Tell the peer to open no more streams (the open ones run to their end)."""

@@ -19,7 +19,22 @@ import pytest
 from epp.envoy.bootstrap import BootstrapOptions, render
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, wait_for_picker
-from epp.testing.vllm import VllmServer, start_vllm, tier_paths
+from epp.testing.vllm import VllmServer, running, start_vllm, tier_paths
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    """A failing test here shows each running server's state and the tail of its log: a server (or its
+    engine) that died says why only there, and CI keeps nothing else."""
+    report = yield
+    if report.failed:
+        for server in running():
+            state = "running" if server.alive() else f"EXITED with {server.process.returncode}"
+            report.sections.append((f"vLLM {server.name} ({server.hostport}, {state})", server.log_tail(60)))
+        tier = getattr(item, "funcargs", {}).get("tier")
+        if isinstance(tier, Tier):
+            report.sections.append(("the tier's picker", tier.picker.log_tail(40)))
+    return report
 
 
 @dataclass

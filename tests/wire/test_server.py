@@ -212,6 +212,27 @@ async def test_stop_sends_goaway_lets_open_streams_finish_and_refuses_new_ones()
     await client.close()
 
 
+async def test_goaway_busiest_picks_the_connection_that_carried_the_most_streams_not_the_most_open(
+    served: Served,
+) -> None:
+    busy = await Client.connect(served.port)  # sequential calls: none open when the owner asks
+    quiet = await Client.connect(served.port)  # one long call, open throughout
+    await quiet.send(quiet.requests.open(1, ECHO) + data(1, grpc_message(b"long")))
+    for stream in (1, 3, 5):
+        await busy.send(busy.requests.open(stream, ECHO) + data(stream, grpc_message(b"x"), end_stream=True))
+        await busy.until(lambda peer, stream=stream: stream in peer.streams and peer.streams[stream].ended)
+    await quiet.until(lambda peer: 1 in peer.streams and peer.streams[1].messages)
+    assert served.server.goaway_busiest() == 3
+    await busy.until(lambda peer: peer.goaway is not None)
+    assert quiet.peer.goaway is None
+    # Counted from the previous call: nothing carried since, so nothing is shed (an open call stays put).
+    assert served.server.goaway_busiest() == 0
+    await asyncio.sleep(0.05)
+    assert quiet.peer.goaway is None
+    for client in (busy, quiet):
+        await client.close()
+
+
 async def test_calls_left_after_the_grace_are_cancelled_and_the_port_is_free_again() -> None:
     running = await _serve()
     client = await Client.connect(running.port)
