@@ -76,8 +76,8 @@ import routing_quality as rq
 import xxhash
 
 from epp.envoy.bootstrap import BootstrapOptions, render, render_round_robin
-from epp.sim.kvcache import BLOCK_SIZE, block_hashes, model_seed
-from epp.sim.tokens import BYTES_PER_TOKEN, plan_output, render_chat
+from epp.sim.kvcache import BLOCK_SIZE
+from epp.sim.tokens import BYTES_PER_TOKEN
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
 
@@ -199,27 +199,7 @@ def make_run(kind: str, opts: rq.Options, knobs: Knobs) -> Run:
 def oracle(run: Run, seed: int) -> float:
     """routing_quality's oracle, over the requests the gateway sends (all of them unless some bypass it):
     the cache it models holds what every earlier request computed, the bypassing ones included."""
-    if not run.direct:
-        return rq.oracle_hit_rate(run.workload, seed=seed)
-    seen: set[int] = set()
-    hits = queries = 0
-    chain_seed = model_seed(MODEL)
-    for i, item in enumerate(run.workload.items):
-        for turn in item.turns:
-            prompt = render_chat(turn.messages)
-            plan = plan_output(prompt, model=MODEL, seed=seed, max_tokens=len(turn.answer) // BYTES_PER_TOKEN,
-                               ignore_eos=True, mean_output_tokens=rq._COST.mean_output_tokens)
-            hashes = block_hashes(np.concatenate((prompt, plan.token_ids)), chain_seed, BLOCK_SIZE).tolist()
-            if i not in run.direct:
-                n = 0
-                for h in hashes[: (len(prompt) - 1) // BLOCK_SIZE]:
-                    if h not in seen:
-                        break
-                    n += 1
-                hits += n * BLOCK_SIZE
-                queries += len(prompt)
-            seen.update(hashes[: (len(prompt) + len(plan.token_ids) - 1) // BLOCK_SIZE])
-    return hits / queries if queries else 0.0
+    return rq.oracle_hit_rate(run.workload, seed=seed, skip=run.direct)
 
 
 # -- the processes ------------------------------------------------------------------------------------

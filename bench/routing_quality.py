@@ -143,7 +143,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -324,24 +324,29 @@ def make_workload(kind: str, opts: Options) -> Workload:
     return Workload(kind, tuple(items), rate, capacity, working_set)
 
 
-def oracle_hit_rate(workload: Workload, *, seed: int, block_size: int = BLOCK_SIZE) -> float:
-    """The hit rate with one unlimited cache shared by every request, in trace order (module docstring)."""
+def oracle_hit_rate(
+    workload: Workload, *, seed: int, block_size: int = BLOCK_SIZE, skip: Container[int] = ()
+) -> float:
+    """The hit rate with one unlimited cache shared by every request, in trace order (module docstring).
+
+    Items whose index is in ``skip`` fill the cache but are not counted (requests that bypass the gateway)."""
     seen: set[int] = set()
     hits = queries = 0
     chain_seed = model_seed(MODEL)
-    for item in workload.items:
+    for i, item in enumerate(workload.items):
         for turn in item.turns:
             prompt = render_chat(turn.messages)
             plan = plan_output(prompt, model=MODEL, seed=seed, max_tokens=len(turn.answer) // BYTES_PER_TOKEN,
                                ignore_eos=True, mean_output_tokens=_COST.mean_output_tokens)
             hashes = block_hashes(np.concatenate((prompt, plan.token_ids)), chain_seed, block_size).tolist()
-            n = 0
-            for h in hashes[: (len(prompt) - 1) // block_size]:
-                if h not in seen:
-                    break
-                n += 1
-            hits += n * block_size
-            queries += len(prompt)
+            if i not in skip:
+                n = 0
+                for h in hashes[: (len(prompt) - 1) // block_size]:
+                    if h not in seen:
+                        break
+                    n += 1
+                hits += n * block_size
+                queries += len(prompt)
             seen.update(hashes[: (len(prompt) + len(plan.token_ids) - 1) // block_size])
     return hits / queries if queries else 0.0
 
