@@ -38,7 +38,9 @@ that separate the designs:
   costs a miss per extra pod.
 
 The oracle (routing_quality's: one unlimited cache shared by all, in trace order) bounds every hit
-rate. Printed per (workload, policy): hit rate and its share of the oracle, TTFT P50/P90, and the
+rate. Beside it each workload prints what one cache of the whole pool's size would hit (LRU, as a
+pod evicts, and Belady's MIN): where they part (cache pressure: unlimited and MIN 85.1%, LRU 77.6%),
+reaching the unlimited oracle takes an eviction order that sees the future, which no router gives. Printed per (workload, policy): hit rate and its share of the oracle, TTFT P50/P90, and the
 picker's CPU per completed request (its process and scrape worker, from /proc, over the load), or
 the peer's whole process (it is the proxy too). Then the targets: precise >= 98% of the oracle on
 ``p`` and ``u`` (approximate's beside it), and precise's TTFT P90 against the best peer's (<= 1x on
@@ -412,7 +414,7 @@ def _table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def _targets(rows: Sequence[Row]) -> list[str]:
+def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = None) -> list[str]:
     by = {(row.result.workload, row.result.policy): row.result for row in rows}
     out = []
     for kind in ("p", "u"):
@@ -422,6 +424,10 @@ def _targets(rows: Sequence[Row]) -> list[str]:
                     f" (target >= 98%)")
             if approx is not None:
                 line += f", approximate {approx.hit_rate / approx.oracle_hit_rate:.1%}"
+            finite = (bounds or {}).get(kind)
+            if finite:
+                line += (f"; hit rate {precise.hit_rate:.1%} against one LRU cache of the pool's size "
+                         f"{finite['lru']:.1%} (MIN {finite['min']:.1%})")
             out.append(line)
     for kind in dict.fromkeys(row.result.workload for row in rows):
         precise = by.get((kind, "precise"))
@@ -478,12 +484,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     knobs = Knobs(args.pressure_groups, args.pressure_fraction, args.pressure_max_tokens, args.unseen_share,
                   args.hot_groups, args.hot_zipf, args.hot_load)
     rows: list[Row] = []
+    bounds: dict[str, dict[str, float]] = {}
     started = time.perf_counter()
     for kind in kinds:
         run = make_run(kind, opts, knobs)
         bound = oracle(run, run.opts.seed)
+        pool = run.blocks * run.opts.pods
+        finite = {p: rq.finite_hit_rate(run.workload, pool, seed=run.opts.seed, skip=run.direct, policy=p)
+                  for p in ("lru", "min")}  # fmt: skip
+        bounds[kind] = finite
         print(f"workload {kind} ({WORKLOADS[kind]}): {run.workload.requests} requests "
-              f"({len(run.direct)} bypassing the gateway), {run.blocks} blocks per pod, oracle {bound:.1%}", flush=True)
+              f"({len(run.direct)} bypassing the gateway), {run.blocks} blocks per pod, oracle {bound:.1%}; "
+              f"one cache of the pool's {pool} blocks: LRU {finite['lru']:.1%}, MIN {finite['min']:.1%}", flush=True)
         for policy in policies:
             row = run_policy(run, policy, bound)
             r = row.result
@@ -494,11 +506,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(_table(rows))
     print()
-    for line in _targets(rows):
+    for line in _targets(rows, bounds):
         print(line)
     print(f"\n{time.perf_counter() - started:.0f} s in all; TTFTs are wall clock at time scale {opts.time_scale}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    report = {"options": asdict(opts), "knobs": asdict(knobs), "skipped": skipped,
+    report = {"options": asdict(opts), "knobs": asdict(knobs), "skipped": skipped, "finite_bounds": bounds,
               "rows": [{**asdict(row.result), "router_ms_per_request": row.picker_ms_per_request,
                         "direct_requests": row.direct_requests} for row in rows]}
     args.json.write_text(json.dumps(rq._json_safe(report), indent=1, allow_nan=False))

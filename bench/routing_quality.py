@@ -45,6 +45,9 @@ two requests of a prefix computing it concurrently can only lose hits. (Two exce
 measured rate exceed it slightly: a preempted request is counted again by the simulator when
 readmitted (preemptions are printed), and requests admitted out of arrival order. Workload b's turns
 are ordered by the client, and a and c are order-free: any order gives the same oracle.)
+:func:`finite_hit_rate` is the same oracle with its one cache bounded (``bench/precise_routing.py``
+gives it the pool's total blocks): LRU in vLLM's order, which matches the simulator run one request
+at a time with that cache to 0.1 point, or Belady's MIN (the block used farthest ahead goes first).
 
 Measured per run: hit rate = Δ``vllm:prefix_cache_hits_total`` / Δ``vllm:prefix_cache_queries_total``
 summed over the pods (the simulator's counters, in tokens); TTFT P50/P90, client-side, from sending
@@ -130,8 +133,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import dataclasses
+import heapq
 import importlib.util
 import json
 import math
@@ -142,7 +147,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Container, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -324,6 +329,20 @@ def make_workload(kind: str, opts: Options) -> Workload:
     return Workload(kind, tuple(items), rate, capacity, working_set)
 
 
+def _oracle_trace(workload: Workload, seed: int, block_size: int) -> Iterator[tuple[int, int, list[int], int]]:
+    """Per turn, in trace order: (item index, prompt tokens, block hashes, how many blocks it looks up)."""
+    chain_seed = model_seed(MODEL)
+    for i, item in enumerate(workload.items):
+        for turn in item.turns:
+            prompt = render_chat(turn.messages)
+            plan = plan_output(prompt, model=MODEL, seed=seed, max_tokens=len(turn.answer) // BYTES_PER_TOKEN,
+                               ignore_eos=True, mean_output_tokens=_COST.mean_output_tokens)
+            hashes = block_hashes(np.concatenate((prompt, plan.token_ids)), chain_seed, block_size).tolist()
+            # the blocks it stores: prompt and output but the last output token (whose KV is never computed)
+            stored = hashes[: (len(prompt) + len(plan.token_ids) - 1) // block_size]
+            yield i, len(prompt), stored, min(len(stored), (len(prompt) - 1) // block_size)
+
+
 def oracle_hit_rate(
     workload: Workload, *, seed: int, block_size: int = BLOCK_SIZE, skip: Container[int] = ()
 ) -> float:
@@ -332,22 +351,86 @@ def oracle_hit_rate(
     Items whose index is in ``skip`` fill the cache but are not counted (requests that bypass the gateway)."""
     seen: set[int] = set()
     hits = queries = 0
-    chain_seed = model_seed(MODEL)
-    for i, item in enumerate(workload.items):
-        for turn in item.turns:
-            prompt = render_chat(turn.messages)
-            plan = plan_output(prompt, model=MODEL, seed=seed, max_tokens=len(turn.answer) // BYTES_PER_TOKEN,
-                               ignore_eos=True, mean_output_tokens=_COST.mean_output_tokens)
-            hashes = block_hashes(np.concatenate((prompt, plan.token_ids)), chain_seed, block_size).tolist()
-            if i not in skip:
-                n = 0
-                for h in hashes[: (len(prompt) - 1) // block_size]:
-                    if h not in seen:
-                        break
-                    n += 1
-                hits += n * block_size
-                queries += len(prompt)
-            seen.update(hashes[: (len(prompt) + len(plan.token_ids) - 1) // block_size])
+    for i, prompt_tokens, stored, looked_up in _oracle_trace(workload, seed, block_size):
+        if i not in skip:
+            n = 0
+            for h in stored[:looked_up]:
+                if h not in seen:
+                    break
+                n += 1
+            hits += n * block_size
+            queries += prompt_tokens
+        seen.update(stored)
+    return hits / queries if queries else 0.0
+
+
+def finite_hit_rate(
+    workload: Workload,
+    capacity: int,
+    *,
+    seed: int,
+    policy: str = "lru",
+    block_size: int = BLOCK_SIZE,
+    skip: Container[int] = (),
+) -> float:
+    """The oracle's hit rate with its one shared cache bounded to ``capacity`` blocks (the pool's total).
+
+    ``policy``: ``"lru"`` evicts the least recently used block (what one pod with the whole pool's
+    memory would do: vLLM's eviction is LRU); ``"min"`` evicts the block whose next use is farthest
+    (Belady's MIN, optimal for a cache of single blocks; with prefix hits, where a block is worth
+    something only behind its parents, a close reference rather than a strict bound). Either way no
+    routing over several pods does better than a shared cache of their total size would have, except
+    by luck of eviction order: the unlimited oracle says what the trace offers, this what the pool's
+    memory can hold of it."""
+    trace = list(_oracle_trace(workload, seed, block_size))
+    uses: dict[int, list[int]] = {}
+    if policy == "min":
+        for t, (_, _, stored, looked_up) in enumerate(trace):
+            for h in stored[:looked_up]:
+                uses.setdefault(h, []).append(t)
+    elif policy != "lru":
+        raise ValueError(f"unknown policy {policy!r}")
+    never = len(trace)
+
+    def next_use(h: int, t: int) -> int:
+        times = uses.get(h)
+        if not times:
+            return never
+        k = bisect.bisect_right(times, t)
+        return times[k] if k < len(times) else never
+
+    lru: OrderedDict[int, None] = OrderedDict()
+    farthest: list[tuple[int, int]] = []  # MIN: (-next use, block), stale entries skipped
+    due: dict[int, int] = {}
+    hits = queries = 0
+    for t, (i, prompt_tokens, stored, looked_up) in enumerate(trace):
+        n = 0
+        for h in stored[:looked_up]:
+            if h not in lru:
+                break
+            lru.move_to_end(h)  # the blocks it hits are held while it runs: its own allocations cannot evict them
+            n += 1
+        if i not in skip:
+            hits += n * block_size
+            queries += prompt_tokens
+        for h in stored:
+            if h not in lru:
+                if len(lru) >= capacity:
+                    if policy == "lru":
+                        lru.popitem(last=False)
+                    else:
+                        while True:
+                            when, victim = heapq.heappop(farthest)
+                            if victim in lru and due.get(victim) == -when:
+                                break
+                        del lru[victim], due[victim]
+                lru[h] = None
+            if policy == "min":
+                due[h] = next_use(h, t)
+                heapq.heappush(farthest, (-due[h], h))
+        for h in reversed(stored):  # freed tail first, as vLLM frees a request's blocks: its tail goes first
+            if h in lru:  # (a request longer than the cache evicted its own first blocks)
+                lru.move_to_end(h)
     return hits / queries if queries else 0.0
 
 

@@ -54,9 +54,10 @@ def test_oracle_counts_whole_blocks_of_a_repeated_prompt_but_not_its_last_token(
     assert rq.oracle_hit_rate(_workload(rq.Item(None, (turn,), ())), seed=1) == 0.0
 
 
-async def _sequential_engine_hit_rate(workload, seed: int) -> float:
-    # One pod whose cache never evicts, requests one at a time in trace order: the oracle's own assumptions.
-    engine = Engine(EngineConfig(time_scale=0.0001, seed=seed, num_gpu_blocks=1 << 16))
+async def _sequential_engine_hit_rate(workload, seed: int, blocks: int = 1 << 16) -> float:
+    # One pod, requests one at a time in trace order: the oracle's own assumptions (with 2**16 blocks its
+    # cache never evicts).
+    engine = Engine(EngineConfig(time_scale=0.0001, seed=seed, num_gpu_blocks=blocks, max_model_len=blocks * 16))
     engine.start()
     try:
         for item in workload.items:
@@ -81,6 +82,21 @@ async def test_oracle_equals_the_simulator_with_an_unbounded_cache_and_no_concur
     oracle = rq.oracle_hit_rate(workload, seed=opts.seed)
     assert oracle > 0.3
     assert oracle == pytest.approx(await _sequential_engine_hit_rate(workload, opts.seed), abs=1e-12)
+
+
+async def test_the_finite_bound_with_lru_is_the_simulator_with_that_cache_and_min_does_no_worse() -> None:
+    opts = rq.Options(**{**_TINY, "duration": 1.0})
+    workload = rq.make_workload("a", opts)
+    longest = max(t.prompt_tokens + len(t.answer) // 4 for item in workload.items for t in item.turns) // 16 + 2
+    unlimited = rq.oracle_hit_rate(workload, seed=opts.seed)
+    assert rq.finite_hit_rate(workload, 1 << 16, seed=opts.seed) == unlimited
+    for blocks in (longest, 2 * longest):  # caches that evict
+        lru = rq.finite_hit_rate(workload, blocks, seed=opts.seed)
+        assert lru < unlimited - 0.2
+        # vLLM's order (a request's hits held while it runs, its blocks freed tail first), not exactly its
+        # bookkeeping (a block computed again beside a cached copy is one block here).
+        assert lru == pytest.approx(await _sequential_engine_hit_rate(workload, opts.seed, blocks), abs=0.005)
+        assert lru <= rq.finite_hit_rate(workload, blocks, seed=opts.seed, policy="min") <= unlimited
 
 
 def test_traces_are_deterministic_and_sized_by_the_load() -> None:
