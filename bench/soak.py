@@ -17,6 +17,12 @@ PNG plot (``--plot``, default soak.png) shows RSS and fds against requests with 
                          [--picker-arg=--flag=value ...]
 
 Talks only to 127.0.0.1; stops by itself. Bounded: ``--workers`` requests in flight at a time.
+
+Measured (``python bench/soak.py --minutes 30``, 2 pods, the 2-core development machine): 1,138,154
+requests (632/s), picker CPU 0.41 ms per request; RSS 76.6 MiB after warm-up, 76.7 at the end: a slope
+of **0.07 bytes per request** over the 922,447 requests after warm-up, fds 19-21 throughout. Under
+grpc.aio (c519aee and before) the same bench grew 95-108 bytes per request (grpc/grpc#43360: the
+native ops of every batch a reset cancels), 14 with a workaround; ``epp.wire`` has no such path.
 """
 
 from __future__ import annotations

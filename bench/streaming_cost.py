@@ -8,6 +8,8 @@ SSE event is one ext_proc message each way. This bench measures that cost throug
 * ``epp``:    Envoy with the reference ext_proc configuration calling the picker;
 * ``base``:   the same with another tree's picker (``--baseline-python``: that tree's virtualenv's
   python), to compare two versions side by side in one run.
+* ``none``:   (``--none``) this tree's picker behind an Envoy with response body mode NONE: the
+  picker sees the response headers and the stream's end, no chunk (and so no usage tokens).
 
 The echo backends (:mod:`epp.testing.backends`) answer ``"stream": true`` with ``max_tokens`` SSE
 events, ``--token-interval`` seconds apart (default 2 ms, so that Envoy forwards events one by one, as a
@@ -145,7 +147,7 @@ def _print(runs: list[Run], args: argparse.Namespace) -> None:
     )
     print(header)
     print("-" * len(header))
-    for mode in ("epp", "base"):
+    for mode in ("epp", "base", "none"):
         for events in sorted({r.events for r in runs}):
             for streams in sorted({r.streams for r in runs}):
                 picked = [r for r in runs if (r.events, r.streams, r.mode) == (events, streams, mode)]
@@ -176,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         "--picker-arg", action="append", default=[], help="an extra flag for both pickers (e.g. --scrape-metrics=false)"
     )
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="how long each picker's idle rate is measured")
+    parser.add_argument(
+        "--none", action="store_true",
+        help="also mode 'none': this tree's picker behind an Envoy whose response body mode is NONE",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     backends = subprocess.Popen(
@@ -188,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     pickers = {"epp": PickerProcess(pool, extra_args=args.picker_arg)}
     if args.baseline_python:
         pickers["base"] = PickerProcess(pool, python=args.baseline_python, extra_args=args.picker_arg)
+    if args.none:
+        pickers["none"] = PickerProcess(pool, extra_args=args.picker_arg)
     envoys: dict[str, EnvoyProcess] = {}
     runs: list[Run] = []
     try:
@@ -195,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         envoys["direct"] = EnvoyProcess(render_round_robin(base), concurrency=1)
         for mode, picker in pickers.items():
             picker.start(timeout=120)  # a shared, loaded machine can take more than the default 20 s
-            envoys[mode] = EnvoyProcess(render(replace(base, picker_port=picker.grpc_port)), concurrency=1)
+            body_mode = "NONE" if mode == "none" else base.response_body_mode
+            envoys[mode] = EnvoyProcess(
+                render(replace(base, picker_port=picker.grpc_port, response_body_mode=body_mode)), concurrency=1
+            )
         for mode, envoy in envoys.items():
             envoy.start()
             if mode != "direct":
