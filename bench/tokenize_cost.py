@@ -38,8 +38,13 @@ then the default ``chatml-tools``::
     100k    completions cold     0.26    151       0.94   152       | 150
     100k    completions warm     0.38      0.84    0.92     2.14    |  2.19
 
-The target, a warm 100k-token request within 5 ms of picker CPU, is met with the Llama-like template
-(4.35 ms) and missed by 8% with the ChatML one (5.39 ms). Where a warm 100k chat request's
+Again on the final tree with the machine otherwise idle (load average 0.2-0.8), the same command:
+warm 100k chat **3.17 ms** (llama) and **4.33 ms** (chatml-tools); cold 139 / 138 ms; warm 8k chat
+0.93 / 1.85 ms; warm 100k completions 1.05 / 1.08 ms.
+
+The target, a warm 100k-token request within 5 ms of picker CPU, is met with both templates on a quiet
+machine (3.17 and 4.33 ms); under the load of other sessions (the table above) the ChatML one took
+5.39 ms. Where a warm 100k chat request's
 tokenization goes (``chatml-tools``): decoding the body's messages 0.54 ms, rendering the template
 over the whole conversation 1.0-1.6 ms (this template iterates every message's content parts:
 the Llama-like one renders in 0.17 ms; jinja2's sandbox costs ~3% of it), the prefix lookup
