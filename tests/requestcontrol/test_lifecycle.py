@@ -168,6 +168,7 @@ _STATEFUL_CONFIG = """
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 featureGates: [flowControl=true]
+flowControl: {maxRequests: 3}  # a queue that fills: refusals are part of the random lives
 plugins:
 - type: concurrency-detector
   parameters: {maxConcurrency: 2}
