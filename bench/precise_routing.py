@@ -40,11 +40,12 @@ that separate the designs:
 The oracle (routing_quality's: one unlimited cache shared by all, in trace order) bounds every hit
 rate. Beside it each workload prints what one cache of the whole pool's size would hit (LRU, as a
 pod evicts, and Belady's MIN): where they part (cache pressure: unlimited and MIN 85.1%, LRU 77.6%),
-reaching the unlimited oracle takes an eviction order that sees the future, which no router gives. Printed per (workload, policy): hit rate and its share of the oracle, TTFT P50/P90, and the
-picker's CPU per completed request (its process and scrape worker, from /proc, over the load), or
-the peer's whole process (it is the proxy too). Then the targets: precise >= 98% of the oracle on
-``p`` and ``u`` (approximate's beside it), and precise's TTFT P90 against the best peer's (<= 1x on
-every workload, <= 0.8x on ``h``).
+reaching the unlimited oracle takes an eviction order that sees the future, which no router gives.
+Printed per (workload, policy): hit rate and its share of the oracle, TTFT P50/P90, and the picker's CPU
+per completed request (its process and scrape worker, from /proc, over the load), or the peer's whole
+process (it is the proxy too). Then the targets: precise >= 98% of the oracle on ``p`` and ``u``
+(approximate's beside it), and precise's TTFT P90 against the best peer's (<= 1x on every workload, <=
+0.8x on ``h``).
 
 Run: ``python bench/precise_routing.py`` (about 20 minutes for six workloads and five policies on
 the 2-core development machine), ``--workloads p,u,h`` for the three, ``--quick`` for a smoke run.
@@ -82,6 +83,7 @@ from epp.sim.kvcache import BLOCK_SIZE
 from epp.sim.tokens import BYTES_PER_TOKEN
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
+from epp.testing.processes import stop_process
 
 try:
     from epp.testing import peers as _peers
@@ -244,13 +246,7 @@ class _Simulator:
         return str(path)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 def peer_unavailable(kind: str) -> str | None:

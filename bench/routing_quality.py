@@ -167,6 +167,7 @@ from epp.testing.peers import KINDS as PEER_KINDS
 from epp.testing.peers import POLICIES as PEER_POLICIES
 from epp.testing.peers import PeerRouter, render_counts, unavailable
 from epp.testing.peers import version as peer_version
+from epp.testing.processes import stop_process
 
 __all__ = [
     "POLICIES",
@@ -620,13 +621,7 @@ class _Simulator:
         return self._stderr.read().decode(errors="replace")[-chars:]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self._stderr.close()
 
 

@@ -14,11 +14,8 @@ of the test suite), while Envoys started in parallel need never clash.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -31,6 +28,8 @@ from types import TracebackType
 from typing import IO, Any
 
 import yaml
+
+from epp.testing.processes import stop_process
 
 __all__ = ["EnvoyError", "EnvoyProcess", "envoy_binary", "free_port"]
 
@@ -151,13 +150,8 @@ class EnvoyProcess:
         """SIGTERM Envoy's process group, SIGKILL it after `timeout` seconds; idempotent."""
         process, self._process = self._process, None
         # A process already reaped by poll() must not be signalled: its PID may be reused.
-        if process is not None and process.poll() is None:
-            _signal_group(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait()
+        if process is not None:
+            stop_process(process, timeout, group=True)
         _running.discard(self)
         if self._log_file is not None:
             self._log_file.close()
@@ -276,11 +270,6 @@ def _read_admin_address(path: Path) -> tuple[str, int] | None:
     if ":" in host:
         host = f"[{host}]"
     return host, port_number
-
-
-def _signal_group(pid: int, signum: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.killpg(pid, signum)
 
 
 @atexit.register

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.envoy.bootstrap import EPP_CLUSTER
 from epp.testing.envoy import EnvoyProcess, free_port
+from epp.testing.processes import stop_process
 
 __all__ = ["PickerProcess", "cpu_seconds", "wait_for_picker"]
 
@@ -153,13 +154,8 @@ class PickerProcess:
     def stop(self) -> None:
         """Stop the picker (SIGTERM, then SIGKILL after 10 s) and remove its log file; what the log
         held stays readable through :meth:`log_tail`."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
         if not self._log.closed:
             self._log.close()
             path = Path(self._log.name)

@@ -52,10 +52,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -68,6 +66,7 @@ from types import TracebackType
 from typing import IO
 
 from epp.testing.envoy import free_port
+from epp.testing.processes import stop_process
 
 __all__ = ["KINDS", "POLICIES", "PeerError", "PeerRouter", "render_counts", "unavailable", "version"]
 
@@ -255,13 +254,8 @@ class PeerRouter:
         10 s; remove its log file (the tail stays readable through :meth:`log_tail`). Idempotent."""
         process, self._process = self._process, None
         # A process already reaped by poll() must not be signalled: its PID may be reused.
-        if process is not None and process.poll() is None:
-            _signal_group(process.pid, signal.SIGTERM)
-            try:
-                process.wait(_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait()
+        if process is not None:
+            stop_process(process, _STOP_GRACE_S, group=True)
         _running.discard(self)
         if not self._log.closed:
             self._log.close()
@@ -306,11 +300,6 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$", re.M)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # How much of a stopped router's log is kept for log_tail() once its file is removed.
 _KEPT_LOG_CHARS = 256 * 1024
-
-
-def _signal_group(pid: int, signum: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.killpg(pid, signum)
 
 
 @atexit.register

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import tempfile
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epp.testing.envoy import free_port
+from epp.testing.processes import stop_process
 
 __all__ = ["ADAPTER", "BASE", "VllmServer", "http_get", "http_post", "running", "start_vllm", "tier_paths"]
 
@@ -120,13 +120,7 @@ class VllmServer:
         """SIGTERM to the process group, SIGKILL after 30 s; the log file is removed."""
         if self in _running:
             _running.remove(self)
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_process(self.process, 30, group=True)
         self.log.unlink(missing_ok=True)
 
 
