@@ -49,10 +49,11 @@ process (it is the proxy too). Then the targets: precise >= 98% of the oracle on
 
 Run: ``python bench/precise_routing.py`` (about 20 minutes for six workloads and five policies on
 the 2-core development machine), ``--workloads p,u,h`` for the three, ``--quick`` for a smoke run.
-Results are quoted in ``plugins/producer/precise_prefix_cache.py``'s docstring; in short (one run,
-load average ~10 from other sessions): precise reaches 98.5% of the oracle on u (approximate
-90.0%) and 93.2% on p (approximate 86.9%; the oracle's unlimited cache is more than the pool holds
-there), and its TTFT P90 is 0.09x the best peer's on h, 0.42-0.63x on a, c, p, u, and 1.17x on b.
+Results are quoted in ``plugins/producer/precise_prefix_cache.py``'s docstring; in short: under load
+(average ~10 from other sessions) precise reached 98.5% of the oracle on u (approximate 90.0%) and
+93.2% on p (86.9%), its TTFT P90 0.09x the best peer's on h, 0.42-0.63x on a, c, p, u, 1.17x on b;
+on a quiet machine (the final tree) 97.7% on u (87.4%) and 88.0% on p (87.3%; the peers 91.9-94.0%,
+one LRU cache of the pool's size 77.6%), TTFT P90 0.09x on h, 0.64x on c and u, 1.05-1.14x on a, b, p.
 """
 
 from __future__ import annotations

@@ -114,6 +114,19 @@ KV scorers spread it. Without the in-flight bookkeeping (``inFlightTTL``), a sec
 prefix arriving during the first one's prefill was sent elsewhere: a quick run of a gave precise
 91.7% of the oracle against approximate's 100%.
 
+Again on the final tree with the machine otherwise quiet (``python bench/precise_routing.py``, one
+run, 1,068 s), hit rate (share of the oracle) and TTFT P90, precise / approximate / sglang-router /
+vllm-router: a 100% all, 39 / 34 / 34 / 90 ms; b 98.1 / 97.2 / 100 / 100%, 107 / 110 / 101 / 107 ms;
+c 511 / 508 / 793 / 802 ms; p **88.0** / 87.3 / 91.9 / 94.0%, 435 / 377 / 437 / 416 ms; u **97.7** /
+87.4 / 78.4 / 75.9%, 270 / 326 / 421 / 453 ms; h 92.2 / 91.6 / 93.3 / 99.2%, 292 / 296 / 5,922 /
+3,423 ms. Precise's P90 against the best peer's: 1.14x (a), 1.06x (b), 0.64x (c), 1.05x (p), 0.64x
+(u), 0.09x (h). With little queueing, a and b's P90s are tens of milliseconds and precise's
+``/tokenize`` hop (~5 ms against approximate) is what separates it from sglang-router. On p both
+peers held more of the pool's prefixes than either of this picker's producers, and one LRU cache of
+the pool's total size would hit 77.6% (the unlimited oracle, 85.1%, needs an eviction order that
+sees the future: Belady's MIN over the same memory reaches it); the prefix weight against the queue
+and KV-cache scorers under pressure is the next thing to try.
+
 Tokenizer metrics: ``epp_tokenize_duration_seconds{source}`` (``local`` or ``remote``, every
 attempt), ``epp_tokenize_fallbacks_total{reason}`` (requests scored approximately: ``no_tokenizer``,
 ``unsupported``, ``template_error``, ``timeout``, ``error``, ``status``, ``open``, ``rejected``),
