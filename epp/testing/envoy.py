@@ -6,9 +6,9 @@ no one: an `atexit` hook stops whatever this interpreter started and did not sto
 admin `/ready` endpoint, and reads the real listener and admin ports back from Envoy, so bootstraps
 may ask for port 0.
 
-Envoys run with `--disable-hot-restart`: nothing here restarts one in place, and without it every
-instance needs its own `--base-id` and leaves a file in /dev/shm behind (84 of them after one run
-of the test suite), while Envoys started in parallel need never clash.
+Envoys run with `--disable-hot-restart`: nothing here restarts one in place. Without it every
+instance needed an `--base-id` of its own (Envoys started in parallel clash on a shared one) and
+left a file in /dev/shm behind (84 after one run of the test suite).
 """
 
 from __future__ import annotations
