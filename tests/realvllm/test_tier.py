@@ -46,6 +46,43 @@ def test_json_and_sse_route_through_envoy(tier: Tier) -> None:
     assert json.loads(events[-2][6:])["usage"]["completion_tokens"] >= 1
 
 
+def _sum(page: str, family: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{family}_sum\{{[^}}]*model_name=\"{BASE}\"[^}}]*\}} (\S+)$", page, re.M))
+
+
+def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(tier: Tier) -> None:
+    # 1,500 tokens, one SSE event each: the middle chunks are answered by the picker's C read path,
+    # the last one carries the usage it reads (epp.wire, epp.extproc.usage).
+    metrics = f"http://127.0.0.1:{tier.picker.metrics_port}/metrics"
+    before = get(metrics)[1].decode()
+    body = {"model": BASE, "prompt": _prompt(11, 40), "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    status, reply = post(f"{tier.url}/v1/completions", body)
+    assert status == 200, reply
+    events = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 1500
+    texts = [c["text"] for e in events[:-1] for c in json.loads(e)["choices"]]
+    assert len(texts) >= 1500  # every token's event came through (the usage event has no choice)
+    plain = {k: v for k, v in body.items() if k != "stream_options"}  # (vLLM refuses it without streaming)
+    direct = post(f"{tier.servers['b'].url}/v1/completions", {**plain, "stream": False})
+    assert direct[0] == 200, direct
+    assert json.loads(direct[1])["choices"][0]["text"] == "".join(texts)  # same weights, greedy: the same text
+    after = ""
+    for _ in range(50):  # the response's end is accounted just after its last chunk went out
+        after = get(metrics)[1].decode()
+        if _sum(after, "inference_objective_output_tokens") - _sum(before, "inference_objective_output_tokens") >= 1500:
+            break
+        time.sleep(0.1)
+    assert _sum(after, "inference_objective_output_tokens") - _sum(before, "inference_objective_output_tokens") == 1500
+    assert _sum(after, "inference_objective_input_tokens") - _sum(before, "inference_objective_input_tokens") == (
+        usage["prompt_tokens"]
+    )
+    pool = json.loads(get(f"http://127.0.0.1:{tier.picker.metrics_port}/debug/pool")[1])["endpoints"]
+    assert all(e["in_flight"]["requests"] == 0 for e in pool)
+
+
 def test_real_pages_are_scraped_filtered_and_without_errors(tier: Tier) -> None:
     page = get(f"http://127.0.0.1:{tier.picker.metrics_port}/metrics")[1].decode()
     errors = [line for line in page.splitlines() if line.startswith("epp_endpoint_scrape_errors_total{")]
