@@ -350,31 +350,20 @@ def oracle_hit_rate(
     """The hit rate with one unlimited cache shared by every request, in trace order (module docstring).
 
     Items whose index is in ``skip`` fill the cache but are not counted (requests that bypass the gateway)."""
-    seen: set[int] = set()
-    hits = queries = 0
-    for i, prompt_tokens, stored, looked_up in _oracle_trace(workload, seed, block_size):
-        if i not in skip:
-            n = 0
-            for h in stored[:looked_up]:
-                if h not in seen:
-                    break
-                n += 1
-            hits += n * block_size
-            queries += prompt_tokens
-        seen.update(stored)
-    return hits / queries if queries else 0.0
+    return finite_hit_rate(workload, None, seed=seed, block_size=block_size, skip=skip)
 
 
 def finite_hit_rate(
     workload: Workload,
-    capacity: int,
+    capacity: int | None,
     *,
     seed: int,
     policy: str = "lru",
     block_size: int = BLOCK_SIZE,
     skip: Container[int] = (),
 ) -> float:
-    """The oracle's hit rate with its one shared cache bounded to ``capacity`` blocks (the pool's total).
+    """The oracle's hit rate with its one shared cache bounded to ``capacity`` blocks (the pool's total;
+    None: unbounded, the oracle itself).
 
     ``policy``: ``"lru"`` evicts the least recently used block (what one pod with the whole pool's
     memory would do: vLLM's eviction is LRU); ``"min"`` evicts the block whose next use is farthest
@@ -400,38 +389,38 @@ def finite_hit_rate(
         k = bisect.bisect_right(times, t)
         return times[k] if k < len(times) else never
 
-    lru: OrderedDict[int, None] = OrderedDict()
+    cache: OrderedDict[int, None] = OrderedDict()  # least recently used first
     farthest: list[tuple[int, int]] = []  # MIN: (-next use, block), stale entries skipped
     due: dict[int, int] = {}
     hits = queries = 0
     for t, (i, prompt_tokens, stored, looked_up) in enumerate(trace):
         n = 0
         for h in stored[:looked_up]:
-            if h not in lru:
+            if h not in cache:
                 break
-            lru.move_to_end(h)  # the blocks it hits are held while it runs: its own allocations cannot evict them
+            cache.move_to_end(h)  # the blocks it hits are held while it runs: its own allocations cannot evict them
             n += 1
         if i not in skip:
             hits += n * block_size
             queries += prompt_tokens
         for h in stored:
-            if h not in lru:
-                if len(lru) >= capacity:
+            if h not in cache:
+                if capacity is not None and len(cache) >= capacity:
                     if policy == "lru":
-                        lru.popitem(last=False)
+                        cache.popitem(last=False)
                     else:
                         while True:
                             when, victim = heapq.heappop(farthest)
-                            if victim in lru and due.get(victim) == -when:
+                            if victim in cache and due.get(victim) == -when:
                                 break
-                        del lru[victim], due[victim]
-                lru[h] = None
+                        del cache[victim], due[victim]
+                cache[h] = None
             if policy == "min":
                 due[h] = next_use(h, t)
                 heapq.heappush(farthest, (-due[h], h))
         for h in reversed(stored):  # freed tail first, as vLLM frees a request's blocks: its tail goes first
-            if h in lru:  # (a request longer than the cache evicted its own first blocks)
-                lru.move_to_end(h)
+            if h in cache:  # (a request longer than the cache evicted its own first blocks)
+                cache.move_to_end(h)
     return hits / queries if queries else 0.0
 
 
