@@ -50,7 +50,9 @@ def test_every_fault_kind_ran_and_was_measured(report) -> None:
     measured = {f.kind: report.measured[id(f)] for f in report.faults}
     # The killed pod and the one whose page broke were seen stale by the picker (its /debug/pool).
     assert 0 <= measured["pod-kill"]["picker saw it stale"] < 5
-    assert measured["metrics-html"]["picker saw it stale"] >= 0.5  # the staleness threshold given
+    # Stale once its last good scrape is older than the 0.5 s threshold given; that scrape may have come up to
+    # one scrape interval (the default 50 ms) before the page broke, so the picker can see it that much sooner.
+    assert measured["metrics-html"]["picker saw it stale"] >= 0.5 - 0.05
     assert measured["watch-drop"]["watching again"] < 5
 
 
