@@ -117,6 +117,7 @@ _INSERT_FIRST = 8
 _ENTRY_BYTES = 200  # an entry's own bookkeeping (dict slot, key, object), counted against the bound
 _DOC_BYTES = 100
 _AUDIT_EVERY = 64
+_DENSE_IDS = 1 << 22  # token ids below this are looked up in a table (4 MiB at most)
 _TEXT_TYPES = (None, "text", "input_text", "output_text", "refusal", "thinking")
 _PROBE_LEFT = ("hello world", "a\n", "  ", "é")
 _PROBE_RIGHT = (" there", "\nnext", "x", "  y", "é", "\n\n", "")
@@ -337,10 +338,15 @@ class ModelTokenizer:
         self._head = np.array(full[:at], dtype=np.uint32)  # what add_special_tokens puts around a text
         self._tail = np.array(full[at + len(probe) :], dtype=np.uint32)
         self._cut_ids: dict[bytes, int] = self._stable_cut_points()
-        self._cut_mask = np.zeros(max(self._tok.get_vocab_size(with_added_tokens=True), 1), dtype=bool)
-        for token_id in self._cut_ids.values():
-            if token_id < len(self._cut_mask):
-                self._cut_mask[token_id] = True
+        # Where the cut-point tokens are in a text's ids: a lookup table over the vocabulary's ids when
+        # they are dense (every real model's), else a comparison with each (a hand-made vocabulary
+        # may number its tokens anywhere in uint32, e.g. the simulator's own: epp.sim.tokens).
+        largest = max(self._tok.get_vocab(with_added_tokens=True).values(), default=0)
+        self._cut_array = np.array(sorted(self._cut_ids.values()), dtype=np.uint32)
+        self._cut_mask: np.ndarray | None = None
+        if largest < _DENSE_IDS:
+            self._cut_mask = np.zeros(largest + 1, dtype=bool)
+            self._cut_mask[self._cut_array] = True
         ordered = sorted(self._cut_ids, key=len, reverse=True)  # longest first: leftmost-longest matching
         self._cuts = re.compile(b"|".join(re.escape(t) for t in ordered)) if ordered else None
 
@@ -531,7 +537,9 @@ class ModelTokenizer:
             start, chosen = 0, sorted({*range(max(count - _INSERT_LAST, 0), count), *range(min(_INSERT_FIRST, count))})
         else:
             start, chosen = hit[1] - 1, list(range(max(count - _INSERT_LAST, first + 1), count))
-        positions = start + np.flatnonzero(self._cut_mask[ids[start:]])
+        tail = ids[start:]
+        hits = self._cut_mask[tail] if self._cut_mask is not None else np.isin(tail, self._cut_array)
+        positions = start + np.flatnonzero(hits)
         if len(positions) != count - first:
             with self._stats_lock:
                 self._stats.unmapped += 1

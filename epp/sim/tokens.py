@@ -22,6 +22,13 @@ What is simulated
   them (so the precise path can be exercised against the simulator): :func:`model_prompts`. Output
   words stay the 4-byte ones above, so a reply quoted back re-tokenizes differently from the ids the
   pod generated (as it can on vLLM too); prompts of the same text still share their ids.
+* **The same tokenization as a model's files** (:func:`write_model_files`): a ``tokenizer.json``
+  (a 4-character split, a word-level vocabulary numbered with the ids above, BOS added to a
+  completion) and a chat template that give exactly the ids above for text made of the generated
+  words (three letters and a space or a full stop, the benches' prompts and the pods' own answers),
+  so that a picker can tokenize locally what a default simulator computes: the precise producer's
+  ``local.autoDiscoveryDir`` pointed at them. Any other 4 characters are one unknown token there,
+  which only costs a lookup its match.
 * **Length.** Unless ``ignore_eos`` is set, the model emits end-of-sequence with a fixed probability
   ``1 / mean_output_tokens`` per token (a geometric length); the request stops at ``max_tokens`` otherwise.
 """
@@ -29,10 +36,12 @@ What is simulated
 from __future__ import annotations
 
 import itertools
+import json
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -43,7 +52,7 @@ from epp.prefix.tokenize import ModelTokenizer, TemplateError, Unsupported
 
 __all__ = [
     "BYTES_PER_TOKEN", "OutputPlan", "model_prompts", "model_tokenizer", "plan_output", "render_chat",
-    "render_completion", "tokenize",
+    "render_completion", "tokenize", "write_model_files",
 ]  # fmt: skip
 
 BYTES_PER_TOKEN = 4
@@ -163,3 +172,54 @@ def plan_output(
     token_ids[-1] = _LAST_WORD_IDS[last]
     stopped = not ignore_eos and natural <= max_tokens
     return OutputPlan(tuple(words), token_ids, "stop" if stopped else "length")
+
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+_UNKNOWN = "<|unknown|>"
+_SPECIALS = {
+    "<|begin_of_text|>": _BOS, "<|start_header_id|>": _START_HEADER, "<|end_header_id|>": _END_HEADER,
+    "<|eot_id|>": _EOT,
+}  # fmt: skip
+_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>{{ message['content'] }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
+)
+
+
+def write_model_files(directory: str | Path) -> Path:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) that tokenize
+    as this module does (see the module docstring) into ``directory``; return its path.
+
+    The vocabulary's ids are this module's 32-bit ids, which HF ``tokenizers`` accepts but serializes
+    slowly (it walks every id up to the largest), so the file is written from its JSON layout: a
+    layout that :meth:`tokenizers.Tokenizer.from_file` reads back, which the tests check.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers, processors
+
+    vocab: dict[str, int] = {_UNKNOWN: _special(_UNKNOWN)}
+    for text, ids in ((_WORDS, _WORD_IDS), (_LAST_WORDS, _LAST_WORD_IDS)):
+        vocab.update(zip(text, ids.tolist(), strict=True))
+    for role in _ROLES:  # a role is tokenized on its own, between header tokens: its last piece padded
+        pieces = [role[i : i + BYTES_PER_TOKEN] for i in range(0, len(role), BYTES_PER_TOKEN)]
+        vocab.update(zip(pieces, tokenize(role).tolist(), strict=True))
+    # The pipeline is built by the library with a stand-in vocabulary (its JSON layout is the
+    # library's), then given the real vocabulary and ids.
+    tok = Tokenizer(models.WordLevel(vocab={_UNKNOWN: 0}, unk_token=_UNKNOWN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]{1,4}"), behavior="isolated")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIALS])
+    bos = "<|begin_of_text|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, _BOS)])
+    layout = json.loads(tok.to_str())
+    for added in layout["added_tokens"]:
+        added["id"] = _SPECIALS[added["content"]]
+    layout["model"]["vocab"] = vocab | _SPECIALS
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(layout), encoding="utf-8")
+    config = {
+        "bos_token": bos, "eos_token": "<|eot_id|>", "unk_token": _UNKNOWN, "chat_template": _TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }  # fmt: skip
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    return out

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 
 from epp.sim.tokens import plan_output, render_chat, render_completion, tokenize
@@ -49,3 +51,34 @@ def test_generated_text_tokenises_back_to_the_generated_ids() -> None:
     second = render_chat([("system", "be brief"), ("user", "hi there"), ("assistant", answer), ("user", "more")])
     seen = np.concatenate((first, plan.token_ids))
     assert np.array_equal(second[: len(seen)], seen)
+
+
+def _words(rng: np.random.Generator, n: int) -> str:
+    stems = rng.integers(97, 123, size=(n, 3), dtype=np.uint8)
+    return "".join(stem.tobytes().decode() + " " for stem in stems)
+
+
+def test_the_model_files_tokenize_as_the_simulator_does(tmp_path) -> None:
+    """A picker given write_model_files' directory computes a default simulator's ids: chats growing
+    turn by turn (its answers quoted back, a turn's earlier tokens reused, not re-encoded) and
+    completions, BOS included; a piece of text outside its words is one unknown token."""
+    from epp.prefix.tokenize import ModelTokenizer
+    from epp.sim.tokens import write_model_files
+
+    tok = ModelTokenizer.from_dir(str(write_model_files(tmp_path / "model")))
+    rng = np.random.default_rng(7)
+    history = [("system", _words(rng, 600))]
+    for _ in range(6):
+        history.append(("user", _words(rng, 40)))
+        body = json.dumps({"model": "m", "messages": [{"role": r, "content": c} for r, c in history]})
+        ids = tok.request_ids("chat_completions", body.encode())
+        assert np.array_equal(ids, render_chat(history))
+        answer = plan_output(ids, model="m", seed=1, max_tokens=20, ignore_eos=True, mean_output_tokens=8)
+        history.append(("assistant", "".join(answer.words)))
+        prompt = _words(rng, 100)
+        assert np.array_equal(tok.request_ids("completions", json.dumps({"prompt": prompt}).encode()),
+                              render_completion(prompt))  # fmt: skip
+    stats = tok.stats()
+    assert stats.reused_tokens > stats.encoded_tokens and stats.unmapped == 0
+    odd = tok.completion_ids("abc 12345")
+    assert len(odd) == 1 + 3 and np.array_equal(odd[:2], render_completion("abc "))
