@@ -70,6 +70,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -87,7 +88,7 @@ import xxhash
 
 from epp.envoy.bootstrap import BootstrapOptions, render, render_round_robin
 from epp.sim.kvcache import BLOCK_SIZE
-from epp.sim.tokens import BYTES_PER_TOKEN
+from epp.sim.tokens import BYTES_PER_TOKEN, write_model_files
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
 from epp.testing.processes import stop_process
@@ -100,7 +101,7 @@ except ImportError:  # the peers' launcher is not on this branch
 MODEL = rq.MODEL
 WORKLOADS = {**rq.WORKLOADS, "p": "cache pressure", "u": "unseen traffic", "h": "hot prefix"}
 POLICIES = {"rr": "round robin", "default": "approximate", "precise": "precise (KV events)",
-            "sglang-router": "sglang-router", "vllm-router": "vllm-router"}
+            "precise-remote": "precise, /tokenize", "sglang-router": "sglang-router", "vllm-router": "vllm-router"}
 _PEERS = ("sglang-router", "vllm-router")
 _HOT_SYSTEM_TOKENS = (1536, 2560)
 _HOT_QUESTION_TOKENS = (1024, 2048)
@@ -115,8 +116,9 @@ plugins:
     tokenProcessorConfig: {blockSize: 16}
     indexerConfig:
       tokenizersPoolConfig:
-        local: {autoDiscoveryDir: /nonexistent}
-        remote: {mode: tokenize, url: "TOKENIZER_URL", timeout: 500ms}
+        modelName: MODEL_NAME
+        local: {autoDiscoveryDir: "TOKENIZER_DIR"}
+        remote: {mode: REMOTE_MODE, url: "TOKENIZER_URL", timeout: 500ms}
 - type: prefix-cache-scorer
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
@@ -320,11 +322,13 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
     """One policy on one run; ``weights``: the precise profile's prefix, queue and KV-cache weights."""
     opts = run.opts
     sim = _Simulator(opts, run.blocks)
-    # The precise picker's token ids: the simulator's tokenizer is no tokenizer.json a picker could load,
-    # so they come from /tokenize, of a pod of its own (an idle engine: the answer is not queued behind
-    # the pool's work), as llm-d runs its tokenizer beside the picker.
-    tokenizer = _Simulator(opts, run.blocks, pods=1, events=False) if policy == "precise" else None
+    # precise-remote's token ids come from /tokenize, of a pod of its own (an idle engine: the answer is
+    # not queued behind the pool's work), as llm-d runs its tokenizer beside the picker; precise's from
+    # the simulated model's own files (epp.sim.tokens.write_model_files), as a picker with the model's
+    # tokenizer mounted computes them.
+    tokenizer = _Simulator(opts, run.blocks, pods=1, events=False) if policy == "precise-remote" else None
     picker: PickerProcess | None = None
+    tokenization = ""
     envoy: EnvoyProcess | None = None
     router: Any = None
     directory = tempfile.mkdtemp(prefix="epp-precise-")
@@ -343,10 +347,16 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                                                                 admin_port=0, pool_endpoints=tuple(sim.pods)))
             else:
                 extra = ["--endpoints-file", sim.endpoints_file(directory)]
-                if policy == "precise":
+                if policy.startswith("precise"):
                     config = Path(directory) / "precise.yaml"
-                    assert tokenizer is not None
-                    text = _PRECISE_CONFIG.replace("TOKENIZER_URL", f"http://{tokenizer.pods[0]}")
+                    model = write_model_files(Path(directory) / "model")
+                    text = _PRECISE_CONFIG.replace("MODEL_NAME", MODEL)
+                    if tokenizer is not None:
+                        text = text.replace("TOKENIZER_DIR", "/nonexistent").replace("REMOTE_MODE", "tokenize")
+                        text = text.replace("TOKENIZER_URL", f"http://{tokenizer.pods[0]}")
+                    else:
+                        text = text.replace("TOKENIZER_DIR", str(model)).replace("REMOTE_MODE", "none")
+                        text = text.replace("TOKENIZER_URL", "")
                     for key, weight in zip(("PREFIX_WEIGHT", "QUEUE_WEIGHT", "KV_WEIGHT"), weights, strict=True):
                         text = text.replace(key, str(weight))
                     config.write_text(text)
@@ -373,6 +383,8 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
         cpu = {name: s / wall for name, s in cpu_s.items()}
         cpu["client"] = (time.process_time() - client0) / wall
         after = asyncio.run(rq._sim_counters(sim.pods))
+        if policy.startswith("precise") and picker is not None:
+            tokenization = _tokenization(picker.metrics_port)
     finally:
         if envoy is not None:
             envoy.stop()
@@ -385,10 +397,7 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
         if tokenizer is not None:
             tokenizer.stop()
         sim.stop()
-        with contextlib.suppress(OSError):
-            for name in os.listdir(directory):
-                os.unlink(os.path.join(directory, name))
-            os.rmdir(directory)
+        shutil.rmtree(directory, ignore_errors=True)
     # The pods' counters count every request; the bypassing ones' share is taken out.
     after = Counter(after)
     after["vllm:prefix_cache_hits_total"] -= tally["hits"]
@@ -397,7 +406,37 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
     # The router's CPU: the picker (with the pod that tokenizes for it), the peer, or Envoy for rr.
     routed = cpu_s.get("picker", cpu_s.get("router", cpu_s.get("envoy", 0.0))) + cpu_s.get("tokenizer", 0.0)
     per_request = routed / result.completed * 1e3 if result.completed else math.nan
+    if tokenization:
+        print(f"  {policy} tokenization: {tokenization}")
     return Row(result, per_request, tally["requests"])
+
+
+def _tokenization(metrics_port: int) -> str:
+    """What the picker's precise producer says of its tokenization: attempts and their mean time by
+    source (``epp_tokenize_duration_seconds``) and requests scored with the approximate index for
+    want of token ids, by reason (``epp_tokenize_fallbacks_total``: none when set up right)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        page = response.read().decode()
+    sums: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name in ("epp_tokenize_duration_seconds_sum", "epp_tokenize_duration_seconds_count"):
+                key = (sample.labels.get("source", ""), sample.name.rsplit("_", 1)[1])
+                sums[key] = sums.get(key, 0.0) + sample.value
+            elif sample.name == "epp_tokenize_fallbacks_total" and sample.value:
+                sums[("fallback " + sample.labels.get("reason", ""), "count")] = sample.value
+    parts = []
+    for source in sorted({source for source, _ in sums}):
+        count = sums.get((source, "count"), 0.0)
+        if source.startswith("fallback"):
+            parts.append(f"{source} {count:.0f}")
+        elif count:
+            parts.append(f"{source} {count:.0f} x {sums.get((source, 'sum'), 0.0) / count * 1e3:.2f} ms")
+    return ", ".join(parts) or "none"
 
 
 # -- the report -----------------------------------------------------------------------------------------
