@@ -33,7 +33,7 @@ from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.config import KVEventsConfig
 from epp.sim.kvcache import block_hashes, model_seed
 from epp.sim.kvevents import KVEventPublisher
-from epp.sim.tokens import render_completion
+from epp.sim.tokens import render_chat, render_completion, write_model_files
 from epp.testing.tokenizer import write_tokenizer_dir
 
 BS = 4
@@ -212,6 +212,45 @@ def test_llm_d_parameters_are_accepted_where_llm_d_puts_them() -> None:
     assert producer.publisher_of(Endpoint("a", "10.0.0.1", 8000)) == ("tcp://10.0.0.1:6000", None)
     assert producer.publisher_of(Endpoint("a", "fd00::1", 8000, kv_events_port=5557, kv_replay_port=5558)) == (
         "tcp://[fd00::1]:5557", "tcp://[fd00::1]:5558")
+
+
+async def test_the_simulated_models_files_look_up_what_a_default_simulator_holds(tmp_path: Path) -> None:
+    """The picker tokenizes locally with the simulated model's files (epp.sim.tokens.write_model_files), the
+    pods with their own default tokenization: chats sent straight to the pods are matched block for block."""
+    model = write_model_files(tmp_path / "m")
+    parameters = {"indexerConfig": {"tokenizersPoolConfig": {
+        "modelName": "m", "local": {"autoDiscoveryDir": str(model)}, "remote": {"mode": "none"}}}}  # fmt: skip
+    async with SimulatedPool(2, [_sim_config(seed=1), _sim_config(seed=2)]) as pool:
+        endpoints = _pool_endpoints(pool)
+        producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", parameters), Handle(Datastore(endpoints)))
+        try:
+            producer.produce(_ask("warm"), endpoints)  # starts the subscriber
+            rng = np.random.default_rng(5)
+            words = ["".join(chr(c) for c in stem) + " " for stem in rng.integers(97, 123, size=(400, 3))]
+            systems = ["".join(rng.choice(words, size=int(n))) for n in (90, 130, 170)]
+            chats = [[("system", systems[i % 3]), ("user", "".join(rng.choice(words, size=int(rng.integers(2, 40)))))]
+                     for i in range(12)]  # fmt: skip
+            async with aiohttp.ClientSession() as session:
+                for i, chat in enumerate(chats):  # straight to the pods, bypassing any picker
+                    body = {"model": "m", "messages": [{"role": r, "content": c} for r, c in chat], "max_tokens": 2}
+                    async with session.post(pool.url(i % 2) + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200
+            await _caught_up(producer, pool)
+            seed = model_seed("m")
+            matched_somewhere = 0
+            for chat in chats:
+                request = _chat([{"role": r, "content": c} for r, c in chat], model="m")
+                await producer.prepare_data(request)
+                producer.produce(request, endpoints)
+                ids = render_chat(chat)
+                assert request.state[TOKENIZED_PROMPT].tolist() == ids.tolist()
+                for pod, endpoint in zip(pool, endpoints, strict=True):
+                    hits = pod.engine.kv.count_hits(block_hashes(ids, seed).tolist(), len(ids) // 16)
+                    assert request.state[PREFIX_MATCH].matched.get(endpoint.name, 0) == hits
+                    matched_somewhere += hits
+            assert matched_somewhere > 0
+        finally:
+            await _close(producer)
 
 
 async def test_a_prefix_sent_to_a_pod_counts_there_until_its_events_store_it() -> None:
