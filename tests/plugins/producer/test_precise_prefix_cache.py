@@ -321,10 +321,9 @@ def _chat(messages: list[dict], model: str = "org/tiny") -> InferenceRequest:
 
 
 async def _close(producer: PrecisePrefixCacheProducer) -> None:
-    # One loop turn first: KVEventSubscriber.close hangs in zmq's Context.term when a pod's monitor task
-    # was cancelled before it ever ran (its finally never closes the monitor socket): kvsubscriber's bug.
-    await asyncio.sleep(0.01)
-    await producer.close()
+    # At once, before any loop turn: a subscriber closed before its sockets were ever read must not hang
+    # in zmq's Context.term (it did while the monitor sockets were read by tasks).
+    await asyncio.wait_for(producer.close(), 10)
 
 
 def _counter(handle: Handle, name: str, **labels: str) -> float:
