@@ -15,6 +15,10 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 FROM python:3.11-slim
 # No .pyc writes (the Kubernetes manifests mount the root filesystem read-only); logs unbuffered.
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# inference_extension_info's commit label: `docker build --build-arg EPP_BUILD_COMMIT=$(git rev-parse HEAD) .`
+# (its build_ref label is the package's version unless EPP_BUILD_REF is set).
+ARG EPP_BUILD_COMMIT=""
+ENV EPP_BUILD_COMMIT=${EPP_BUILD_COMMIT}
 RUN useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin epp
 # The wheels are bind-mounted from the build stage, so they never become a layer of this image.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \

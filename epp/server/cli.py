@@ -72,7 +72,7 @@ SERVE_FLAGS = FlagSet(
         make_flag(
             "disable-plugin", [], "plugin type to turn off (repeatable, or comma-separated; also $EPP_DISABLE_PLUGINS)"
         ),
-        make_flag("v", 1, "log verbosity: 0-2 info, 3 and up debug"),
+        make_flag("v", 1, "log verbosity: 0-2 info, 3 debug, 4 a decision record per request, 5 libraries' debug too"),
         make_flag("zap-encoder", "console", "log format: console or json"),
         make_flag("pool-name", "", "InferencePool to serve (Kubernetes discovery)"),
         make_flag("pool-namespace", "", "namespace of the InferencePool (default $NAMESPACE, else default)"),

@@ -57,9 +57,8 @@ class Metrics:
             ["commit", "build_ref"],
             registry=r,
         )
-        info.labels(os.environ.get("EPP_BUILD_COMMIT", ""), os.environ.get("EPP_BUILD_REF", f"v{epp.__version__}")).set(
-            1
-        )
+        commit, ref = os.environ.get("EPP_BUILD_COMMIT", ""), os.environ.get("EPP_BUILD_REF") or f"v{epp.__version__}"
+        info.labels(commit, ref).set(1)
         ProcessCollector(registry=r)
         r.register(PLATFORM_COLLECTOR)
 
