@@ -36,3 +36,10 @@ def test_the_service_exports_build_info_and_process_metrics() -> None:
     assert value("inference_extension_info", {"commit": "", "build_ref": "v0.1.0"}) == 1
     assert (value("process_resident_memory_bytes") or 0) > 0
     assert value("process_open_fds") is not None
+
+
+def test_the_build_info_takes_the_images_build_arguments(monkeypatch) -> None:
+    monkeypatch.setenv("EPP_BUILD_COMMIT", "5fe57ab")
+    monkeypatch.setenv("EPP_BUILD_REF", "")  # the Dockerfile's empty default: the version stays
+    value = ServiceMetrics().registry.get_sample_value
+    assert value("inference_extension_info", {"commit": "5fe57ab", "build_ref": "v0.1.0"}) == 1
