@@ -12,9 +12,12 @@ Policies, each on the same trace with a fresh simulator and router:
 * ``default``: the picker's default profile, i.e. the *approximate* prefix index (what this picker
   sent where) with queue and KV-cache scorers (prefix 3, queue 2, KV 2);
 * ``precise``: ``precise-prefix-cache-producer`` feeding the prefix scorer, weighted 5 (queue 2, KV 2)
-  (what the pods say they hold), the prompt's token ids from ``/tokenize`` of a simulated pod of its
-  own (the simulator's tokenizer is not a tokenizer.json a picker could load; a pod of the pool would
-  answer after the engine work queued in the simulator's one process, adding ~50 ms to the P90);
+  (what the pods say they hold), the prompt's token ids computed by the picker from the simulated
+  model's own files (:func:`epp.sim.tokens.write_model_files`: what a default simulator computes, as
+  a picker with the model's tokenizer mounted does);
+* ``precise-remote``: the same with the token ids from ``/tokenize`` of a simulated pod of its own
+  (an idle engine: a pod of the pool would answer after the engine work queued in the simulator's one
+  process, adding ~50 ms to the P90), the fallback for a picker without the model's files;
 * ``sglang-router``, ``vllm-router``: the peers' ``cache_aware`` policies, when
   ``epp.testing.peers`` is there and they are installed (``pip install -e '.[bench]'``).
 
@@ -47,19 +50,16 @@ process (it is the proxy too). Then the targets: precise >= 98% of the oracle on
 (approximate's beside it), and precise's TTFT P90 against the best peer's (<= 1x on every workload, <=
 0.8x on ``h``).
 
-Run: ``python bench/precise_routing.py`` (about 20 minutes for six workloads and five policies on
+Run: ``python bench/precise_routing.py`` (about 22 minutes for six workloads and six policies on
 the 2-core development machine), ``--workloads p,u,h`` for the three, ``--quick`` for a smoke run,
 ``--precise-weights P,Q,K`` to give the precise profile other scorer weights (prefix, queue, KV cache;
 5,2,2 by default, as ``deploy/config/precise-prefix-cache.yaml``: see the results below).
-Results are quoted in ``plugins/producer/precise_prefix_cache.py``'s docstring; in short: under load
-(average ~10 from other sessions) precise reached 98.5% of the oracle on u (approximate 90.0%) and
-93.2% on p (86.9%), its TTFT P90 0.09x the best peer's on h, 0.42-0.63x on a, c, p, u, 1.17x on b;
-on a quiet machine (the final tree), with the default profile's weights 3,2,2, 97.7% on u (87.4%) and
-88.0% on p (87.3%; the peers 91.9-94.0%, one LRU cache of the pool's size 77.6%), TTFT P90 0.09x on h,
-0.64x on c and u, 1.05-1.14x on a, b, p; with the prefix weighted 5 (this default), side by side in one
-run: **99.0% on u** (approximate 88.2%), **91.2% on p** (87.4%; the peers 91.8-94.0%), 98.5% on h, 100%
-on a and b; TTFT P90 against the best peer 0.09x (h), 0.15x (u), 0.64x (c), 0.98x (p), 1.03x (b),
-1.08x (a).
+Results are quoted in ``plugins/producer/precise_prefix_cache.py``'s docstring; the latest, one
+side-by-side run on a quiet machine (at 5b9cbf8, 1,324 s): precise reached **98.7% of
+the oracle on u** (approximate 87.9%, the peers 75-77%), 92.0% on p (approximate 92.8%, the peers
+91.7-91.8%; one LRU cache of the pool's size 91.2%), 97.5% on h, 100% on a and b; its TTFT P90
+against the best peer's: 0.65x (a), 1.07x (b: 111 against sglang-router's 104 ms, approximate 109),
+0.65x (c), 0.94x (p), 0.46x (u), 0.09x (h).
 """
 
 from __future__ import annotations
