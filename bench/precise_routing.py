@@ -55,7 +55,7 @@ the 2-core development machine), ``--workloads p,u,h`` for the three, ``--quick`
 ``--precise-weights P,Q,K`` to give the precise profile other scorer weights (prefix, queue, KV cache;
 5,2,2 by default, as ``deploy/config/precise-prefix-cache.yaml``: see the results below).
 Results are quoted in ``plugins/producer/precise_prefix_cache.py``'s docstring; the latest, one
-side-by-side run on a quiet machine (at 5b9cbf8, 1,324 s): precise reached **98.7% of
+side-by-side run on a quiet machine (at d0c9e3f, 1,324 s): precise reached **98.7% of
 the oracle on u** (approximate 87.9%, the peers 75-77%), 92.0% on p (approximate 92.8%, the peers
 91.7-91.8%; one LRU cache of the pool's size 91.2%), 97.5% on h, 100% on a and b; its TTFT P90
 against the best peer's: 0.65x (a), 1.07x (b: 111 against sglang-router's 104 ms, approximate 109),

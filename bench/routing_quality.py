@@ -129,7 +129,7 @@ picker's. vllm-router renders every request on all 8 pods (8.0 token-id inputs p
 missing), which doubles the simulated pods' CPU in its runs.
 
 Again with the picker on its own transport (epp.wire, its C read path for streamed chunks), at
-5b9cbf8, on a machine whose wake-ups cost ~1.7x the one above (``bench/wakeup_floor.py``), 994 s:
+5083721, on a machine whose wake-ups cost ~1.7x the one above (``bench/wakeup_floor.py``), 994 s:
 routing CPU-s per 1,000 requests, medians: Envoy alone 2.91; Envoy + picker 10.99 (picker 5.55:
 a / b / c 5.91 / 4.73 / 6.41; Envoy 5.03); sglang-router 3.42 (3.48 / 2.46 / 3.42); vllm-router
 7.03. The target's ratio: 5.55 / 3.42 = **1.62** (2.54 on grpc.aio), 3.2x the target. Idle: 0.006-0.008

@@ -139,7 +139,7 @@ Local tokenization against the ``/tokenize`` hop. The benchmark's precise picker
 ids from a simulated pod's ``/tokenize`` (the simulator's tokenization was no file a picker could
 load); :func:`epp.sim.tokens.write_model_files` now writes it as model files, so the picker tokenizes
 locally as it would with a real model mounted. Side by side in one run on a quiet machine (``python
-bench/precise_routing.py`` at 5b9cbf8, both policies): hit rates within a point of each other
+bench/precise_routing.py`` at d0c9e3f, both policies): hit rates within a point of each other
 (u 98.7% / 99.1% of the oracle, p 92.0 / 92.6%, h 97.5 / 98.3%), TTFT P90 local / remote 37 / 39 ms
 (a), 111 / 109 (b), 523 / 515 (c), 413 / 381 (p), 210 / 257 (u), 321 / 331 (h); the tokenization's
 mean time local 1.5-2.8 ms on warm workloads (a, b, p, u) and 8.0 ms on c (every prompt 2-6k new
