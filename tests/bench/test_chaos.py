@@ -36,8 +36,11 @@ def report():
         envoy_binary()
     except Exception as exc:
         pytest.skip(str(exc))
+    # 24 s: the four faults took until ~17.7 s of 18 with their gaps on a fast machine, and the last did not
+    # fit on a slower one (a fault is injected only when it and its gap end before the traffic does); on a
+    # fast one the cycle starts again.
     args = chaos.parse_args([
-        "--minutes", "0.3", "--faults", "pod-kill,metrics-html,watch-drop,pool-churn", "--rate", "25",
+        "--minutes", "0.4", "--faults", "pod-kill,metrics-html,watch-drop,pool-churn", "--rate", "25",
         "--hold", "1.5", "--gap", "1.5", "--staleness", "0.5", "--time-scale", "4", "--png", "",
     ])  # fmt: skip
     evidence = asyncio.run(chaos.collect(args, args.faults.split(",")))
@@ -46,8 +49,8 @@ def report():
 
 def test_every_fault_kind_ran_and_was_measured(report) -> None:
     kinds = [f.kind for f in report.faults]
-    assert kinds == ["pod-kill", "metrics-html", "watch-drop", "pool-churn"]
-    measured = {f.kind: report.measured[id(f)] for f in report.faults}
+    assert kinds[:4] == ["pod-kill", "metrics-html", "watch-drop", "pool-churn"]
+    measured = {f.kind: report.measured[id(f)] for f in report.faults[:4]}
     # The killed pod and the one whose page broke were seen stale by the picker (its /debug/pool).
     assert 0 <= measured["pod-kill"]["picker saw it stale"] < 5
     # Stale once its last good scrape is older than the 0.5 s threshold given; that scrape may have come up to
