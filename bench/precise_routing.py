@@ -349,16 +349,17 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                 extra = ["--endpoints-file", sim.endpoints_file(directory)]
                 if policy.startswith("precise"):
                     config = Path(directory) / "precise.yaml"
-                    model = write_model_files(Path(directory) / "model")
-                    text = _PRECISE_CONFIG.replace("MODEL_NAME", MODEL)
-                    if tokenizer is not None:
-                        text = text.replace("TOKENIZER_DIR", "/nonexistent").replace("REMOTE_MODE", "tokenize")
-                        text = text.replace("TOKENIZER_URL", f"http://{tokenizer.pods[0]}")
+                    if tokenizer is not None:  # the engine's /tokenize, no local files
+                        where = {"TOKENIZER_DIR": "/nonexistent", "REMOTE_MODE": "tokenize",
+                                 "TOKENIZER_URL": f"http://{tokenizer.pods[0]}"}  # fmt: skip
                     else:
-                        text = text.replace("TOKENIZER_DIR", str(model)).replace("REMOTE_MODE", "none")
-                        text = text.replace("TOKENIZER_URL", "")
-                    for key, weight in zip(("PREFIX_WEIGHT", "QUEUE_WEIGHT", "KV_WEIGHT"), weights, strict=True):
-                        text = text.replace(key, str(weight))
+                        model = write_model_files(Path(directory) / "model")
+                        where = {"TOKENIZER_DIR": str(model), "REMOTE_MODE": "none", "TOKENIZER_URL": ""}
+                    where |= {"MODEL_NAME": MODEL, "PREFIX_WEIGHT": str(weights[0]), "QUEUE_WEIGHT": str(weights[1]),
+                              "KV_WEIGHT": str(weights[2])}  # fmt: skip
+                    text = _PRECISE_CONFIG
+                    for key, value in where.items():
+                        text = text.replace(key, value)
                     config.write_text(text)
                     extra += ["--config-file", str(config)]
                 picker = PickerProcess([], extra_args=extra)
