@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 
 import pytest
 
@@ -61,33 +62,34 @@ schedulingProfiles:
     assert record["profiles"][0]["filters"] == [{"filter": "low-queue-filter", "kept": ["pod-0", "pod-1"]}]
 
 
-@pytest.mark.parametrize(("verbosity", "recorded"), [(1, False), (3, False), (4, True)])
-def test_records_are_on_from_verbosity_4_only(verbosity: int, recorded: bool, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """configure_logging changes process-wide loggers: put them back after the test."""
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
-    try:
-        configure_logging(verbosity, "console")
-        assert logging.getLogger("epp.decisions").isEnabledFor(logging.INFO) is recorded
-    finally:
-        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
-        logging.getLogger("epp.decisions").setLevel(logging.NOTSET)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    for name in ("epp", "epp.decisions"):
+        logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+@pytest.mark.parametrize(("verbosity", "recorded"), [(1, False), (3, False), (4, True)])
+@pytest.mark.usefixtures("restore_logging")
+def test_records_are_on_from_verbosity_4_only(verbosity: int, recorded: bool) -> None:
+    configure_logging(verbosity, "console")
+    assert logging.getLogger("epp.decisions").isEnabledFor(logging.INFO) is recorded
 
 
 @pytest.mark.parametrize(
     ("verbosity", "epp_debug", "library_debug"),
     [(2, False, False), (3, True, False), (4, True, False), (5, True, True)],
 )
+@pytest.mark.usefixtures("restore_logging")
 def test_epps_debug_from_verbosity_3_and_the_libraries_only_from_5(
     verbosity: int, epp_debug: bool, library_debug: bool
 ) -> None:
     """hpack logs each header block it decodes at debug: at -v 3 and 4 it would bury the decision records."""
-    root = logging.getLogger()
-    saved = (list(root.handlers), root.level)
-    try:
-        configure_logging(verbosity, "console")
-        assert logging.getLogger("epp.wire.http2").isEnabledFor(logging.DEBUG) is epp_debug
-        assert logging.getLogger("hpack.hpack").isEnabledFor(logging.DEBUG) is library_debug
-    finally:
-        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
-        for name in ("epp", "epp.decisions"):
-            logging.getLogger(name).setLevel(logging.NOTSET)
+    configure_logging(verbosity, "console")
+    assert logging.getLogger("epp.wire.http2").isEnabledFor(logging.DEBUG) is epp_debug
+    assert logging.getLogger("hpack.hpack").isEnabledFor(logging.DEBUG) is library_debug
