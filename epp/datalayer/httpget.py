@@ -15,6 +15,16 @@ scraper pays only for the socket calls and the framing. Timeouts are the caller'
 request with :meth:`GetConnection.close`, after which the connection never calls back; a new
 request after a failure or a ``Connection: close`` needs a new connection (:func:`connect`). TLS
 (``https``) is the transport's business.
+
+The keep-alive race. A server closes a connection that was idle for its keep-alive timeout (uvicorn's
+5 s in vLLM and SGLang) without a word; a request written while that close is on its way gets the
+connection closed (or reset) with no byte of an answer, though the server never saw the request. The
+scrape loops keep their connections far busier than that, but a process that stalls (a starved machine,
+a paused container) finds all of them closed at once. As HTTP allows for an idempotent request (RFC 9110
+9.2.2) and mature clients do (Go's ``net/http`` transport, urllib3), such a failure is reported with
+:attr:`HttpGetError.retryable` set - the connection had answered before and closed without a byte of
+this answer - and the owner sends the GET once more on a new connection. A fresh connection closed
+unanswered is not retryable: the server refused the request itself.
 """
 
 from __future__ import annotations
@@ -33,6 +43,12 @@ _MAX_BODY_BYTES = 64 * 1024 * 1024
 class HttpGetError(Exception):
     """The server closed the connection or answered something that is not HTTP/1.1."""
 
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        """The request may be sent again on a new connection: a reused connection closed without a
+        byte of its answer (the keep-alive race; see the module docstring)."""
+
 
 def request_bytes(host: str, port: int, path: str) -> bytes:
     """The bytes of ``GET path`` to ``host:port`` (an IPv6 address is bracketed in the Host header)."""
@@ -50,8 +66,8 @@ class GetConnection(asyncio.Protocol):
     """
 
     __slots__ = (
-        "_body", "_chunked", "_close_after", "_head", "_length", "_on_error", "_on_response", "_raw", "_status",
-        "busy", "closed", "transport",
+        "_answered", "_body", "_chunked", "_close_after", "_head", "_heard", "_length", "_on_error", "_on_response",
+        "_raw", "_status", "busy", "closed", "transport",
     )  # fmt: skip
 
     def __init__(self, on_response: Callable[[int, bytes], None], on_error: Callable[[HttpGetError], None]) -> None:
@@ -68,6 +84,8 @@ class GetConnection(asyncio.Protocol):
         self._close_after = False
         self._body = bytearray()  # the body so far, when it comes in pieces
         self._raw = bytearray()  # chunked: what arrived and is not decoded into _body yet
+        self._answered = False  # a response was read on this connection: it is a reused one
+        self._heard = False  # a byte of the answer to the request in flight arrived
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # create_connection's: a read-write Transport
@@ -76,7 +94,8 @@ class GetConnection(asyncio.Protocol):
         self.closed = True
         if self.busy:
             self.busy = False
-            self._on_error(HttpGetError(f"connection closed: {exc}" if exc else "connection closed by the server"))
+            message = f"connection closed: {exc}" if exc else "connection closed by the server"
+            self._on_error(HttpGetError(message, retryable=self._answered and not self._heard))
 
     def send(self, request: bytes) -> None:
         """Write ``request``; its response will be reported. One request at a time."""
@@ -85,6 +104,7 @@ class GetConnection(asyncio.Protocol):
         if self.busy:
             raise HttpGetError("a request is already in flight")
         self.busy = True
+        self._heard = False
         self._head = b""
         self._length = -1
         self._chunked = False
@@ -105,6 +125,7 @@ class GetConnection(asyncio.Protocol):
         if not self.busy:
             self.close()  # bytes nobody asked for: this connection can no longer be trusted
             return
+        self._heard = True
         try:
             if self._length < 0 and not self._chunked:
                 if self._head:
@@ -141,6 +162,7 @@ class GetConnection(asyncio.Protocol):
             return
         # Bytes past the end of the response (none in practice: one request at a time) are dropped.
         self.busy = False
+        self._answered = True
         if self._close_after:
             self.close()
         self._on_response(self._status, body)

@@ -35,8 +35,10 @@ lacks some metric (``missing_metrics``: the rest is used) is recorded in the sna
 detection read as "fully loaded". An endpoint that has never been scraped successfully is stale from
 the start, so numbers never read are never taken for an idle pod. A refused connection marks the
 endpoint stale at once: nothing listens on the port (the pod died or restarts), which no waiting
-will change before the next successful scrape clears it. A loop that falls behind (a slow pod)
-skips the beats it missed and keeps its phase.
+will change before the next successful scrape clears it. A GET that meets a reused connection
+closed unanswered (the keep-alive race: the server closed it as idle while the request was on its
+way) is sent once more on a new connection before it counts as failed (:mod:`epp.datalayer.httpget`).
+A loop that falls behind (a slow pod) skips the beats it missed and keeps its phase.
 
 What a scrape costs. At 100 pods that is 2,000 scrapes a second, so the loop is callbacks, not a
 task: a timer (``loop.call_at``) per endpoint writes the pre-built request, the connection's
@@ -335,7 +337,7 @@ class _EndpointLoop:
     __slots__ = (
         "_asked", "_beat_n", "_closed", "_connecting", "_connection", "_current", "_engine", "_filtered", "_host",
         "_interval", "_last_ok", "_last_page", "_last_parsed", "_loop", "_max_stride", "_path", "_phase", "_port",
-        "_previous", "_quiet", "_request", "_sent_mono", "_settings", "_sink", "_stride", "_timer", "_tls",
+        "_previous", "_quiet", "_request", "_retried", "_sent_mono", "_settings", "_sink", "_stride", "_timer", "_tls",
         "_vouched", "name", "sent_at", "slot",
     )  # fmt: skip
 
@@ -368,6 +370,7 @@ class _EndpointLoop:
         self._request = request_bytes(self._host, self._port, self._path)
         self._connection: GetConnection | None = None
         self._connecting: asyncio.Task[None] | None = None
+        self._retried = False  # the scrape in flight was sent again after the keep-alive race
         self._timer: asyncio.TimerHandle | None = None
         # The cadence (see the module docstring): beat n is at phase + n * interval; the loop scrapes
         # every stride-th beat, 1 unless its numbers have been steady for a while.
@@ -463,6 +466,7 @@ class _EndpointLoop:
 
     def _send(self, now: float) -> None:
         self.sent_at = now
+        self._retried = False
         self._sent_mono = time.monotonic()
         connection = self._connection
         if connection is not None and not connection.closed:
@@ -561,6 +565,14 @@ class _EndpointLoop:
     def _error(self, exc: Exception) -> None:
         """The connection's callback: the request failed (connection closed, not HTTP/1.1)."""
         if self.sent_at is None:
+            return
+        if isinstance(exc, HttpGetError) and exc.retryable and not self._retried:
+            # The keep-alive race (epp.datalayer.httpget): the server closed the idle connection as the
+            # request went out. Once more on a new connection, within the same timeout; a pod that is
+            # gone refuses that connection, which marks it stale at once.
+            self._retried = True
+            self._connection = None
+            self._connecting = self._loop.create_task(self._connect(), name=f"connect {self.name}")
             return
         self.sent_at = None
         self._failed("connection", f"{type(exc).__name__}: {exc}")

@@ -237,6 +237,34 @@ async def test_each_response_and_each_failure_is_one_callback(serve: Serve) -> N
         connection.send(REQUEST)
 
 
+@pytest.mark.parametrize(
+    ("answer", "retryable"),
+    [
+        # the keep-alive race: the server closes the idle connection as the request arrives
+        pytest.param(lambda n: sized(BODY) if n == 0 else [b"<close>"], True, id="reused-closed-unanswered"),
+        pytest.param(lambda n: [b"<close>"], False, id="fresh-closed-unanswered"),
+        pytest.param(
+            lambda n: sized(BODY) if n == 0 else [*sized(BODY)[:1], b"<close>"], False, id="reused-closed-mid-answer"
+        ),
+    ],
+)
+async def test_only_a_reused_connection_closed_without_a_byte_of_answer_may_be_retried(
+    serve: Serve, answer: Answer, retryable: bool
+) -> None:
+    server = await serve(answer)
+    events = Events()
+    try:
+        failure = await _get(events, server.port)
+        if not isinstance(failure, HttpGetError):  # the first answer of a reused connection
+            assert failure == (200, BODY)
+            failure = await _get(events, server.port)
+        assert isinstance(failure, HttpGetError) and "connection closed" in str(failure)
+        assert failure.retryable is retryable
+        assert server.connections == 1
+    finally:
+        events.close()
+
+
 async def test_one_request_at_a_time(serve: Serve) -> None:
     server = await serve(lambda n: [])  # never answers
     events = Events()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+from collections.abc import Callable
 from dataclasses import fields, replace
 
 import msgspec
@@ -12,7 +15,7 @@ from epp.datalayer.engines import builtin_engines
 from epp.datalayer.loops import REASONS, ScrapeLoops, ScrapeResult, Target
 from epp.framework import Metrics
 
-from ._scraping import FAST, FakeServer, until
+from ._scraping import FAST, VLLM_PAGE, FakeServer, until
 
 
 async def test_the_loops_report_a_result_with_every_metrics_field(fake: FakeServer) -> None:
@@ -119,3 +122,73 @@ def test_vllm_is_asked_for_the_filter_where_it_honours_it(path: str, expected: s
 
     assert _filtered_path(path, builtin_engines()["vllm"]) == expected
     assert _filtered_path(path, builtin_engines()["sglang"]).startswith(path)  # SGLang: as given
+
+
+class _ClosingServer:
+    """A raw HTTP/1.1 server answering the metrics page; ``close_unanswered(n, k)`` says whether it closes
+    connection ``n`` without a word when its ``k``-th request arrives (as a keep-alive timeout does)."""
+
+    def __init__(self, close_unanswered: Callable[[int, int], bool]) -> None:
+        self.close_unanswered = close_unanswered
+        self.connections = 0
+        self.answered = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> _ClosingServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number = self.connections
+        self.connections += 1
+        try:
+            for k in itertools.count():
+                await reader.readuntil(b"\r\n\r\n")
+                if self.close_unanswered(number, k):
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(VLLM_PAGE), VLLM_PAGE))
+                self.answered += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_a_keep_alive_close_racing_the_request_is_retried_on_a_new_connection() -> None:
+    # Every connection is closed by the server as its second request arrives: each scrape on a reused
+    # connection meets the race, and is sent again on a new one - no failure is reported.
+    reports: list[ScrapeResult] = []
+    async with _ClosingServer(lambda n, k: k == 1) as server:
+        loops = ScrapeLoops(builtin_engines(), FAST, reports.append)
+        loops.add(Target("pod", "127.0.0.1", server.port, "vllm"))
+        try:
+            await until(lambda: server.answered >= 6)
+        finally:
+            await loops.stop()
+    assert server.connections >= 5  # the race was met again and again
+    assert reports and all(result.reason is None for result in reports), [r.error for r in reports]
+
+
+async def test_a_server_that_closes_every_request_unanswered_fails_each_scrape_once() -> None:
+    # The first connection answers once; from then on the server closes every connection unanswered, the
+    # fresh ones too. The scrape that met the race is retried once and fails; later scrapes, each on a
+    # fresh connection, fail without a retry: one connection per failed scrape, no endless retries.
+    reports: list[ScrapeResult] = []
+    async with _ClosingServer(lambda n, k: n > 0 or k > 0) as server:
+        loops = ScrapeLoops(builtin_engines(), FAST, reports.append)
+        loops.add(Target("pod", "127.0.0.1", server.port, "vllm"))
+        try:
+            await until(lambda: sum(result.reason == "connection" for result in reports) >= 3)
+        finally:
+            await loops.stop()
+        connections = server.connections
+    failed = [result for result in reports if result.reason == "connection"]
+    assert reports[0].reason is None and "connection closed" in (failed[0].error or "")
+    assert server.answered == 1
+    assert connections <= len(failed) + 2  # the first connection, the one retry, then one per failure
