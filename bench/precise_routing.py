@@ -52,8 +52,9 @@ process (it is the proxy too). Then the targets: precise >= 98% of the oracle on
 
 Run: ``python bench/precise_routing.py`` (about 22 minutes for six workloads and six policies on
 the 2-core development machine), ``--workloads p,u,h`` for the three, ``--quick`` for a smoke run,
-``--precise-weights P,Q,K`` to give the precise profile other scorer weights (prefix, queue, KV cache;
-5,2,2 by default, as ``deploy/config/precise-prefix-cache.yaml``: see the results below).
+``--rounds N`` to run each (workload, policy) N times and report medians (the policies' order rotated
+each round), ``--precise-weights P,Q,K`` to give the precise profile other scorer weights (prefix,
+queue, KV cache; 5,2,2 by default, as ``deploy/config/precise-prefix-cache.yaml``: see the results below).
 Results are quoted in ``plugins/producer/precise_prefix_cache.py``'s docstring; the latest, one
 side-by-side run on a quiet machine (at d0c9e3f, 1,324 s): precise reached **98.7% of
 the oracle on u** (approximate 87.9%, the peers 75-77%), 92.0% on p (approximate 92.8%, the peers
@@ -443,6 +444,26 @@ def _tokenization(metrics_port: int) -> str:
 # -- the report -----------------------------------------------------------------------------------------
 
 
+def _medians(rows: Sequence[Row], kinds: Sequence[str], policies: Sequence[str]) -> list[Row]:
+    """One row per (workload, policy), in that order: each figure the median of its rounds (one round: itself)."""
+    out = []
+    for kind in kinds:
+        for policy in policies:
+            runs = [row for row in rows if (row.result.workload, row.result.policy) == (kind, policy)]
+            if not runs:
+                continue
+            first = runs[0].result
+            result = replace(
+                first,
+                hit_rate=float(np.median([r.result.hit_rate for r in runs])),
+                ttft_p50_ms=float(np.median([r.result.ttft_p50_ms for r in runs])),
+                ttft_p90_ms=float(np.median([r.result.ttft_p90_ms for r in runs])),
+                completed=min(r.result.completed for r in runs),
+            )
+            out.append(Row(result, float(np.median([r.picker_ms_per_request for r in runs])), runs[0].direct_requests))
+    return out
+
+
 def _table(rows: Sequence[Row]) -> str:
     head = (f"{'workload':<18} {'policy':<22} {'hit rate':>8} {'/oracle':>7} {'TTFT P50':>9} {'P90':>8} "
             f"{'ok/sent':>9} {'router CPU/req':>14}")
@@ -510,6 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hot-groups", type=int, default=k.hot_groups)
     parser.add_argument("--hot-zipf", type=float, default=k.hot_zipf)
     parser.add_argument("--hot-load", type=float, default=k.hot_load)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each (workload, policy), the policies' order rotated each round; "
+                             "the table and the targets take the medians")
     parser.add_argument("--precise-weights", default="5,2,2",
                         help="the precise profile's prefix, queue and KV-cache scorer weights")
     results = Path(__file__).resolve().parent / "results"
@@ -550,17 +574,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"workload {kind} ({WORKLOADS[kind]}): {run.workload.requests} requests "
               f"({len(run.direct)} bypassing the gateway), {run.blocks} blocks per pod, oracle {bound:.1%}; "
               f"one cache of the pool's {pool} blocks: LRU {finite['lru']:.1%}, MIN {finite['min']:.1%}", flush=True)
-        for policy in policies:
-            row = run_policy(run, policy, bound, weights)
-            r = row.result
-            print(f"  {policy:<14} hit {r.hit_rate:.1%} ({r.hit_rate / bound if bound else 0:.1%} of the oracle), "
-                  f"TTFT P50 {r.ttft_p50_ms:.0f} P90 {r.ttft_p90_ms:.0f} ms, {r.completed}/{r.requests} done, "
-                  f"router {row.picker_ms_per_request:.2f} ms CPU/request", flush=True)
-            rows.append(row)
+        for n in range(args.rounds):
+            for policy in policies[n % len(policies):] + policies[: n % len(policies)]:
+                row = run_policy(run, policy, bound, weights)
+                row = replace(row, result=replace(row.result, round=n))
+                rows.append(row)
+                r = row.result
+                print(f"  {policy:<14} hit {r.hit_rate:.1%} ({r.hit_rate / bound if bound else 0:.1%} of the oracle), "
+                      f"TTFT P50 {r.ttft_p50_ms:.0f} P90 {r.ttft_p90_ms:.0f} ms, {r.completed}/{r.requests} done, "
+                      f"router {row.picker_ms_per_request:.2f} ms CPU/request"
+                      + (f" (round {n + 1})" if args.rounds > 1 else ""), flush=True)  # fmt: skip
+    medians = _medians(rows, kinds, policies)
     print()
-    print(_table(rows))
+    print(_table(medians) + (f"\n(medians of {args.rounds} rounds)" if args.rounds > 1 else ""))
     print()
-    for line in _targets(rows, bounds):
+    for line in _targets(medians, bounds):
         print(line)
     print(f"\n{time.perf_counter() - started:.0f} s in all; TTFTs are wall clock at time scale {opts.time_scale}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
