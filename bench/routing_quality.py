@@ -134,6 +134,20 @@ routing CPU-s per 1,000 requests, medians: Envoy alone 2.91; Envoy + picker 10.9
 a / b / c 5.91 / 4.73 / 6.41; Envoy 5.03); sglang-router 3.42 (3.48 / 2.46 / 3.42); vllm-router
 7.03. The target's ratio: 5.55 / 3.42 = **1.62** (2.54 on grpc.aio), 3.2x the target. Idle: 0.006-0.008
 cores at 8 pods, 0.014 at 100 idle pods.
+
+Where the picker's CPU per request goes (workload a alone, ``--workloads a --policies default
+--rounds 1 --duration 40``, at f8ca4d5: 16 req/s, 6.6 CPU-s per 1k requests; ``/proc`` of both
+processes and ``perf stat`` over 15 s of the load, ``py-spy record`` of the request process): the
+request process ~4.1 ms a request, the scrape worker ~2.4. The request process is woken ~20 times a
+request (4,759 context switches, 6,904 read/write/writev calls in 15 s: one wake-up per ext_proc
+message, 16 streamed chunks among them) and spends two-thirds of its time in uvloop's C loop (epoll,
+the reads and writes, the C chunk path) and a third in Python (HTTP/2 frames and HPACK ~11% of it
+all, routing ~7%). The worker scrapes 8 busy pods every 50 ms (160 scrapes a second, ~240 µs each
+here, one wake-up each: at 8 pods the 5 ms grid puts one loop in a slot); their numbers change, so
+the idle backoff does not slow them, and the idle rate subtracted is the backed-off one: the figure
+above counts the scraping that busy pods cost, which the issue's "above its idle rate" meant to
+leave out when the idle rate was full-cadence scraping. The request process alone, 4.1, is ~1.2x
+sglang-router's whole proxy in the side-by-side run above (3.42; not the same run).
 """
 
 from __future__ import annotations
