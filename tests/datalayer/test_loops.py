@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import fields, replace
 
@@ -62,17 +63,29 @@ def test_a_result_before_any_scrape_is_stale_and_empty() -> None:
     assert (never.waiting_queue_size, never.running_adapters, never.block_size) == (0, frozenset(), None)
 
 
-async def test_loops_are_spread_evenly_over_the_interval() -> None:
-    # 20 ms at 5 ms a slot: 4 phases. New loops take the emptiest one, so 8 loops are 2 per phase.
+async def test_loops_share_a_slot_until_it_is_full_then_spread_evenly() -> None:
+    # 20 ms at 5 ms a slot: 4 phases. A new loop takes the first slot with room (10 loops), so that a
+    # small pool is scraped in one wake-up a beat; once every slot is full, the least busy one.
     loops = ScrapeLoops(builtin_engines(), FAST, lambda *report: None)
+
+    def slots() -> Counter[int]:
+        return Counter(endpoint.slot for endpoint in loops.endpoints.values())
+
     try:
         for i in range(8):
             loops.add(Target(f"pod-{i}", "127.0.0.1", 9, "vllm"))
-        slots = [endpoint.slot for endpoint in loops.endpoints.values()]
-        assert sorted(slots) == [0, 0, 1, 1, 2, 2, 3, 3]
-        loops.remove("pod-5")
-        loops.add(Target("pod-8", "127.0.0.1", 9, "vllm"))
-        assert loops.endpoints["pod-8"].slot == slots[5]  # the phase that lost a loop
+        assert slots() == {0: 8}
+        for i in range(8, 40):
+            loops.add(Target(f"pod-{i}", "127.0.0.1", 9, "vllm"))
+        assert slots() == {0: 10, 1: 10, 2: 10, 3: 10}
+        loops.add(Target("pod-40", "127.0.0.1", 9, "vllm"))
+        assert sorted(slots().values()) == [10, 10, 10, 11]
+        moved = loops.endpoints["pod-15"].slot
+        loops.remove("pod-15")
+        loops.remove("pod-40")
+        loops.add(Target("pod-41", "127.0.0.1", 9, "vllm"))
+        assert loops.endpoints["pod-41"].slot == moved  # the slot that lost a loop: the first with room
+        assert slots() == {0: 10, 1: 10, 2: 10, 3: 10}
     finally:
         await loops.stop()
 
