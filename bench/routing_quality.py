@@ -142,12 +142,21 @@ request process ~4.1 ms a request, the scrape worker ~2.4. The request process i
 request (4,759 context switches, 6,904 read/write/writev calls in 15 s: one wake-up per ext_proc
 message, 16 streamed chunks among them) and spends two-thirds of its time in uvloop's C loop (epoll,
 the reads and writes, the C chunk path) and a third in Python (HTTP/2 frames and HPACK ~11% of it
-all, routing ~7%). The worker scrapes 8 busy pods every 50 ms (160 scrapes a second, ~240 µs each
-here, one wake-up each: at 8 pods the 5 ms grid puts one loop in a slot); their numbers change, so
-the idle backoff does not slow them, and the idle rate subtracted is the backed-off one: the figure
-above counts the scraping that busy pods cost, which the issue's "above its idle rate" meant to
-leave out when the idle rate was full-cadence scraping. The request process alone, 4.1, is ~1.2x
-sglang-router's whole proxy in the side-by-side run above (3.42; not the same run).
+all, routing ~7%). The worker scraped 8 busy pods every 50 ms (160 scrapes a second), each pod in
+its own phase slot, so one wake-up per scrape; their numbers change, so the idle backoff does not
+slow them, and the idle rate subtracted is the backed-off one: the figures count the scraping that
+busy pods cost, which the issue's "above its idle rate" meant to leave out when the idle rate was
+full-cadence scraping. Since 168a464 a small pool shares one slot (``epp/datalayer/loops.py``):
+the same measurement, that code and the one before alternating (the older picker from a checkout,
+2 rounds each): scrape worker 1.63 / 1.71 ms a request against 2.74 / 3.01 before, request process
+4.14 / 4.27 against 4.34 / 4.68.
+
+The side-by-side run again at 168a464 (``--cpu-comparison --idle-pods 100``, 1,009 s; a busier
+state of the machine: Envoy alone 3.18 CPU-s per 1k requests where it was 2.91): picker 5.67 (a / b
+/ c 5.67 / 4.50 / 6.27), Envoy in front of it 5.65, sglang-router 4.14 (4.44 / 3.48 / 4.30),
+vllm-router 8.17; the target's ratio **1.37** (1.62 at 5083721), 2.7x the target. Routing as
+before: hit rates at the oracle's bound on a and b (approximate 98% on b), TTFT P90 on c 515 ms
+against 864-914. Idle 0.004-0.006 cores at 8 pods, 0.016 at 100 idle pods.
 """
 
 from __future__ import annotations
