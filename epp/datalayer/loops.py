@@ -63,10 +63,12 @@ pod: with busy pods (their numbers change, so the backoff never slows them) the 
 cores at 8 pods and 0.202 at 30, against 0.049 and 0.140 with the slots filled (649 and 334 µs a
 scrape against 300 and 231; ``python bench/scrape_cost.py --skip-latency --busy --pods 8,30
 --baseline DIR``, 3 alternating rounds, medians). A pod's numbers are as fresh either way (each
-is asked every interval); filled, the pool's numbers are all of one moment. With the callbacks, the one-pass reading of small pages (:mod:`epp.datalayer.page`)
-and 10 ms result batches (:mod:`epp.datalayer.worker`), a scrape costs about half the CPU of the
-earlier task-per-endpoint loop: at 100 pods ~105 µs instead of ~230 µs, worker and request-path
-process together (bench/scrape_cost.py, medians of 3 alternating runs on a shared 2-core machine).
+is asked every interval); filled, the pool's numbers are all of one moment.
+
+With the callbacks, the one-pass reading of small pages (:mod:`epp.datalayer.page`) and 10 ms
+result batches (:mod:`epp.datalayer.worker`), a scrape costs about half the CPU of the earlier
+task-per-endpoint loop: at 100 pods ~105 µs instead of ~230 µs, worker and request-path process
+together (bench/scrape_cost.py, medians of 3 alternating runs on a shared 2-core machine).
 
 Cadence
 -------
