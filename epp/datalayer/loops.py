@@ -485,8 +485,12 @@ class _EndpointLoop:
         if connection is not None and not connection.closed:
             connection.send(self._request)
         else:
-            self._connection = None
-            self._connecting = self._loop.create_task(self._connect(), name=f"connect {self.name}")
+            self._reconnect()
+
+    def _reconnect(self) -> None:
+        """Send the request in flight on a new connection (opened by a task: connecting is the rare part)."""
+        self._connection = None
+        self._connecting = self._loop.create_task(self._connect(), name=f"connect {self.name}")
 
     async def _connect(self) -> None:
         try:
@@ -584,8 +588,7 @@ class _EndpointLoop:
             # request went out. Once more on a new connection, within the same timeout; a pod that is
             # gone refuses that connection, which marks it stale at once.
             self._retried = True
-            self._connection = None
-            self._connecting = self._loop.create_task(self._connect(), name=f"connect {self.name}")
+            self._reconnect()
             return
         self.sent_at = None
         self._failed("connection", f"{type(exc).__name__}: {exc}")
