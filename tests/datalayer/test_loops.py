@@ -16,7 +16,7 @@ from epp.datalayer.engines import builtin_engines
 from epp.datalayer.loops import REASONS, ScrapeLoops, ScrapeResult, Target
 from epp.framework import Metrics
 
-from ._scraping import FAST, VLLM_PAGE, FakeServer, until
+from ._scraping import FAST, VLLM_PAGE, FakeServer, RawServer, until
 
 
 async def test_the_loops_report_a_result_with_every_metrics_field(fake: FakeServer) -> None:
@@ -137,25 +137,15 @@ def test_vllm_is_asked_for_the_filter_where_it_honours_it(path: str, expected: s
     assert _filtered_path(path, builtin_engines()["sglang"]).startswith(path)  # SGLang: as given
 
 
-class _ClosingServer:
+class _ClosingServer(RawServer):
     """A raw HTTP/1.1 server answering the metrics page; ``close_unanswered(n, k)`` says whether it closes
     connection ``n`` without a word when its ``k``-th request arrives (as a keep-alive timeout does)."""
 
     def __init__(self, close_unanswered: Callable[[int, int], bool]) -> None:
+        super().__init__()
         self.close_unanswered = close_unanswered
         self.connections = 0
         self.answered = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> _ClosingServer:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         number = self.connections

@@ -20,7 +20,7 @@ from epp.framework import Endpoint, Metrics
 from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.request import Sink
 
-from ._scraping import FAST, VLLM_PAGE, FakeServer, running, until
+from ._scraping import FAST, VLLM_PAGE, FakeServer, RawServer, running, until
 
 SGLANG_PAGE = b"""sglang:num_queue_reqs{model_name="m"} 4
 sglang:num_running_reqs{model_name="m"} 2
@@ -254,24 +254,13 @@ async def test_endpoints_added_and_removed_start_and_stop_their_loops(
         await scraper.stop()
 
 
-class SilentServer:
+class SilentServer(RawServer):
     """Accepts connections and never answers (a TLS handshake to it never ends); counts what it saw."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.accepted = 0
         self.closed = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> SilentServer:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
