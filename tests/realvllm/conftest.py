@@ -6,17 +6,25 @@ and the tiny random-weight model, tokenizer and LoRA adapter of ``make_model.py`
 skipped with that reason. Server ``a`` serves the base model and the adapter; server ``b`` only
 the base model. Both publish KV events (zmq, bound by vLLM on a free port). The servers, the picker
 and Envoy start once per session and are stopped by PID at the end (``epp.testing.vllm``).
+
+Each test starts with Envoy counting the picker healthy. Twice in a day of runs here (the clean-clone
+CI of 089937d and one local run) Envoy's health check ejected the picker for a few seconds after the
+long-stream test, with nothing in the picker's log, and every test in that window got Envoy's 500
+"picker could not be reached". The cause is not known (a stalled machine is the likely one: the same
+runs saw other timing failures); so a test waits for the picker to be back before it starts, says so
+in a warning with Envoy's health-check counters, and a failing test's report carries them too.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from epp.envoy.bootstrap import BootstrapOptions, render
+from epp.envoy.bootstrap import EPP_CLUSTER, BootstrapOptions, render
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, wait_for_picker
 from epp.testing.vllm import VllmServer, running, start_vllm, tier_paths
@@ -34,6 +42,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         tier = getattr(item, "funcargs", {}).get("tier")
         if isinstance(tier, Tier):
             report.sections.append(("the tier's picker", tier.picker.log_tail(40)))
+            report.sections.append(("Envoy's view of the picker", _picker_health(tier.envoy)))
     return report
 
 
@@ -46,6 +55,29 @@ class Tier:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.envoy.listen_port}"
+
+
+def _picker_health(envoy: EnvoyProcess) -> str:
+    """Envoy's health-check counters and membership for the picker's cluster, one per line."""
+    stats = envoy.stats(rf"^cluster\.{EPP_CLUSTER}\.(health_check\.|membership_|outlier_detection\.ejections_active)")
+    return "\n".join(f"{name} {value}" for name, value in sorted(stats.items()))
+
+
+@pytest.fixture(autouse=True)
+def _picker_healthy_first(request: pytest.FixtureRequest) -> None:
+    """A tier test starts with Envoy counting the picker healthy (see the module docstring)."""
+    if "tier" not in request.fixturenames:
+        return
+    tier: Tier = request.getfixturevalue("tier")
+    started = time.monotonic()
+    wait_for_picker(tier.envoy, timeout=30)
+    waited = time.monotonic() - started
+    if waited > 0.5:
+        warnings.warn(
+            f"Envoy counted the picker unhealthy before {request.node.name}; healthy again after {waited:.1f} s:\n"
+            + _picker_health(tier.envoy),
+            stacklevel=1,
+        )
 
 
 @pytest.fixture(scope="session")
