@@ -24,11 +24,25 @@ is a gap (``gaps``): with a replay endpoint for the pod (vLLM's ROUTER ``replay_
 batches are asked for (``[b"", start seq]``, answered ``[b"", topic, seq, payload]``… then an empty
 seq / ``-1`` end marker) and applied in order (``replays``), batches arriving meanwhile held back;
 without one, or when the replay does not cover the hole, the pod's blocks are dropped
-(:meth:`KVEventIndex.mark_unknown`). A stream whose first message is not seq 0 (the subscriber
-started late, or the server published before it connected: one real run's first delivered seq was
-281) is replayed from 0 where a replay endpoint exists. A lost connection (socket monitor) marks the
-pod unknown until fresh events arrive; its next message is then taken as the start of a new stream. A batch that does
+(:meth:`KVEventIndex.mark_unknown`). A lost connection (socket monitor) marks the pod unknown until
+fresh events arrive; its next message is then taken as the start of a new stream. A batch that does
 not decode is counted in ``decode_errors`` and skipped: a broken publisher never stops the subscriber.
+
+Late starts. A SUB socket misses what its publisher sent before the subscription reached it (the
+subscriber started after the server, or the server published before it connected: one real run's
+first delivered seq was 281). Where the pod has a replay endpoint, each connection to its publisher
+(the monitor's handshake event: the subscription is on its way by then) asks for the publisher's
+whole buffer (``[b"", 0]``, open-ended, up to the end marker) before any batch of the stream is
+applied, and live batches arriving meanwhile are held back; after it, a held batch whose seq and
+timestamp equal a replayed one is the same batch and skipped, anything else goes through the usual
+checks (a lower seq with another timestamp is a restart). Asking at connection time, not when a
+first live message shows that the stream started late, matters for a pod that published and then
+stayed quiet: no later message would reveal what it holds. Only the buffer can be had (vLLM keeps its
+last ``buffer_steps`` batches): blocks stored before it are missing, as they would be for any late
+subscriber, and a removal of a block the index never had is a no-op. Should the replay's connection
+overtake the subscription on its way (a sub-millisecond window on one host), a batch in between is
+seen as a gap by the next one and replayed then. Without a replay endpoint, a late start is taken as
+it comes: the stream is followed from its first delivered batch.
 
 Event loop. Sockets are plain (synchronous) pyzmq sockets whose file descriptors are watched by the
 asyncio loop (``add_reader``): one wake-up drains every message waiting, decoding and applying each,
@@ -273,7 +287,7 @@ class KVEventSubscriber:
             return
         sock = self._socket()
         sock.setsockopt(zmq.SUBSCRIBE, b"")  # the socket carries this pod only; topics are checked here
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
         source = _Source(sock, pod, endpoint)
         source.monitor = monitor
@@ -501,24 +515,31 @@ class KVEventSubscriber:
 
     # -- gaps -----------------------------------------------------------------------------------
 
-    def _start_replay(self, pod: PodId, stream: _Stream, start: int, stop: int, batch: EventBatch) -> None:
+    def _start_replay(
+        self, pod: PodId, stream: _Stream, start: int, stop: int | None, batch: EventBatch | None
+    ) -> None:
+        """Replay seqs [start, stop) before ``batch`` (seq ``stop``) and what arrives meanwhile; with
+        ``stop`` None, the publisher's whole buffer from ``start`` (a connection's catch-up)."""
         stream.replaying = True
-        stream.held_back = [(stop, batch)]
+        stream.held_back = [] if batch is None else [(stop, batch)]  # type: ignore[list-item]
         task = self._running_loop().create_task(self._replay_then_resume(pod, stream, start, stop))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _replay_then_resume(self, pod: PodId, stream: _Stream, start: int, stop: int) -> None:
+    async def _replay_then_resume(self, pod: PodId, stream: _Stream, start: int, stop: int | None) -> None:
         got = await self._fetch(pod, start, stop)
         if self._streams.get(pod) is not stream or not stream.replaying:
             return  # unfollowed, or given up meanwhile
         if got is None:
-            self.index.mark_unknown(pod)
-        else:
+            if stop is not None:
+                self.index.mark_unknown(pod)
+        elif got:
             self.stats.replays += 1
             deadline = time.perf_counter() + self._budget
-            for seq in range(start, stop):
+            seq = min(got) if stop is None else start
+            while seq in got:  # a closed range is whole (else None); the buffer is one run
                 self._apply(pod, stream, seq, got[seq])
+                seq += 1
                 if time.perf_counter() > deadline:  # a long replay: a slice per loop turn, as draining
                     await asyncio.sleep(0)
                     if self._streams.get(pod) is not stream or not stream.replaying:
@@ -532,13 +553,28 @@ class KVEventSubscriber:
                 if stream.replaying:  # another hole started another replay: hold the rest for it
                     stream.held_back.extend(held[i:])
                     return
+                replayed = got.get(seq) if got else None
+                if replayed is not None and replayed.ts == batch.ts and stream.last is not None and seq <= stream.last:
+                    continue  # delivered live and in the replay: already applied
                 self._sequence(pod, stream, seq, batch)
             if stream.replaying:
                 return
         stream.replaying = False
 
-    async def _fetch(self, pod: PodId, start: int, stop: int) -> dict[int, EventBatch] | None:
-        """Seqs [start, stop) from the pod's replay endpoint; None when they could not all be had."""
+    def _catch_up(self, pod: PodId) -> None:
+        """A connection to ``pod``'s publisher is up: replay its buffer if nothing of the stream is known."""
+        if pod not in self._replay or self._closed:
+            return
+        stream = self._streams.get(pod)
+        if stream is None:
+            stream = self._streams[pod] = _Stream()
+        if stream.last is None and not stream.replaying:
+            stream.started = True  # the late-start replay of a first live message is this one
+            self._start_replay(pod, stream, 0, None, None)
+
+    async def _fetch(self, pod: PodId, start: int, stop: int | None) -> dict[int, EventBatch] | None:
+        """Seqs [start, stop) from the pod's replay endpoint; None when they could not all be had.
+        With ``stop`` None, whatever the publisher holds from ``start`` on (possibly nothing)."""
         endpoint = self._replay.get(pod)
         if endpoint is None:
             return None
@@ -557,15 +593,20 @@ class KVEventSubscriber:
                 seq = decode_seq(frames[2])
                 if seq == _END_SEQ:
                     break
+                if stop is None:
+                    if seq >= start:
+                        got[seq] = decode_batch(frames[3])
+                    continue
                 if start <= seq < stop:
                     got[seq] = decode_batch(frames[3])
                 if seq >= stop - 1:
                     break
         except (TimeoutError, WireError, zmq.ZMQError) as error:
             _log.info("KV-event replay for %s from %s failed: %s", pod, endpoint, error)
+            return None
         finally:
             sock.close(0)
-        if len(got) != stop - start:
+        if stop is not None and len(got) != stop - start:
             return None
         return got
 
@@ -582,7 +623,9 @@ class KVEventSubscriber:
                 return
             except zmq.ZMQError:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED and source.pod is not None:
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and source.pod is not None:
+                self._catch_up(source.pod)
+            elif event["event"] == zmq.EVENT_DISCONNECTED and source.pod is not None:
                 self.stats.disconnects += 1
                 stream = self._streams.pop(source.pod, None)
                 if stream is not None:
