@@ -469,6 +469,7 @@ class Record:
     tokens: int = 0
     answer_ok: bool = True
     error: str = ""
+    held: tuple[int, int] | None = None  # prompt tokens the chosen pod, and the best pod, held at arrival
 
 
 _decode = msgspec.json.Decoder()
@@ -484,6 +485,10 @@ async def _send(session: aiohttp.ClientSession, url: str, turn: Turn, record: Re
                                 headers={"content-type": "application/json"}) as resp:
             record.status = resp.status
             record.pod = resp.headers.get("x-sim-pod", "")
+            held = resp.headers.get("x-sim-held-at-arrival")
+            if held:
+                own, best = held.split()
+                record.held = (int(own), int(best))
             if resp.status != 200:
                 record.error = (await resp.text())[:200]
                 return False
@@ -589,6 +594,9 @@ class Result:
     cpu_s: dict[str, float] = field(default_factory=dict)  # each process's CPU-seconds during the load
     idle_cores: dict[str, float] = field(default_factory=dict)  # picker and Envoy before the load, no traffic
     router_stats: dict[str, float] = field(default_factory=dict)  # vllm-router: token-id inputs, decisions
+    # Prompt tokens the chosen pods held at each request's arrival, as a share of what the best pod of
+    # the pool held then (the simulator's x-sim-held-at-arrival): the routing alone, at each decision.
+    held_share: float | None = None
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -776,6 +784,7 @@ def _summarise(workload: Workload, policy: str, records: list[Record], unfinishe
             same += last[r.family] == r.pod
         last[r.family] = r.pod
     per_pod = Counter(r.pod for r in records if r.pod)
+    best_held = sum(r.held[1] for r in done if r.held)
     return Result(
         workload=workload.name,
         policy=policy,
@@ -797,6 +806,7 @@ def _summarise(workload: Workload, policy: str, records: list[Record], unfinishe
         wrong_answers=sum(1 for r in done if not r.answer_ok),
         wall_s=wall,
         first_error=next((f"{r.status}: {r.error}" for r in records if r.error), ""),
+        held_share=sum(r.held[0] for r in done if r.held) / best_held if best_held else None,
     )
 
 

@@ -94,6 +94,8 @@ class Engine:
         """Adapters loaded into a GPU slot so far."""
         self.version = 0
         """Increases whenever anything on the /metrics page may have changed."""
+        self.peers: tuple[Engine, ...] = ()
+        """The engines of the pool this one belongs to (itself included; set by SimulatedPool)."""
         self._adapters = set(config.lora_adapters)
         self._seeds = {m: model_seed(m) for m in (config.model, *config.lora_adapters)}
         # vLLM's lora_id in BlockStored: the adapter's int id, 1 for the first one loaded.
@@ -386,6 +388,17 @@ class Engine:
             + cfg.lora_load_s * loads
         )
         return _Step(items, duration, prefill + decode, latest_arrival)
+
+    def held_at_arrival(self, req: SimRequest) -> tuple[int, int]:
+        """(tokens of ``req``'s prefix this engine holds now, the most any engine of its pool holds now),
+        counted as admission counts them. What a router that knew every pod's cache at the request's
+        arrival could have reused: a bound on routing alone, where the unlimited-cache oracle also asks
+        for an eviction order no LRU engine has."""
+        bs = self.config.block_size
+        limit = (req.known - 1) // bs
+        own = self.kv.count_hits(req.hashes, limit)
+        best = max((e.kv.count_hits(req.hashes, limit) for e in self.peers if e is not self), default=0)
+        return own * bs, max(own, best) * bs
 
     def _admit(self, req: SimRequest, now: float) -> bool:
         bs = self.config.block_size

@@ -137,6 +137,9 @@ class SimulatedPool:
                          fault_control=fault_control, record=record)
             for i, (c, name) in enumerate(zip(configs, names, strict=True))
         ]
+        engines = tuple(p.engine for p in self.pods)
+        for engine in engines:
+            engine.peers = engines
 
     @property
     def ports(self) -> list[int]:

@@ -26,7 +26,11 @@ Endpoints
 Headers for tests of a router: every response carries ``x-sim-pod: <pod name>``; every response to a POST
 carries ``x-sim-body-sha256`` (SHA-256 of the body as received) and ``x-sim-prefix-hit-tokens`` (prompt tokens
 found in the prefix cache when the request was admitted; 0 if it never was). Because of the latter, a
-streaming response sends its headers when the request is admitted to the batch, not when it arrives.
+streaming response sends its headers when the request is admitted to the batch, not when it arrives. A pod
+of a pool of several in one process (:class:`~epp.sim.pool.SimulatedPool`) adds ``x-sim-held-at-arrival:
+<own> <best>``: the prompt tokens this pod, and the pod of the pool holding the most, had cached when the
+request arrived (:meth:`~epp.sim.engine.Engine.held_at_arrival`): how close a router came to the best
+choice the caches of that moment offered.
 
 A client that disconnects aborts its request (``finished_reason="abort"``), as with vLLM.
 
@@ -78,6 +82,7 @@ _PAGE = web.AppKey("page", MetricsPage)
 _FAULTS = web.AppKey("faults", FaultSwitches)
 _SHA = web.RequestKey("sha", str)
 _HITS = web.RequestKey("prefix_hits", int)
+_HELD = web.RequestKey("held_at_arrival", tuple)  # (this pod's, the pool's best): Engine.held_at_arrival
 
 _encode = msgspec.json.encode
 
@@ -138,6 +143,9 @@ class _Generation:
             return error_response(400, str(exc), "BadRequestError")
         self.model = parsed.model
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{self.request.app[_POD]}-{self.reqs[0].request_id}"
+        if len(self.engine.peers) > 1:
+            held = [self.engine.held_at_arrival(r) for r in self.reqs]
+            self.request[_HELD] = (sum(h[0] for h in held), sum(h[1] for h in held))
         for req in self.reqs:
             self.engine.submit(req)
         try:
@@ -356,6 +364,9 @@ async def _on_prepare(request: web.Request, response: web.StreamResponse) -> Non
             await _read_body(request)
         response.headers["x-sim-body-sha256"] = request[_SHA]
         response.headers["x-sim-prefix-hit-tokens"] = str(request.get(_HITS, 0))
+        if _HELD in request:
+            own, best = request[_HELD]
+            response.headers["x-sim-held-at-arrival"] = f"{own} {best}"
 
 
 def build_app(

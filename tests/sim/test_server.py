@@ -238,6 +238,29 @@ async def test_prefix_hit_header_sums_to_the_counter(make_pool, session) -> None
                          "external_kv_transfer": 0}
 
 
+async def test_held_at_arrival_names_what_the_best_pod_of_the_pool_had_cached(make_pool, session) -> None:
+    pool = await make_pool(3)
+    system = "system " + "q" * 600  # ~150 tokens: 9 whole blocks
+
+    async def held(i: int, user: str) -> tuple[int, int, int]:
+        body = {"model": MODEL, "prompt": system + user, "max_tokens": 1}
+        async with session.post(pool.url(i) + "/v1/completions", json=body) as r:
+            own, best = map(int, r.headers["x-sim-held-at-arrival"].split())
+            return own, best, int(r.headers["x-sim-prefix-hit-tokens"])
+
+    assert await held(0, " first") == (0, 0, 0)  # nobody holds anything yet
+    own, best, hit = await held(0, " again")  # the pod that holds the system prompt
+    assert own == best == hit > 0
+    cached = best
+    assert await held(1, " elsewhere") == (0, cached, 0)  # pod 0 held it; pod 1 did not
+    assert (await held(2, " third"))[1] == cached
+    async with session.post(pool.url(0) + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
+        assert "x-sim-held-at-arrival" in r.headers
+    single = await make_pool(1)
+    async with session.post(single.url(0) + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
+        assert "x-sim-held-at-arrival" not in r.headers  # alone, a pod has no pool to compare with
+
+
 async def test_lru_eviction_of_prefix_blocks_under_pressure(make_pool, session) -> None:
     # 64 blocks of 16 tokens; every prompt is exactly 20 blocks (BOS + 319 tokens of 4 bytes).
     pool = await make_pool(num_gpu_blocks=64, max_model_len=1024)
