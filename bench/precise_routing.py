@@ -44,6 +44,12 @@ The oracle (routing_quality's: one unlimited cache shared by all, in trace order
 rate. Beside it each workload prints what one cache of the whole pool's size would hit (LRU, as a
 pod evicts, and Belady's MIN): where they part (cache pressure: unlimited and MIN 85.1%, LRU 77.6%),
 reaching the unlimited oracle takes an eviction order that sees the future, which no router gives.
+So a second bound is measured per decision, of routing alone: the simulator answers each request with
+what the chosen pod, and the pod of the pool holding the most, had cached of its prompt when it arrived
+(``x-sim-held-at-arrival``); the column ``/held`` is the first summed over the gateway's requests as a
+share of the second: 100% when every request went where the most of its prefix was, whatever the pods
+had evicted before. (It is not the hit rate of a router that always chose so, whose pods would hold
+other things; and a scorer that weighs load too gives some of it up on purpose.)
 Printed per (workload, policy): hit rate and its share of the oracle, TTFT P50/P90, and the picker's CPU
 per completed request (its process and scrape worker, from /proc, over the load), or the peer's whole
 process (it is the proxy too). Then the targets: precise >= 98% of the oracle on ``p`` and ``u``
@@ -327,8 +333,22 @@ class Row:
     direct_requests: int = 0
 
 
-def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, int, int] = (5, 2, 2)) -> Row:
-    """One policy on one run; ``weights``: the precise profile's prefix, queue and KV-cache weights."""
+def _pin_tree(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` and of its descendants onto ``cpus`` (sched_setaffinity is per thread)."""
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), cpus)
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as children:
+                for child in children.read().split():
+                    _pin_tree(int(child), cpus)
+
+
+def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, int, int] = (5, 2, 2),
+               split_cores: bool = False) -> Row:
+    """One policy on one run; ``weights``: the precise profile's prefix, queue and KV-cache weights;
+    ``split_cores``: the simulator alone on CPU 0, the router (Envoy and picker, or the peer) and this
+    client on CPU 1, so that the router's CPU cannot slow the simulated pods down."""
     opts = run.opts
     sim = _Simulator(opts, run.blocks)
     # precise-remote's token ids come from /tokenize, of a pod of its own (an idle engine: the answer is
@@ -384,6 +404,10 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                 time.sleep(_SETTLE_S)
             url = f"http://127.0.0.1:{envoy.listen_port}"
         before = asyncio.run(rq._sim_counters(sim.pods))
+        if split_cores:
+            for name, pid in pids.items():
+                _pin_tree(pid, {0} if name == "simulator" else {1})
+            os.sched_setaffinity(0, {1})
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
         client0 = time.process_time()
         wall0 = time.perf_counter()
@@ -396,6 +420,8 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
         if policy.startswith("precise") and picker is not None:
             tokenization = _tokenization(picker.metrics_port)
     finally:
+        if split_cores:
+            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         if envoy is not None:
             envoy.stop()
         if picker is not None:
@@ -467,13 +493,19 @@ def _medians(rows: Sequence[Row], kinds: Sequence[str], policies: Sequence[str])
                 ttft_p50_ms=float(np.median([r.result.ttft_p50_ms for r in runs])),
                 ttft_p90_ms=float(np.median([r.result.ttft_p90_ms for r in runs])),
                 completed=min(r.result.completed for r in runs),
+                held_share=_median_or_none([r.result.held_share for r in runs]),
             )
             out.append(Row(result, float(np.median([r.picker_ms_per_request for r in runs])), runs[0].direct_requests))
     return out
 
 
+def _median_or_none(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(np.median(known)) if known else None
+
+
 def _table(rows: Sequence[Row]) -> str:
-    head = (f"{'workload':<18} {'policy':<22} {'hit rate':>8} {'/oracle':>7} {'TTFT P50':>9} {'P90':>8} "
+    head = (f"{'workload':<18} {'policy':<22} {'hit rate':>8} {'/oracle':>7} {'/held':>6} {'TTFT P50':>9} {'P90':>8} "
             f"{'ok/sent':>9} {'router CPU/req':>14}")
     lines = [head, "-" * len(head)]
     last = ""
@@ -482,7 +514,8 @@ def _table(rows: Sequence[Row]) -> str:
         label = f"{r.workload} {WORKLOADS[r.workload]}" if r.workload != last else ""
         last = r.workload
         share = f"{r.hit_rate / r.oracle_hit_rate:7.1%}" if r.oracle_hit_rate > 0 else f"{'-':>7}"
-        lines.append(f"{label:<18} {POLICIES.get(r.policy, r.policy):<22} {r.hit_rate:8.1%} {share} "
+        held = f"{r.held_share:6.1%}" if r.held_share is not None else f"{'-':>6}"
+        lines.append(f"{label:<18} {POLICIES.get(r.policy, r.policy):<22} {r.hit_rate:8.1%} {share} {held} "
                      f"{r.ttft_p50_ms:7.0f}ms {r.ttft_p90_ms:6.0f}ms {f'{r.completed}/{r.requests}':>9} "
                      f"{row.picker_ms_per_request:11.2f} ms")
         if r.workload != (rows[rows.index(row) + 1].result.workload if rows.index(row) + 1 < len(rows) else None):
@@ -500,6 +533,10 @@ def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = N
                     f" (target >= 98%)")
             if approx is not None:
                 line += f", approximate {approx.hit_rate / approx.oracle_hit_rate:.1%}"
+            if precise.held_share is not None:
+                line += f"; of the best held at arrival: precise {precise.held_share:.1%}"
+                if approx is not None and approx.held_share is not None:
+                    line += f", approximate {approx.held_share:.1%}"
             finite = (bounds or {}).get(kind)
             if finite:
                 line += (f"; hit rate {precise.hit_rate:.1%} against one LRU cache of the pool's size "
@@ -545,6 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--precise-weights", default="5,2,2",
                         help="the precise profile's prefix, queue and KV-cache scorer weights")
     results = Path(__file__).resolve().parent / "results"
+    parser.add_argument("--split-cores", action="store_true",
+                        help="the simulator alone on CPU 0, the router and the client on CPU 1 (needs 2 CPUs)")
     parser.add_argument("--json", type=Path, default=results / "precise_routing.json")
     args = parser.parse_args(argv)
     duration, drain = (3.0, 15.0) if args.quick else (args.duration, args.drain)
@@ -555,6 +594,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--precise-weights takes three integers, prefix,queue,kv: got {args.precise_weights!r}")
     weights = (prefix_w, queue_w, kv_w)
+    if args.split_cores and not {0, 1} <= os.sched_getaffinity(0):
+        parser.error("--split-cores needs CPUs 0 and 1")
     for kind in kinds:
         if kind not in WORKLOADS:
             parser.error(f"unknown workload {kind!r}: choose from {', '.join(WORKLOADS)}")
@@ -584,11 +625,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"one cache of the pool's {pool} blocks: LRU {finite['lru']:.1%}, MIN {finite['min']:.1%}", flush=True)
         for n in range(args.rounds):
             for policy in policies[n % len(policies):] + policies[: n % len(policies)]:
-                row = run_policy(run, policy, bound, weights)
+                row = run_policy(run, policy, bound, weights, args.split_cores)
                 row = replace(row, result=replace(row.result, round=n))
                 rows.append(row)
                 r = row.result
-                print(f"  {policy:<14} hit {r.hit_rate:.1%} ({r.hit_rate / bound if bound else 0:.1%} of the oracle), "
+                share = f"{r.hit_rate / bound if bound else 0:.1%} of the oracle"
+                if r.held_share is not None:
+                    share += f", {r.held_share:.1%} of the best held at arrival"
+                print(f"  {policy:<14} hit {r.hit_rate:.1%} ({share}), "
                       f"TTFT P50 {r.ttft_p50_ms:.0f} P90 {r.ttft_p90_ms:.0f} ms, {r.completed}/{r.requests} done, "
                       f"router {row.picker_ms_per_request:.2f} ms CPU/request"
                       + (f" (round {n + 1})" if args.rounds > 1 else ""), flush=True)  # fmt: skip
