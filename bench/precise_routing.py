@@ -333,6 +333,58 @@ class Row:
     direct_requests: int = 0
 
 
+# Envoy's view of its own path, per request (access log): from the request's last byte in to the
+# upstream request's first byte out (the request phase: with the picker, its pick), and from the
+# upstream answer's first byte (its headers) to the client's (the response headers' phase).
+_TIMING_FORMAT = "%COMMON_DURATION(DS_RX_END:US_TX_BEG:us)% %COMMON_DURATION(US_RX_BEG:DS_TX_BEG:us)%\n"
+
+
+def _log_timing(bootstrap: dict[str, Any], path: Path) -> None:
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+        "path": str(path), "log_format": {"text_format_source": {"inline_string": _TIMING_FORMAT}}}}]  # fmt: skip
+
+
+def _timing_summary(path: Path) -> str:
+    """Medians and P90s of the two phases in Envoy's access log, in ms."""
+    phases: list[list[float]] = [[], []]
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            for i, field in enumerate(line.split()[:2]):
+                if field.isdigit():
+                    phases[i].append(int(field) / 1000)
+    parts = []
+    for name, values in zip(("request phase", "response headers"), phases, strict=True):
+        if values:
+            parts.append(f"{name} P50 {np.percentile(values, 50):.2f} P90 {np.percentile(values, 90):.2f} ms")
+    return "; ".join(parts) or "no access log"
+
+
+def _scheduling_summary(metrics_port: int) -> str:
+    """The picker's own mean times: from a complete request to its pick (the scheduler's end to end),
+    and each plugin call by extension point, in ms."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        page = response.read().decode()
+    sums: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(page):
+        if family.name not in ("inference_extension_scheduler_e2e_duration_seconds",
+                               "inference_extension_plugin_duration_seconds"):  # fmt: skip
+            continue
+        for sample in family.samples:
+            kind = sample.name.rsplit("_", 1)[1]
+            if kind not in ("sum", "count"):
+                continue
+            labels = sample.labels
+            key = "pick" if "e2e" in family.name else f"{labels['extension_point']}:{labels['plugin_name']}"
+            sums.setdefault(key, [0.0, 0.0])[kind == "count"] += sample.value
+    return ", ".join(f"{k} {v[0] / v[1] * 1e3:.3f}" for k, v in sums.items() if v[1]) + " ms (means)"
+
+
 def _pin_tree(pid: int, cpus: set[int]) -> None:
     """Every thread of ``pid`` and of its descendants onto ``cpus`` (sched_setaffinity is per thread)."""
     with contextlib.suppress(OSError):
@@ -345,7 +397,7 @@ def _pin_tree(pid: int, cpus: set[int]) -> None:
 
 
 def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, int, int] = (5, 2, 2),
-               split_cores: bool = False) -> Row:
+               split_cores: bool = False, envoy_timing: bool = False) -> Row:
     """One policy on one run; ``weights``: the precise profile's prefix, queue and KV-cache weights;
     ``split_cores``: the simulator alone on CPU 0, the router (Envoy and picker, or the peer) and this
     client on CPU 1, so that the router's CPU cannot slow the simulated pods down."""
@@ -396,6 +448,8 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                 pids["picker"] = picker.pid
                 bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
                                                     picker_port=picker.grpc_port))
+            if envoy_timing:
+                _log_timing(bootstrap, Path(directory) / "access.log")
             envoy = EnvoyProcess(bootstrap, concurrency=1)
             envoy.start()
             pids["envoy"] = envoy.pid
@@ -419,6 +473,11 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
         after = asyncio.run(rq._sim_counters(sim.pods))
         if policy.startswith("precise") and picker is not None:
             tokenization = _tokenization(picker.metrics_port)
+        if envoy_timing and envoy is not None:
+            time.sleep(1.5)  # the file logger flushes every second
+            print(f"  {policy} Envoy: {_timing_summary(Path(directory) / 'access.log')}")
+            if picker is not None:
+                print(f"  {policy} picker: {_scheduling_summary(picker.metrics_port)}")
     finally:
         if split_cores:
             os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
@@ -584,6 +643,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = Path(__file__).resolve().parent / "results"
     parser.add_argument("--split-cores", action="store_true",
                         help="the simulator alone on CPU 0, the router and the client on CPU 1 (needs 2 CPUs)")
+    parser.add_argument("--envoy-timing", action="store_true",
+                        help="print Envoy's request-phase and response-headers times per run (its access log)")
     parser.add_argument("--json", type=Path, default=results / "precise_routing.json")
     args = parser.parse_args(argv)
     duration, drain = (3.0, 15.0) if args.quick else (args.duration, args.drain)
@@ -625,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"one cache of the pool's {pool} blocks: LRU {finite['lru']:.1%}, MIN {finite['min']:.1%}", flush=True)
         for n in range(args.rounds):
             for policy in policies[n % len(policies):] + policies[: n % len(policies)]:
-                row = run_policy(run, policy, bound, weights, args.split_cores)
+                row = run_policy(run, policy, bound, weights, args.split_cores, args.envoy_timing)
                 row = replace(row, result=replace(row.result, round=n))
                 rows.append(row)
                 r = row.result
