@@ -7,7 +7,8 @@ name the ports where that endpoint's server publishes its KV-cache events and an
 (vLLM's ``--kv-events-config`` ``"endpoint": "tcp://*:PORT"`` and ``"replay_endpoint"``), on the
 endpoint's own address: the precise prefix-cache producer follows them there, so a pod's events
 are the pod's by the pool's word, never by their topic alone (the names of llm-d's container ports,
-which Kubernetes discovery reads: :mod:`epp.kube.pods`).
+which Kubernetes discovery reads: :mod:`epp.kube.pods`). ``kv-replay`` may come alone: a picker
+that binds its KV-event socket (pods connect to it) still dials the pod's replay socket.
 """
 
 from __future__ import annotations
@@ -86,9 +87,7 @@ def read_endpoints_file(path: str | Path) -> list[Endpoint]:
             else:
                 labels[key] = value
         endpoint = parse_endpoint(words[0])
-        if ports[KV_REPLAY_KEY] and not ports[KV_EVENTS_KEY]:
-            raise ValueError(f"{path}:{number}: {KV_REPLAY_KEY}= without {KV_EVENTS_KEY}=")
-        if labels or ports[KV_EVENTS_KEY]:
+        if labels or ports[KV_EVENTS_KEY] or ports[KV_REPLAY_KEY]:
             endpoint = replace(endpoint, labels=labels or endpoint.labels, kv_events_port=ports[KV_EVENTS_KEY],
                                kv_replay_port=ports[KV_REPLAY_KEY])
         endpoints.append(endpoint)

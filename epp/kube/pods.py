@@ -22,6 +22,8 @@ give the port vLLM's ``--kv-events-config`` binds (``tcp://*:5557``), sets the e
 ``kv_events_port`` (``kv_replay_port``); the endpoint of target port ``i`` of a pod with several gets
 that port + ``i``, as vLLM's data-parallel rank ``i`` publishes on the port + ``i``. The precise
 prefix-cache producer connects there, so a pod's events are attributed by the pool, not by a topic.
+``kv-replay`` alone is meaningful too: a picker that binds (pods connect to it) still dials the
+pod's replay socket, which vLLM binds either way.
 
 The upstream no-CRD mode (``--endpoint-selector app=vllm,env=prod --endpoint-target-ports 8000``)
 builds the same :class:`PoolSpec` from flags instead of from an InferencePool.
@@ -241,7 +243,7 @@ def pod_endpoints(pod: Mapping[str, Any], target_ports: tuple[int, ...]) -> list
     return [
         Endpoint(name=f"{name}-rank-{rank}", address=address, port=port, labels=labels,
                  kv_events_port=kv_events + rank if kv_events else 0,
-                 kv_replay_port=kv_replay + rank if kv_events and kv_replay else 0)
+                 kv_replay_port=kv_replay + rank if kv_replay else 0)
         for rank, port in enumerate(target_ports)
         if port in ports
     ]

@@ -42,7 +42,11 @@ last ``buffer_steps`` batches): blocks stored before it are missing, as they wou
 subscriber, and a removal of a block the index never had is a no-op. Should the replay's connection
 overtake the subscription on its way (a sub-millisecond window on one host), a batch in between is
 seen as a gap by the next one and replayed then. Without a replay endpoint, a late start is taken as
-it comes: the stream is followed from its first delivered batch.
+it comes: the stream is followed from its first delivered batch. In bind mode a pod's replay endpoint
+comes with :meth:`allow` (rank r's at its port + r, as vLLM binds them); a connection accepted from a
+pod's ip asks, 50 ms later (the peer's handshake and this socket's subscription done by then), for
+the buffer of each pod on that ip whose stream is not known yet (rank 0's: which rank connected
+cannot be told; a later rank's first message starts its replay), and gaps are replayed as above.
 
 Event loop. Sockets are plain (synchronous) pyzmq sockets whose file descriptors are watched by the
 asyncio loop (``add_reader``): one wake-up drains every message waiting, decoding and applying each,
@@ -78,6 +82,8 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
+import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -100,6 +106,7 @@ _RCVHWM = 100_000  # messages a SUB socket queues before ZMQ drops (vLLM's publi
 _HELD_BACK = 100_000  # batches kept while a replay runs; past that the replay is given up
 _WARN_EVERY_S = 60.0
 _END_SEQ = 2**64 - 1  # vLLM's end-of-replay marker, -1 as 8 big-endian bytes
+_ACCEPTED_CATCH_UP_S = 0.05  # bind mode: from a pod's connection to its catch-up replay
 
 
 def pod_id(address: str, rank: int | None = None) -> PodId:
@@ -112,6 +119,34 @@ def topic_address(topic: str) -> str:
     -> ``10.0.0.1``; ``""`` when the topic has no ``@``-separated address."""
     parts = topic.split("@")
     return parts[1] if len(parts) >= 2 else ""
+
+
+def _peer_ip(fd: int) -> str | None:
+    """The normalised ip of the peer of the TCP socket ``fd`` (None if it is gone or not TCP)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        with socket.socket(fileno=dup) as sock:
+            peer = sock.getpeername()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(peer, tuple):
+        return None
+    try:
+        address = ipaddress.ip_address(peer[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # a dual-stack socket's IPv4 peer
+    return str(address)
+
+
+def _offset(endpoint: str, by: int) -> str:
+    """``tcp://host:port`` with ``port + by``."""
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + by}" if port.isdigit() else endpoint
 
 
 def _split(address: str) -> tuple[str, int | None]:
@@ -208,6 +243,7 @@ class KVEventSubscriber:
         self._addresses: dict[PodId, str] = {}  # connect mode: pod -> its ip:port, for the topic check
         self._allowed: dict[str, list[tuple[int, str]]] = {}  # bind mode: ip -> [(port, hostport)], by port
         self._named: dict[str, str] = {}  # bind mode: a pod's name -> its hostport
+        self._bound_replay: dict[str, str] = {}  # bind mode: a pod's hostport -> its (rank 0) replay endpoint
         self._sources: dict[str, _Source] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned: dict[tuple[str, str], float] = {}
@@ -225,12 +261,22 @@ class KVEventSubscriber:
         if self._bind is not None and "bind" not in self._sources:
             sock = self._socket()
             sock.setsockopt(zmq.SUBSCRIBE, self._topic_bytes)
+            # Watched before it binds: a publisher waiting to connect does so at once.
+            monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED)
             try:
                 sock.bind(self._bind)
             except zmq.ZMQError as error:
+                sock.disable_monitor()
+                monitor.close(0)
                 sock.close(0)
                 raise zmq.ZMQError(error.errno, f"cannot bind KV-event endpoint {self._bind}: {error}") from None
-            self._watch("bind", _Source(sock, None, self._bind))
+            source = _Source(sock, None, self._bind)
+            source.monitor = monitor
+            source.monitor_fd = int(monitor.getsockopt(zmq.FD))
+            self._watch("bind", source)
+            loop = self._running_loop()
+            loop.add_reader(source.monitor_fd, self._monitor_readable, source)
+            loop.call_soon(self._monitor_readable, source)
             _log.info("KV events: listening on %s for the pool's pods", self.bound_endpoint)
 
     def _socket(self) -> zmq.Socket:
@@ -252,12 +298,16 @@ class KVEventSubscriber:
         source = self._sources.get("bind")
         return None if source is None else source.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def allow(self, address: str, names: tuple[str, ...] = ()) -> None:
+    def allow(self, address: str, names: tuple[str, ...] = (), replay_endpoint: str | None = None) -> None:
         """Accept messages for pod ``ip:port`` on the bound socket; ``names`` are other names its topic
-        may give it instead of its ip (its pod's name: llm-d's guides also write ``kv@$(POD_NAME)@model``)."""
+        may give it instead of its ip (its pod's name: llm-d's guides also write ``kv@$(POD_NAME)@model``);
+        ``replay_endpoint``: its publisher's ROUTER (``tcp://ip:port``), for late starts and gaps."""
         ip, port = _split(address)
         if not ip or port is None:
             raise ValueError(f"pod address {address!r} is not ip:port")
+        if replay_endpoint:
+            self._bound_replay[address] = replay_endpoint
+            self._replay[pod_id(address)] = replay_endpoint
         entries = self._allowed.setdefault(ip, [])
         if (port, address) not in entries:
             entries.append((port, address))
@@ -268,6 +318,9 @@ class KVEventSubscriber:
     def disallow(self, address: str) -> None:
         for name in [n for n, a in self._named.items() if a == address]:
             del self._named[name]
+        self._bound_replay.pop(address, None)
+        for pod in [p for p in self._replay if p == address or p.startswith(address + "@")]:
+            del self._replay[pod]
         ip, _ = _split(address)
         entries = self._allowed.get(ip)
         if entries is not None:
@@ -444,7 +497,10 @@ class KVEventSubscriber:
         if address is None:
             self._reject("unknown_pod", topic, f"topic {topic!r}: the pool has no endpoint {named}")
             return
-        self._receive(pod_id(address, rank_in_id), seq_frame, batch)
+        pod = pod_id(address, rank_in_id)
+        if rank_in_id and pod not in self._replay and address in self._bound_replay:
+            self._replay[pod] = _offset(self._bound_replay[address], rank_in_id)  # rank r: port + r
+        self._receive(pod, seq_frame, batch)
 
     def _reject(self, reason: str, who: str, message: str) -> None:
         self.stats.rejected[reason] += 1
@@ -561,6 +617,11 @@ class KVEventSubscriber:
                 return
         stream.replaying = False
 
+    def _catch_up_ip(self, ip: str) -> None:
+        """Bind mode: a publisher on ``ip`` connected; catch up each pool pod there with a replay endpoint."""
+        for _, address in self._allowed.get(ip, ()):
+            self._catch_up(pod_id(address))
+
     def _catch_up(self, pod: PodId) -> None:
         """A connection to ``pod``'s publisher is up: replay its buffer if nothing of the stream is known."""
         if pod not in self._replay or self._closed:
@@ -623,7 +684,11 @@ class KVEventSubscriber:
                 return
             except zmq.ZMQError:
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and source.pod is not None:
+            if event["event"] == zmq.EVENT_ACCEPTED and source.pod is None:
+                ip = _peer_ip(int(event["value"]))
+                if ip is not None:
+                    self._running_loop().call_later(_ACCEPTED_CATCH_UP_S, self._catch_up_ip, ip)
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and source.pod is not None:
                 self._catch_up(source.pod)
             elif event["event"] == zmq.EVENT_DISCONNECTED and source.pod is not None:
                 self.stats.disconnects += 1

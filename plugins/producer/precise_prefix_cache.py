@@ -14,7 +14,8 @@ Pod identity comes from the pool, never from a topic alone. Connecting, the publ
 ``tcp://*:5557``); its replay socket at :attr:`Endpoint.kv_replay_port` (``kv-replay``) when given. The
 socket says whose events they are; a topic that names another pod is applied to the socket's pod and
 counted. Binding, a message is taken only when its topic names a pool endpoint (``kv@<ip>[:<port>]@<model>``,
-llm-d's ``kv@<pod ip>@<model>`` included) *and* it came from that endpoint's address. Each endpoint
+llm-d's ``kv@<pod ip>@<model>`` included) *and* it came from that endpoint's address; the replay socket,
+which vLLM binds in either mode, is dialled the same way. Each endpoint
 followed is logged (``KV events: following ...``); every message dropped or flagged is logged (at most
 once a minute per pod and reason) and counted in ``epp_kv_event_rejected_total{reason}``: ``topic``
 (not under ``topicFilter``, e.g. vLLM's default empty topic), ``identity`` (names another pod),
@@ -648,7 +649,7 @@ class PrecisePrefixCacheProducer:
             return
         if self.parameters.bind is not None:
             pod_name = endpoint.name.rsplit("-rank-", 1)[0]  # Kubernetes endpoints are <pod>-rank-<i>
-            subscriber.allow(endpoint.hostport, (endpoint.name, pod_name))
+            subscriber.allow(endpoint.hostport, (endpoint.name, pod_name), self.publisher_of(endpoint)[1])
             log.info("KV events: accepting %s (%s) on %s", endpoint.name, endpoint.hostport, subscriber.bound_endpoint)
         else:
             publisher, replay = self.publisher_of(endpoint)

@@ -20,6 +20,12 @@ def test_a_container_port_named_kv_events_is_the_endpoints_publisher() -> None:
     assert (endpoint.kv_events_port, endpoint.kv_replay_port) == (5557, 5558)
 
 
+def test_a_replay_port_alone_is_named_for_a_picker_that_binds() -> None:
+    pod = _ports(make_pod("p", "10.0.0.7"), {"name": "kv-replay", "containerPort": 5558})
+    (endpoint,) = pod_endpoints(pod, (8000,))
+    assert (endpoint.kv_events_port, endpoint.kv_replay_port) == (0, 5558)
+
+
 def test_a_data_parallel_rank_publishes_on_the_port_plus_its_rank() -> None:
     pod = _ports(make_pod("p", "10.0.0.7"), {"name": "kv-events", "containerPort": 5557})
     endpoints = pod_endpoints(pod, (8000, 8001))

@@ -301,6 +301,37 @@ async def test_bound_socket_accepts_only_pool_pods_from_their_address():
         await sub.close()
 
 
+async def test_bound_socket_replays_a_quiet_late_start_and_gaps_from_the_pods_replay_endpoint():
+    """Bind mode: the pod published before the picker bound (nobody subscribed: dropped) and then stayed
+    quiet; its connection asks its replay endpoint for what it holds. A later hole is replayed too."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", f"kv@{POD}@m", replay_endpoint="tcp://127.0.0.1:*")
+    sub = KVEventSubscriber(KVEventIndex(), bind=f"tcp://127.0.0.1:{port}")
+    try:
+        tokens = list(range(16))
+        _store_chain(pub, tokens)
+        pub.flush()  # seq 0: no subscriber yet
+        sub.start()
+        sub.allow(POD, replay_endpoint=pub.replay_endpoint)
+        await _until(lambda: sub.last_seq(POD) == 0)
+        assert sub.index.match(chain_keys(tokens, BS))[POD][0] == 4 and sub.stats.replays == 1
+        more = list(range(100, 108))
+        _store_chain(pub, more, first_hash=50)
+        pub.flush(send=False)  # lost on the way
+        pub.removed([_NOTHING])
+        pub.flush()
+        await _until(lambda: sub.last_seq(POD) == 2)
+        assert sub.stats.gaps == 1 and sub.stats.replays == 2
+        assert sub.index.match(chain_keys(more, BS))[POD][0] == 2
+    finally:
+        pub.close()
+        await sub.close()
+
+
 async def test_bound_socket_resolves_ip_only_topics_by_rank_when_the_pool_has_one_endpoint_per_rank():
     sub = KVEventSubscriber(KVEventIndex(), bind="tcp://127.0.0.1:*")
     sub.start()

@@ -49,13 +49,14 @@ class Precise:
                 re.findall(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", page, re.M)}  # fmt: skip
 
 
-def _config(models: Path) -> str:
+def _config(models: Path, bind: str = "") -> str:
+    events = f"\n    kvEventsConfig: {{zmqEndpoint: \"{bind}\"}}" if bind else ""
     return f"""\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: precise-prefix-cache-producer
-  parameters:
+  parameters:{events}
     tokenProcessorConfig: {{blockSize: {_BLOCK}}}
     indexerConfig:
       tokenizersPoolConfig:
@@ -150,6 +151,49 @@ def _decision(precise: Precise, request_id: str, timeout: float = 10.0) -> dict:
     raise AssertionError(f"no decision record for {request_id}:\n{precise.picker.log_tail(20)}")
 
 
+def test_a_picker_that_binds_catches_up_with_what_a_server_published_before_it_listened(tmp_path: Path) -> None:
+    """vLLM connecting to the picker (``kvEventsConfig.zmqEndpoint``, the picker binds): what the server
+    published before the picker listened was dropped (no subscriber), and the server then stays quiet;
+    the picker asks the server's replay socket (the pool's ``kv-replay``) when it connects."""
+    paths = tier_paths()
+    if paths is None:
+        pytest.skip("the real-vLLM tier needs EPP_VLLM_PYTHON and EPP_VLLM_MODELS (tests/realvllm/setup_tier.sh)")
+    python, models = paths
+    bind, replay = free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{bind}",
+              "replay_endpoint": f"tcp://*:{replay}", "topic": f"kv@127.0.0.1@{BASE}"}
+    server = start_vllm(python, models, "bind", kv_events=False, extra_args=["--kv-events-config", json.dumps(config)])
+    picker: PickerProcess | None = None
+    try:
+        server.wait_healthy()
+        prompt = _prompt(7, 150)
+        status, body = http_post(f"{server.url}/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 1})
+        assert status == 200, body
+        blocks = _tokens(server, prompt) // _BLOCK
+        assert blocks >= 2
+        pool = tmp_path / "pool.txt"
+        pool.write_text(f"{server.hostport} kv-replay={replay}\n")
+        config_file = tmp_path / "precise.yaml"
+        config_file.write_text(_config(models, bind=f"tcp://127.0.0.1:{bind}"))
+        picker = PickerProcess([], extra_args=["--endpoints-file", str(pool), "--config-file", str(config_file)])
+        picker.start()
+
+        def metric(name: str) -> float:
+            page = http_get(f"http://127.0.0.1:{picker.metrics_port}/metrics")[1].decode()  # type: ignore[union-attr]
+            found = re.search(rf"^{re.escape(name)} (\S+)$", page, re.M)
+            return float(found.group(1)) if found else 0.0
+
+        deadline = time.monotonic() + 30
+        while metric("epp_kv_event_index_blocks") < blocks and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric("epp_kv_event_index_blocks") >= blocks, picker.log_tail(40)
+        assert metric("epp_kv_event_replays") >= 1
+    finally:
+        if picker is not None:
+            picker.stop()
+        server.stop()
+
+
 def test_each_servers_publisher_is_followed_without_rejections(precise: Precise) -> None:
     deadline = time.monotonic() + 30
     while precise.metric("epp_kv_event_pods_tracked").get("", 0) < 2 and time.monotonic() < deadline:
@@ -191,3 +235,4 @@ def test_a_prompt_sent_straight_to_a_server_is_then_routed_to_it_and_matched_as_
     assert record["profiles"][0]["picked"] == [name]
     # What the picker predicted the server holds is what the server found in its cache.
     assert record["prefix_match_tokens"][name] == hits[chosen] == (n // _BLOCK) * _BLOCK
+

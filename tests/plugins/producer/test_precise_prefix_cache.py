@@ -90,6 +90,34 @@ async def test_a_prompt_sent_straight_to_a_pod_is_routed_to_it() -> None:
         await producer.close()
 
 
+async def test_binding_a_pod_that_published_before_it_connected_is_caught_up_from_its_replay_socket() -> None:
+    """Bind mode (kvEventsConfig.zmqEndpoint): the pool's kv-replay port is dialled as when connecting."""
+    port = _free_port()
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", "kv@127.0.0.1:8000@m", replay_endpoint="tcp://127.0.0.1:*")
+    assert pub.replay_endpoint is not None
+    replay_port = int(pub.replay_endpoint.rsplit(":", 1)[1])
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000, kv_replay_port=replay_port)]
+    parameters = PreciseParameters(
+        "p", {"kvEventsConfig": {"zmqEndpoint": f"tcp://127.0.0.1:{port}"}, "tokenProcessorConfig": {"blockSize": BS}}
+    )
+    producer = PrecisePrefixCacheProducer("p", parameters, Handle(Datastore(pods)), tokenizer=_tokens)
+    try:
+        request = _ask("said once, before the picker listened")
+        ids = _tokens(request)
+        n = len(ids) // BS
+        pub.stored(list(range(1, n + 1)), None, ids[: n * BS], BS)
+        pub.flush()  # nobody subscribed yet: only the replay socket still has it; then the pod is quiet
+        for _ in range(250):
+            producer.produce(request, pods)  # the first call starts the subscriber on this loop
+            if request.state[PREFIX_MATCH].matched.get("pod-a"):
+                break
+            await asyncio.sleep(0.02)
+        assert request.state[PREFIX_MATCH].matched["pod-a"] == n
+    finally:
+        pub.close()
+        await producer.close()
+
+
 def test_without_a_tokenizer_the_approximate_match_stands() -> None:
     pods = [Endpoint("pod-a", "127.0.0.1", 8000)]
     producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", {"blockSizeTokens": BS}), Handle(Datastore(pods)))
