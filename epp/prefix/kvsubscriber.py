@@ -94,7 +94,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from epp.prefix.kvindex import KVEventIndex, PodId
-from epp.prefix.kvwire import EventBatch, WireError, decode_batch, decode_seq
+from epp.prefix.kvwire import EventBatch, WireError, decode_batch, decode_seq, rank_endpoint
 
 __all__ = ["KVEventSubscriber", "SubscriberStats", "pod_id", "topic_address"]
 
@@ -141,12 +141,6 @@ def _peer_ip(fd: int) -> str | None:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped  # a dual-stack socket's IPv4 peer
     return str(address)
-
-
-def _offset(endpoint: str, by: int) -> str:
-    """``tcp://host:port`` with ``port + by``."""
-    head, _, port = endpoint.rpartition(":")
-    return f"{head}:{int(port) + by}" if port.isdigit() else endpoint
 
 
 def _split(address: str) -> tuple[str, int | None]:
@@ -243,7 +237,6 @@ class KVEventSubscriber:
         self._addresses: dict[PodId, str] = {}  # connect mode: pod -> its ip:port, for the topic check
         self._allowed: dict[str, list[tuple[int, str]]] = {}  # bind mode: ip -> [(port, hostport)], by port
         self._named: dict[str, str] = {}  # bind mode: a pod's name -> its hostport
-        self._bound_replay: dict[str, str] = {}  # bind mode: a pod's hostport -> its (rank 0) replay endpoint
         self._sources: dict[str, _Source] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned: dict[tuple[str, str], float] = {}
@@ -306,8 +299,7 @@ class KVEventSubscriber:
         if not ip or port is None:
             raise ValueError(f"pod address {address!r} is not ip:port")
         if replay_endpoint:
-            self._bound_replay[address] = replay_endpoint
-            self._replay[pod_id(address)] = replay_endpoint
+            self._replay[pod_id(address)] = replay_endpoint  # rank 0's; a rank r's is derived when it appears
         entries = self._allowed.setdefault(ip, [])
         if (port, address) not in entries:
             entries.append((port, address))
@@ -318,7 +310,6 @@ class KVEventSubscriber:
     def disallow(self, address: str) -> None:
         for name in [n for n, a in self._named.items() if a == address]:
             del self._named[name]
-        self._bound_replay.pop(address, None)
         for pod in [p for p in self._replay if p == address or p.startswith(address + "@")]:
             del self._replay[pod]
         ip, _ = _split(address)
@@ -498,8 +489,8 @@ class KVEventSubscriber:
             self._reject("unknown_pod", topic, f"topic {topic!r}: the pool has no endpoint {named}")
             return
         pod = pod_id(address, rank_in_id)
-        if rank_in_id and pod not in self._replay and address in self._bound_replay:
-            self._replay[pod] = _offset(self._bound_replay[address], rank_in_id)  # rank r: port + r
+        if rank_in_id and pod not in self._replay and address in self._replay:
+            self._replay[pod] = rank_endpoint(self._replay[address], rank_in_id)
         self._receive(pod, seq_frame, batch)
 
     def _reject(self, reason: str, who: str, message: str) -> None:

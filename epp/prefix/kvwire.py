@@ -31,9 +31,24 @@ __all__ = [
     "WireError",
     "decode_batch",
     "decode_seq",
+    "rank_endpoint",
 ]
 
 EngineHash = int | bytes
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Where data-parallel rank ``rank`` of a server publishes (or answers replays) when rank 0 is at
+    ``endpoint``: vLLM's ``offset_endpoint_port`` rule, a tcp port + rank (port 0 and ``*`` stay, being
+    chosen at bind time), ``inproc://name`` -> ``inproc://name_dp<rank>``, anything else unchanged."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit() and int(port) != 0:
+        return f"{head}:{int(port) + rank}"
+    return endpoint
 
 
 class WireError(ValueError):

@@ -36,6 +36,7 @@ import json
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from epp.prefix.kvwire import rank_endpoint
 from epp.sim.kvcache import BLOCK_SIZE
 
 __all__ = ["EngineConfig", "KVEventsConfig"]
@@ -97,9 +98,9 @@ class KVEventsConfig:
 
     def for_pod(self, index: int) -> KVEventsConfig:
         """This configuration with the ports of pod ``index`` (port + index, as a DP rank's)."""
-        endpoint = _offset(self.endpoint, index)
-        assert endpoint is not None
-        return replace(self, endpoint=endpoint, replay_endpoint=_offset(self.replay_endpoint, index))
+        replay = self.replay_endpoint
+        return replace(self, endpoint=rank_endpoint(self.endpoint, index),
+                       replay_endpoint=rank_endpoint(replay, index) if replay else replay)
 
     def as_json(self, endpoint: str, replay_endpoint: str | None) -> dict[str, object]:
         """What ``/kv_event_sources`` shows for the publisher: vLLM's fields, endpoints resolved."""
@@ -109,18 +110,6 @@ class KVEventsConfig:
 
 
 _FIELD_TYPES: dict[str, type] = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int}
-
-
-def _offset(endpoint: str | None, index: int) -> str | None:
-    # vLLM's ZmqEventPublisher.offset_endpoint_port: tcp ports move by the rank, port 0 (and * here) stays.
-    if not endpoint or index == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{index}"
-    head, sep, port = endpoint.rpartition(":")
-    if endpoint.startswith("tcp://") and sep and port.isdigit() and int(port) != 0:
-        return f"{head}:{int(port) + index}"
-    return endpoint
 
 
 @dataclass(frozen=True, slots=True)
