@@ -385,21 +385,26 @@ def _timing_summary(path: Path) -> str:
     parts = []
     for name, values in zip(("request phase", "response headers"), phases, strict=True):
         if values:
-            parts.append(f"{name} P50 {np.percentile(values, 50):.2f} P90 {np.percentile(values, 90):.2f} ms")
+            parts.append(f"{name} P50 {np.percentile(values, 50):.2f} P90 {np.percentile(values, 90):.2f} ms"
+                         f" ({len(values)} requests)")
     return "; ".join(parts) or "no access log"
 
 
-def _scheduling_summary(metrics_port: int) -> str:
-    """The picker's own mean times: from a complete request to its pick (the scheduler's end to end),
-    and each plugin call by extension point, in ms."""
+def _picker_metrics(metrics_port: int) -> list[Any]:
+    """The metric families on the picker's /metrics page."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-        page = response.read().decode()
+        return list(text_string_to_metric_families(response.read().decode()))
+
+
+def _scheduling_summary(metrics_port: int) -> str:
+    """The picker's own mean times: from a complete request to its pick (the scheduler's end to end),
+    and each plugin call by extension point, in ms."""
     sums: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(page):
+    for family in _picker_metrics(metrics_port):
         if family.name not in ("inference_extension_scheduler_e2e_duration_seconds",
                                "inference_extension_plugin_duration_seconds"):  # fmt: skip
             continue
@@ -508,16 +513,15 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
         after = asyncio.run(rq._sim_counters(sim.pods))
         if policy.startswith("precise") and picker is not None:
             tokenization = _tokenization(picker.metrics_port)
-        if envoy_timing and envoy is not None:
-            time.sleep(1.5)  # the file logger flushes every second
-            print(f"  {policy} Envoy: {_timing_summary(Path(directory) / 'access.log')}")
-            if picker is not None:
-                print(f"  {policy} picker: {_scheduling_summary(picker.metrics_port)}")
+        if envoy_timing and envoy is not None and picker is not None:
+            print(f"  {policy} picker: {_scheduling_summary(picker.metrics_port)}")
     finally:
         if split_cores:
             os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         if envoy is not None:
             envoy.stop()
+            if envoy_timing:  # read once Envoy has stopped: it flushes its access log every 10 s, and at exit
+                print(f"  {policy} Envoy: {_timing_summary(Path(directory) / 'access.log')}")
         if picker is not None:
             picker.stop()
             with contextlib.suppress(OSError):
@@ -545,14 +549,8 @@ def _tokenization(metrics_port: int) -> str:
     """What the picker's precise producer says of its tokenization: attempts and their mean time by
     source (``epp_tokenize_duration_seconds``) and requests scored with the approximate index for
     want of token ids, by reason (``epp_tokenize_fallbacks_total``: none when set up right)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-        page = response.read().decode()
     sums: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(page):
+    for family in _picker_metrics(metrics_port):
         for sample in family.samples:
             if sample.name in ("epp_tokenize_duration_seconds_sum", "epp_tokenize_duration_seconds_count"):
                 key = (sample.labels.get("source", ""), sample.name.rsplit("_", 1)[1])
