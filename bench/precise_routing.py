@@ -87,20 +87,21 @@ ms precise, 4.9 approximate, 3.2 sglang-router); precise's local tokenization ad
 request (each turn reuses the conversation's earlier ids; what costs is rendering it and encoding
 the new turn's tokens at ~1.3 µs each).
 
-Workload b, where the time goes (at ac5fe2c and its parent, 2 shared cores, medians of 3 rounds
-unless said): with ``--split-cores`` (the router's CPU can no longer slow the simulated pods)
-precise 106 against sglang-router's 102 ms, 1.04x (1.07x shared); with the pods scraped under
-sglang-router as the picker scrapes them (``sglang-router+scraped``: the simulator's CPU 0.16-0.20
-cores as behind the picker, against 0.11-0.14) its P90 stayed 102 ms, so the scrapes are not the
-gap; Envoy's own clock (``--envoy-timing``) puts the pick at P50 1.1-1.4 ms approximate, 2.4-2.7 ms
-precise (P90 1.6-2.0 / 3.6-4.0), of which the picker's code is ~0.3 ms of scheduling, precise's
+Workload b, where the time goes (2 shared cores, medians of 3 rounds unless said): with
+``--split-cores`` (the router's CPU can no longer slow the simulated pods) precise 106 against
+sglang-router's 102 ms, 1.04x (1.07x shared); with the pods scraped under sglang-router as the picker
+scrapes them (``sglang-router+scraped``: the simulator's CPU 0.16-0.20 cores as behind the picker,
+against 0.11-0.14) its P90 stayed 102 ms, so the scrapes are not the gap. Envoy's own clock
+(``--envoy-timing``, every request of a run, 2 runs of each policy at 95e94dc and at 7c7b554) puts
+the pick at P50 1.52-1.55 ms approximate and 2.8-3.6 ms precise (P90 2.1-2.2 / 4.3-7.2), of which
+the picker's code is ~0.3 ms of scheduling and ~0.3 of its ``pre_request`` hooks, precise's
 tokenization ~1.1-1.3 ms, and the rest the messages' round trip through Envoy's gRPC client and the
-picker's event loop; the response headers' phase adds P50 ~0.3 ms, the first chunk another round
+picker's event loop; the response headers' phase adds P50 ~0.3-0.4 ms, the first chunk another round
 trip. That is the 2-3 ms at P50 and ~5 ms at P90 between precise and sglang-router (which relays in
-its own process). Running the plugins' ``pre_request`` hooks after the pick's answer is written
-instead of before it (ac5fe2c) took ~0.3 ms off the pick (approximate: P50 1.71 / 1.68 ms before,
-1.40 / 1.07 after, alternating runs of the two trees); with it, 3 rounds gave precise 106, approximate
-109, sglang-router 101 ms (1.05x).
+its own process). Running the ``pre_request`` hooks after the pick's answer was written, instead of
+before it, was tried and taken out again: with every request counted the pick was no faster (P50
+approximate 1.53 / 1.52 ms against 1.55 / 1.53; an earlier comparison that seemed to show 0.3-0.6 ms
+had read only the part of Envoy's log flushed while it ran).
 """
 
 from __future__ import annotations

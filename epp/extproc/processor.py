@@ -278,13 +278,13 @@ class _Stream:
         if trace is None:
             request = parse_request(self.headers, body, base_models=director.base_models)
             self.model = request.model  # a refusal after parsing is counted under it
-            self.routed = await director.route(request, self.subset, defer_pre_request=True)
+            self.routed = await director.route(request, self.subset)
         else:
             trace.parse_started()
             request = parse_request(self.headers, body, base_models=director.base_models)
             self.model = request.model
             trace.parsed(request)
-            self.routed = await director.route(request, self.subset, trace, defer_pre_request=True)
+            self.routed = await director.route(request, self.subset, trace)
             trace.routed()
         self.done = True
         return self.routed
@@ -483,13 +483,10 @@ class _Call:
             self._failed(error)
             return
         self._send(answers)
-        stream = self._stream
-        if stream.outcome == "complete":
+        if self._stream.outcome == "complete":
             self._end()
         else:
             self._wire.flush()  # the routing answer goes now, not after what else this loop turn runs
-        if stream.routed is not None:
-            stream.routed.pre_request()  # the plugins' hooks, deferred until Envoy has the pick
 
     def _send(self, answers: _Answers) -> None:
         send = self._wire.send

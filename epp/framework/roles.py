@@ -18,10 +18,9 @@ Design
    multiplies it by the scorer's weight and sums. The profile's picker turns the scored candidates
    into the endpoints to try, primary first, then fallbacks.
 4. **Request-lifecycle hooks**, on every configured plugin that has them: ``pre_request`` after the
-   pick, as soon as its answer is written to Envoy and before this process handles anything else
-   (the prefix index records the pick here, so a burst of one prefix sticks; running it after the
-   write takes its time off the request's latency); ``response_received`` on the response headers;
-   ``response_complete`` exactly once when the response ends, fails or the client goes away.
+   pick, before the request leaves (the prefix index records the pick here, so a burst of one prefix
+   sticks); ``response_received`` on the response headers; ``response_complete`` exactly once when
+   the response ends, fails or the client goes away.
 
 Plugins are plain objects with a ``name`` and any of the methods below; a plugin may take several
 roles (``session-affinity-scorer`` is a scorer that also sets a response header). Roles are found by
@@ -263,8 +262,7 @@ class ProfileHandler(Protocol):
 
 @runtime_checkable
 class PreRequest(Protocol):
-    """Called after the pick, once its answer is written to Envoy (the request may already be on its
-    way to ``result.endpoints[0]``), before this process handles any other request or response."""
+    """Called after the pick, before the request is sent to ``result.endpoints[0]``."""
 
     name: str
 

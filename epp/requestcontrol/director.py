@@ -110,21 +110,13 @@ class Director:
         return listed if not configured else configured | listed
 
     async def route(
-        self,
-        request: InferenceRequest,
-        subset: Collection[str] | None = None,
-        trace: RequestTrace | None = None,
-        *,
-        defer_pre_request: bool = False,
+        self, request: InferenceRequest, subset: Collection[str] | None = None, trace: RequestTrace | None = None
     ) -> RoutedRequest:
         """Admit ``request``, then pick its endpoints; raises EppError when refused or when no
         endpoint can take it (NO_ENDPOINT).
 
         ``subset``: the gateway's hint (``ip:port`` strings); when given, only those pool members
         are candidates. ``trace``: the request's trace, given admission's and the pick's spans.
-        ``defer_pre_request``: leave the plugins' ``pre_request`` hooks to the caller, who calls
-        :meth:`RoutedRequest.pre_request` once the pick's answer is written, with no ``await`` in
-        between (:mod:`epp.requestcontrol.lifecycle`).
         """
         objective, priority = self.objectives.resolve(request.headers)
         if objective or priority:
@@ -203,10 +195,7 @@ class Director:
             request, result, scheduler, in_flight, per_model,
             wake=self._wake, not_found=self.datastore.not_found, unreachable=self.datastore.mark_unreachable,
         )  # fmt: skip
-        if defer_pre_request:
-            routed.defer_pre_request()
-        else:
-            scheduler.pre_request(request, result)
+        scheduler.pre_request(request, result)
         return routed
 
 

@@ -8,12 +8,6 @@ endpoint's in-flight record and the request's ticket in it, the model's metric s
 callable that wakes admission when a slot frees. From then on the edge (:mod:`epp.extproc`) calls
 only this object, in the order the response arrives:
 
-* :meth:`RoutedRequest.pre_request` right after the pick's answer is written, when the director was
-  asked to defer the plugins' ``pre_request`` hooks (the edge does): they run before this process
-  handles anything else, so every later request and response of the pool sees what they did, but
-  Envoy has the pick ~0.3 ms sooner (the prefix producers' hooks record the prompt's blocks: measured
-  in ``bench/precise_routing.py --envoy-timing``). :meth:`finish` runs them first if the edge never
-  did (the answer could not be sent), so ``pre_request`` always comes before ``response_complete``;
 * :meth:`RoutedRequest.response_headers` when the response headers arrive (the status is kept; a
   404 is reported to ``not_found`` with the endpoint's name, so its model list is re-read; the
   plugins' ``response_received`` hooks may add response headers). A 503 that Envoy made itself
@@ -70,9 +64,9 @@ class RoutedRequest:
     """A routed request: its pick, and the calls made while its response streams back."""
 
     __slots__ = (
-        "_answering", "_finished", "_first_byte", "_in_flight", "_metrics", "_not_found", "_pending",
-        "_response_bytes", "_scheduler", "_sent", "_ticket", "_unreachable", "_usage", "_wake", "endpoints",
-        "request", "result", "status",
+        "_answering", "_finished", "_first_byte", "_in_flight", "_metrics", "_not_found", "_response_bytes",
+        "_scheduler", "_sent", "_ticket", "_unreachable", "_usage", "_wake", "endpoints", "request", "result",
+        "status",
     )  # fmt: skip
 
     def __init__(
@@ -99,7 +93,6 @@ class RoutedRequest:
         self._unreachable = unreachable
         self._finished = False
         self._answering = False
-        self._pending = False  # pre_request hooks deferred by the director, not yet run
         self._sent = time.monotonic()
         self._first_byte = 0.0
         self._response_bytes = 0
@@ -154,22 +147,11 @@ class RoutedRequest:
         self._response_bytes = size
         self._usage = usage
 
-    def defer_pre_request(self) -> None:
-        """The plugins' ``pre_request`` hooks are to run at :meth:`pre_request` (the director's choice)."""
-        self._pending = True
-
-    def pre_request(self) -> None:
-        """Run the deferred ``pre_request`` hooks (once; nothing when none are pending)."""
-        if self._pending:
-            self._pending = False
-            self._scheduler.pre_request(self.request, self.result)
-
     def finish(self, outcome: Outcome = "complete") -> None:
         """The response ended (``complete``), failed (``error``) or the stream went away (``cancelled``)."""
         if self._finished:
             return
         self._finished = True
-        self.pre_request()  # hooks deferred and never run (the answer was not sent): pre before complete
         if outcome == "complete" and self.status >= 500:
             outcome = "error"
         self._in_flight.release(self._ticket)

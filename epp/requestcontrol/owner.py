@@ -116,7 +116,7 @@ class WorkerRequests:
         self, request_id: int, request: InferenceRequest, subset: Collection[str] | None, trace: RequestTrace | None
     ) -> None:
         try:
-            routed = await self._director.route(request, subset, trace, defer_pre_request=True)
+            routed = await self._director.route(request, subset, trace)
         except asyncio.CancelledError:
             return  # the worker cancelled it (nothing to answer), or the worker is gone
         except EppError as error:
@@ -130,7 +130,6 @@ class WorkerRequests:
             self._routing.pop(request_id, None)
         self._routed[request_id] = routed
         self.send(ipc.Routed(request_id, routed.destination, routed.primary.name, routed.request.priority))
-        routed.pre_request()  # the plugins' hooks, after the answer is queued for the worker (no await since the pick)
 
     def _cancel(self, message: ipc.Cancel) -> None:
         task = self._routing.pop(message.id, None)

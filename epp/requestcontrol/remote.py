@@ -139,16 +139,9 @@ class RemoteDirector:
     # -- the edge's calls -------------------------------------------------------------------------
 
     async def route(
-        self,
-        request: InferenceRequest,
-        subset: Collection[str] | None = None,
-        trace: RequestTrace | None = None,
-        *,
-        defer_pre_request: bool = False,
+        self, request: InferenceRequest, subset: Collection[str] | None = None, trace: RequestTrace | None = None
     ) -> RemoteRouted:
-        """Route ``request`` in the owner; raises the owner's EppError when it is refused. The owner
-        runs the plugins' hooks (``pre_request`` once its answer is sent), so ``defer_pre_request``
-        changes nothing here."""
+        """Route ``request`` in the owner; raises the owner's EppError when it is refused."""
         if self._gone:
             raise EppError(Reason.INTERNAL, "the endpoint picker's routing process is not running")
         self._next_id += 1
@@ -271,9 +264,6 @@ class RemoteRouted:
         self._finished = False
         self._ended: tuple[int, tuple[int, int] | None] | None = None
         self._headers: dict[str, str] | None = None  # response headers the owner has not had yet
-
-    def pre_request(self) -> None:
-        """Nothing: the owner ran the hooks when it sent the pick."""
 
     @property
     def response_bytes(self) -> int:

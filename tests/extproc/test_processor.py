@@ -474,8 +474,8 @@ class _SpyDirector:
         self.base_models = self._director.base_models
         self.routed: list[RoutedRequest] = []
 
-    async def route(self, request: InferenceRequest, subset: object = None, **options: bool) -> RoutedRequest:
-        routed = await self._director.route(request, subset, **options)  # type: ignore[arg-type]
+    async def route(self, request: InferenceRequest, subset: object = None) -> RoutedRequest:
+        routed = await self._director.route(request, subset)  # type: ignore[arg-type]
         self.routed.append(routed)
         return routed
 
@@ -598,38 +598,3 @@ async def test_request_headers_again_after_the_pick_fail_the_stream_and_the_pick
     assert wire.status[0] != 0 and "request headers after the request was routed" in wire.status[1]
     assert len(director.routed) == 1
     assert all(e.inflight.requests == 0 for e in director.datastore.endpoints())
-
-
-async def test_the_pre_request_hooks_run_once_the_pick_is_written_and_before_the_next_message() -> None:
-    """The plugins' pre_request hooks are off the request's latency: Envoy has the pick when they run,
-    and they have run before the picker handles the response (or any other message)."""
-    from epp.framework import Profile, SchedulingResult
-    from epp.scheduling.runner import Scheduler
-    from tests.doubles import OnlyPicker
-
-    wire = WireStream()
-    seen: list[object] = []
-
-    class Hook:
-        name = "hook"
-
-        def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
-            seen.append(("pre", [destination(m) for m in wire.sent if m.HasField("request_headers")]))
-
-        def response_received(self, request: InferenceRequest, endpoint: Endpoint, headers: object) -> None:
-            seen.append("response headers")
-
-    datastore = Datastore(parse_endpoints(POOL))
-    scheduler = Scheduler(Profile("p", OnlyPicker("only", "10.0.0.2:8000")), hooks=[Hook()])
-    processor = ExternalProcessor(Director(datastore, scheduler, RequestMetrics()), RequestMetrics(),
-                                  max_request_body_bytes=100_000)  # fmt: skip
-    call = processor.open(wire)  # type: ignore[arg-type]
-    call.message(headers(POST, mode=Mode.FULL_DUPLEX_STREAMED).SerializeToString())
-    call.message(body(COMPLETION, end_of_stream=True).SerializeToString())
-    call.message(pb.ProcessingRequest(response_headers=pb.HttpHeaders(
-        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]))).SerializeToString())
-    await _settle()
-    assert seen == [("pre", ["10.0.0.2:8000"]), "response headers"]
-    call.half_close()
-    await _settle()
-    assert seen.count(("pre", ["10.0.0.2:8000"])) == 1

@@ -96,19 +96,6 @@ def test_lifecycle_hooks_and_in_flight_accounting(status: str, outcome: str, exp
     assert endpoint.inflight.requests == 0
 
 
-def test_deferred_pre_request_hooks_run_once_when_the_edge_says_or_at_finish_before_complete() -> None:
-    hooks = Hooks()
-    director, _ = _director(hooks)
-    routing = asyncio.run(director.route(request(), defer_pre_request=True))
-    assert hooks.events == []  # the edge writes the answer first
-    routing.pre_request()
-    routing.pre_request()  # once
-    assert hooks.events == [("pre", E2.name, 1)]
-    never_sent = asyncio.run(director.route(request(), defer_pre_request=True))
-    never_sent.finish("error")  # the answer never went out: the hooks still pair up, pre first
-    assert hooks.events[1:] == [("pre", E2.name, 2), ("complete", E2.name, "error", 1)]
-
-
 def test_a_failing_hook_is_logged_and_the_request_still_routes(caplog: pytest.LogCaptureFixture) -> None:
     director, datastore = _director(Broken())
     with caplog.at_level(logging.ERROR):
