@@ -16,8 +16,10 @@ events, ``--token-interval`` seconds apart (default 2 ms, so that Envoy forwards
 decoding engine's are). For each number of events and each concurrency (``--streams``: 1 stream at a
 time, then 16 at once), both modes run the same requests, alternating for ``--rounds`` rounds; the
 table gives medians of: the picker's CPU ms per request and µs per ext_proc message it answered (from
-``/proc``, user + system, worker processes included), Envoy's CPU ms per request in both modes, and the
-ext_proc messages per request (Envoy's own ``ext_proc`` stream counters). The picker's CPU is counted
+``/proc``, user + system, worker processes included) and the kernel's share of it (system over user +
+system in the run: at one stream most of a chunk's cost is the kernel's, the wake-up, the syscalls and,
+on loopback, the TCP work of Envoy's side that the picker's sends run), Envoy's CPU ms per request in
+both modes, and the ext_proc messages per request (Envoy's own ``ext_proc`` stream counters). The picker's CPU is counted
 above its idle rate (measured for ``--idle-seconds`` before the load: scraping the pods, timers),
 which would otherwise be charged to the messages of slow streams. A 1 KB prompt by default;
 ``--prompt-bytes 409600`` for the 400 KB case.
@@ -44,7 +46,7 @@ import aiohttp
 
 from epp.envoy.bootstrap import BootstrapOptions, render, render_round_robin
 from epp.testing.envoy import EnvoyProcess
-from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
+from epp.testing.harness import PickerProcess, cpu_seconds, cpu_times, wait_for_picker
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Run:
     picker_cpu_ms: float | None  # per request, above the picker's idle rate
     envoy_cpu_ms: float  # per request
     messages: float | None  # ext_proc messages the picker answered, per request
+    kernel_share: float | None  # the picker's system CPU over its user + system CPU in the run (idle included)
     chunks: float  # SSE data lines the client received, per request
     errors: int
 
@@ -115,12 +118,14 @@ def _measure(
 ) -> Run:
     url = f"http://127.0.0.1:{envoy.listen_port}/v1/completions"
     picker_before = cpu_seconds(picker_pid) if picker_pid else 0.0
+    times_before = cpu_times(picker_pid) if picker_pid else (0.0, 0.0)
     envoy_before = cpu_seconds(envoy.pid, children=False)
     messages_before = _envoy_messages(envoy) if picker_pid else 0
     start = time.monotonic()
     errors, lines = asyncio.run(_load(url, body, requests, streams))
     elapsed = time.monotonic() - start
     picker_used = cpu_seconds(picker_pid) - picker_before - idle * elapsed if picker_pid else 0.0
+    user, system = (a - b for a, b in zip(cpu_times(picker_pid), times_before, strict=True)) if picker_pid else (0, 0)
     envoy_used = cpu_seconds(envoy.pid, children=False) - envoy_before
     messages = _envoy_messages(envoy) - messages_before if picker_pid else 0
     return Run(
@@ -131,6 +136,7 @@ def _measure(
         picker_cpu_ms=picker_used * 1e3 / requests if picker_pid else None,
         envoy_cpu_ms=envoy_used * 1e3 / requests,
         messages=messages / requests if picker_pid else None,
+        kernel_share=system / (user + system) if picker_pid and user + system else None,
         chunks=lines / requests,
         errors=errors,
     )
@@ -142,7 +148,7 @@ def _print(runs: list[Run], args: argparse.Namespace) -> None:
         f"{args.requests} requests per round, {args.rounds} rounds, medians\n"
     )
     header = (
-        f"{'picker':>6} {'events':>6} {'streams':>7} | {'picker ms/req':>13} {'µs/message':>10} {'messages/req':>12} | "
+        f"{'picker':>6} {'events':>6} {'streams':>7} | {'picker ms/req':>13} {'µs/message':>10} {'messages/req':>12} {'kernel':>6} | "
         f"{'Envoy ms/req (epp)':>18} {'(direct)':>9} | {'SSE lines/req':>13} | errors"
     )
     print(header)
@@ -157,8 +163,9 @@ def _print(runs: list[Run], args: argparse.Namespace) -> None:
                 picker = statistics.median(r.picker_cpu_ms or 0.0 for r in picked)
                 messages = statistics.median(r.messages or 0.0 for r in picked)
                 per_message = statistics.median((r.picker_cpu_ms or 0.0) * 1e3 / (r.messages or 1.0) for r in picked)
+                kernel = statistics.median(r.kernel_share or 0.0 for r in picked)
                 print(
-                    f"{mode:>6} {events:>6} {streams:>7} | {picker:13.2f} {per_message:10.1f} {messages:12.1f} | "
+                    f"{mode:>6} {events:>6} {streams:>7} | {picker:13.2f} {per_message:10.1f} {messages:12.1f} {kernel:6.0%} | "
                     f"{statistics.median(r.envoy_cpu_ms for r in picked):18.2f} "
                     f"{statistics.median(r.envoy_cpu_ms for r in direct):9.2f} | "
                     f"{statistics.median(r.chunks for r in picked):13.1f} | {sum(r.errors for r in picked + direct)}"

@@ -7,9 +7,11 @@ a child process, and its CPU (user + system, from /proc) per message is reported
 * ``c-epoll``:   a C epoll loop echoing the bytes (compiled here with the C compiler the project's
   own extensions need): the kernel's part, wake-up, read and write;
 * ``uvloop``:    the same echo as a Python ``asyncio.Protocol`` on uvloop;
-* ``wire``:      the picker's transport: an :class:`epp.wire.server.GrpcServer` serving ext_proc, one
-  stream already routed, each message an Envoy-shaped ``response_body`` chunk answered by the C read
-  path (:mod:`epp.wire._fast`);
+* ``wire``:      the picker's transport without its I/O thread: an :class:`epp.wire.server.GrpcServer`
+  serving ext_proc, one stream already routed, each message an Envoy-shaped ``response_body`` chunk
+  answered by the C read path (:mod:`epp.wire._fast`);
+* ``wire-thread``: the same with the connection lent to the picker's native I/O thread (``--io-thread``,
+  on plaintext ports by default): the chunks are answered there, the event loop never woken;
 * ``wire-python``: the same with the stream's echo off: every chunk goes through the Python call
   (protobuf decode, the answer built and serialized with upb).
 
@@ -81,7 +83,7 @@ class _Routed:
     def finish(self, outcome: str) -> None: ...
 
 
-def _serve_wire(listener: socket.socket, echo: bool) -> None:
+def _serve_wire(listener: socket.socket, echo: bool, io_thread: bool = False) -> None:
     import uvloop
 
     from epp.extproc.processor import ExternalProcessor
@@ -99,7 +101,7 @@ def _serve_wire(listener: socket.socket, echo: bool) -> None:
         return call
 
     async def main() -> None:
-        GrpcServer({_PATH: open_call}, max_message=1 << 20).serve_socket(listener)
+        GrpcServer({_PATH: open_call}, max_message=1 << 20, io_thread=io_thread).serve_socket(listener)
         await asyncio.Event().wait()
 
     uvloop.run(main())
@@ -142,7 +144,7 @@ def _start(kind: str, work: Path) -> tuple[int, int]:
             if kind == "uvloop":
                 _serve_uvloop(listener)
             else:
-                _serve_wire(listener, echo=kind == "wire")
+                _serve_wire(listener, echo=kind != "wire-python", io_thread=kind == "wire-thread")
         finally:
             os._exit(0)
     listener.close()
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--gap", type=float, default=0.002, help="seconds between messages (0: back to back)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--servers", default="c-epoll,uvloop,wire,wire-python")
+    parser.add_argument("--servers", default="c-epoll,uvloop,wire,wire-thread,wire-python")
     args = parser.parse_args(argv)
     kinds = args.servers.split(",")
     results: dict[str, list[float]] = {kind: [] for kind in kinds}

@@ -272,8 +272,11 @@ class EndpointPicker:
                 ssl_context=context,
                 max_message=settings.max_request_body_bytes + _MESSAGE_HEADROOM,
                 flag=f"--grpc-port {self.grpc_port}",
+                io_thread=settings.io_thread,
             )
-        self._health_server = GrpcServer(self.health.methods(), flag=f"--grpc-health-port {self.grpc_health_port}")
+        self._health_server = GrpcServer(
+            self.health.methods(), flag=f"--grpc-health-port {self.grpc_health_port}", io_thread=False
+        )
         # Every port is bound before anything else starts (the scrape worker, discovery's watches),
         # so a clash stops startup with nothing to clean up.
         if settings.metrics_port >= 0:
@@ -334,6 +337,7 @@ class EndpointPicker:
             max_message=settings.max_request_body_bytes + _MESSAGE_HEADROOM,
             flag=f"--grpc-port {self.grpc_port}",
             tls=settings.secure_serving,
+            io_thread=settings.io_thread,
             cert_path=settings.cert_path,
             cert_pem=cert,
             key_pem=key,

@@ -161,6 +161,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     cert_pem: bytes = b""  # or from this certificate and key (the owner's self-signed pair)
     key_pem: bytes = b""
     tls: bool = False
+    io_thread: bool = True
     tracing: bool = False
     verbosity: int = 1
     log_format: str = "console"
@@ -666,6 +667,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
         max_message=spec.max_message,
         flag=spec.flag,
         max_concurrent_streams=spec.max_concurrent_streams,
+        io_thread=spec.io_thread,
     )
     reported = [0]
 

@@ -46,7 +46,13 @@ def wait_for_picker(envoy: EnvoyProcess, *, healthy: bool = True, timeout: float
 def cpu_seconds(pid: int, *, children: bool = True) -> float:
     """User + system CPU seconds used so far by process ``pid``, its threads and (unless
     ``children=False``) its live child processes (the picker's scrape worker), from /proc."""
-    total = 0.0
+    return sum(cpu_times(pid, children=children))
+
+
+def cpu_times(pid: int, *, children: bool = True) -> tuple[float, float]:
+    """(user, system) CPU seconds of :func:`cpu_seconds`: the system part is the kernel's work for the
+    process (its syscalls, the wake-ups, and on loopback the peer's side of TCP that its sends run)."""
+    user = system = 0.0
     pending = [pid]
     while pending:
         current = pending.pop()
@@ -54,11 +60,12 @@ def cpu_seconds(pid: int, *, children: bool = True) -> float:
             fields = Path(f"/proc/{current}/stat").read_text().rpartition(")")[2].split()
         except FileNotFoundError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        user += int(fields[11]) / os.sysconf("SC_CLK_TCK")
+        system += int(fields[12]) / os.sysconf("SC_CLK_TCK")
         if children:
             for listing in Path(f"/proc/{current}/task").glob("*/children"):
                 pending += [int(child) for child in listing.read_text().split()]
-    return total
+    return user, system
 
 
 # How much of a stopped picker's log is kept in memory for log_tail() once its file is removed.

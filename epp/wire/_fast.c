@@ -27,17 +27,33 @@
  * as a message of its own; a frame over our 1 MiB maximum, which Python refuses; an answer the
  * peer's windows or frame size cannot take now) goes to Python, which answers it the same way. The
  * answer's bytes are exactly what upb serializes for the same message (tests/wire/test_fast.py).
+ *
+ * The I/O thread (below) gives the same answers to a connection lent to it: echo_core is the one
+ * function both call, and it uses no Python API (the kept tail of chunks is plain memory for that).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <unistd.h>
 #include "structmember.h"
 
 #define MAX_TAIL 16
 #define HALF_WINDOW (((int64_t)1 << 30) - 1) /* (2^31 - 1) / 2: top a receive window up past this */
 
 /* ---- StreamBase: one stream's windows and its response tally ------------------------------------ */
+
+typedef struct {
+    char *data;
+    size_t size;
+} Piece;
 
 typedef struct {
     PyObject_HEAD
@@ -47,38 +63,53 @@ typedef struct {
     long long chunks;         /* response body chunks seen */
     int echo;                 /* 1: non-empty response body chunks are answered in C */
     int tail_cap, tail_start, tail_len;
-    PyObject *tail[MAX_TAIL]; /* the last chunks, oldest first from tail_start (a ring) */
+    Piece tail[MAX_TAIL];     /* copies of the last chunks, oldest first from tail_start (a ring); plain
+                               * memory, so that the I/O thread can keep them without the GIL */
 } StreamBase;
 
-static void tail_push(StreamBase *self, PyObject *chunk) {
-    if (self->tail_cap <= 0) return;
-    Py_INCREF(chunk);
+/* Keep a copy of a chunk among the last few; -1 if out of memory (nothing changed). No Python API:
+ * the I/O thread calls it too. */
+static int tail_push(StreamBase *self, const char *data, size_t size) {
+    if (self->tail_cap <= 0) return 0;
+    char *copy = malloc(size ? size : 1);
+    if (copy == NULL) return -1;
+    memcpy(copy, data, size);
     if (self->tail_len < self->tail_cap) {
-        self->tail[(self->tail_start + self->tail_len) % self->tail_cap] = chunk;
+        Piece *slot = &self->tail[(self->tail_start + self->tail_len) % self->tail_cap];
+        slot->data = copy;
+        slot->size = size;
         self->tail_len++;
     } else {
-        PyObject *old = self->tail[self->tail_start];
-        self->tail[self->tail_start] = chunk;
+        Piece *slot = &self->tail[self->tail_start];
+        free(slot->data);
+        slot->data = copy;
+        slot->size = size;
         self->tail_start = (self->tail_start + 1) % self->tail_cap;
-        Py_DECREF(old);
     }
-}
-
-static int stream_traverse(StreamBase *self, visitproc visit, void *arg) {
-    for (int i = 0; i < self->tail_len; i++) Py_VISIT(self->tail[(self->tail_start + i) % self->tail_cap]);
     return 0;
 }
 
-static int stream_clear(StreamBase *self) {
-    for (int i = 0; i < self->tail_len; i++) Py_CLEAR(self->tail[(self->tail_start + i) % self->tail_cap]);
+static int stream_traverse(StreamBase *self, visitproc visit, void *arg) {
+    return 0;
+}
+
+static void tail_clear(StreamBase *self) {
+    for (int i = 0; i < self->tail_len; i++) {
+        Piece *slot = &self->tail[(self->tail_start + i) % self->tail_cap];
+        free(slot->data);
+        slot->data = NULL;
+    }
     self->tail_len = 0;
     self->tail_start = 0;
+}
+
+static int stream_clear(StreamBase *self) {
     return 0;
 }
 
 static void stream_dealloc(StreamBase *self) {
     PyObject_GC_UnTrack(self);
-    stream_clear(self);
+    tail_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -94,9 +125,9 @@ static PyObject *stream_tally(StreamBase *self, PyObject *chunk) {
     }
     Py_ssize_t size = PyBytes_GET_SIZE(chunk);
     if (size > 0) {
+        if (tail_push(self, PyBytes_AS_STRING(chunk), (size_t)size) < 0) return PyErr_NoMemory();
         self->response_bytes += size;
         self->chunks++;
-        tail_push(self, chunk);
     }
     Py_RETURN_NONE;
 }
@@ -105,8 +136,12 @@ static PyObject *stream_get_tail(StreamBase *self, PyObject *unused) {
     PyObject *list = PyList_New(self->tail_len);
     if (list == NULL) return NULL;
     for (int i = 0; i < self->tail_len; i++) {
-        PyObject *chunk = self->tail[(self->tail_start + i) % self->tail_cap];
-        Py_INCREF(chunk);
+        Piece *slot = &self->tail[(self->tail_start + i) % self->tail_cap];
+        PyObject *chunk = PyBytes_FromStringAndSize(slot->data, (Py_ssize_t)slot->size);
+        if (chunk == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
         PyList_SET_ITEM(list, i, chunk);
     }
     return list;
@@ -119,7 +154,7 @@ static PyObject *stream_keep_tail(StreamBase *self, PyObject *arg) {
         PyErr_Format(PyExc_ValueError, "keep_tail() takes 0 to %d chunks", MAX_TAIL);
         return NULL;
     }
-    stream_clear(self);
+    tail_clear(self);
     self->tail_cap = (int)cap;
     Py_RETURN_NONE;
 }
@@ -158,6 +193,24 @@ static PyTypeObject StreamBaseType = {
 /* ---- ConnectionBase ----------------------------------------------------------------------------- */
 
 typedef struct {
+    unsigned char *data;
+    size_t len, cap;
+} Buffer;
+
+static int buf_reserve(Buffer *b, size_t more) {
+    if (b->cap - b->len >= more) return 0;
+    size_t cap = b->cap ? b->cap : 4096;
+    while (cap - b->len < more) cap *= 2;
+    unsigned char *data = realloc(b->data, cap);
+    if (data == NULL) return -1;
+    b->data = data;
+    b->cap = cap;
+    return 0;
+}
+
+#define MAX_LENT_STREAMS 64
+
+typedef struct {
     PyObject_HEAD
     PyObject *streams;  /* dict: stream id (int) -> Stream (a StreamBase) */
     PyObject *out;      /* list of bytes to write at the end of the read */
@@ -169,9 +222,21 @@ typedef struct {
     int reading;        /* 1: inside a read (answers are written at its end) */
     int closed;         /* 1: nothing more is written */
     int flush_scheduled; /* 1: a _flush is due soon (a write outside a read) */
+    /* Lending to the I/O thread (see "The I/O thread" below); all under io_mutex. */
+    int lend_ok;        /* 1: this connection may be lent (plaintext, a socket of its own) */
+    int lent;           /* 0 Python's; 1 the thread's; 2 handed back, waiting for Python's reclaim */
+    int lend_max;       /* lend only with at most this many streams open (<= MAX_LENT_STREAMS) */
+    int fd;
+    uint32_t slot;
+    int n_lent;
+    uint32_t lent_ids[MAX_LENT_STREAMS];
+    StreamBase *lent_streams[MAX_LENT_STREAMS]; /* strong references while lent */
+    Buffer in;          /* bytes the thread read and has not answered (a partial frame, or what it hands back) */
+    Buffer unsent;      /* answers the thread could not write (the socket was full): Python writes them first */
+    unsigned long long lends, thread_chunks; /* counters, for tests and benchmarks */
 } ConnectionBase;
 
-static PyObject *str_frame, *str_keep, *str_slow, *str_error, *str_write, *str_writelines;
+static PyObject *str_frame, *str_keep, *str_slow, *str_error, *str_write, *str_writelines, *str_lend;
 
 static int conn_traverse(ConnectionBase *self, visitproc visit, void *arg) {
     Py_VISIT(self->streams);
@@ -190,6 +255,8 @@ static int conn_clear(ConnectionBase *self) {
 static void conn_dealloc(ConnectionBase *self) {
     PyObject_GC_UnTrack(self);
     conn_clear(self);
+    free(self->in.data);
+    free(self->unsent.data);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -201,6 +268,8 @@ static int conn_init(ConnectionBase *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->transport, Py_None);
     self->window = 65535;
     self->max_frame = 16384;
+    self->fd = -1;
+    self->lend_max = 4;
     return 0;
 }
 
@@ -317,74 +386,75 @@ static void write_answer(unsigned char *p, uint32_t stream_id, const unsigned ch
     memcpy(p, body, n);
 }
 
-static int append_window_update(PyObject *out, uint32_t stream_id, long long increment) {
+static int put_window_update(Buffer *out, uint32_t stream_id, long long increment) {
+    if (buf_reserve(out, 13) < 0) return -1;
     unsigned char frame[13] = {0, 0, 4, 8, 0,
                                (unsigned char)(stream_id >> 24), (unsigned char)(stream_id >> 16),
                                (unsigned char)(stream_id >> 8), (unsigned char)stream_id,
                                (unsigned char)(increment >> 24), (unsigned char)(increment >> 16),
                                (unsigned char)(increment >> 8), (unsigned char)increment};
-    PyObject *bytes = PyBytes_FromStringAndSize((const char *)frame, 13);
-    if (bytes == NULL) return -1;
-    int rc = PyList_Append(out, bytes);
-    Py_DECREF(bytes);
-    return rc;
+    memcpy(out->data + out->len, frame, 13);
+    out->len += 13;
+    return 0;
 }
 
-/* Try to answer the DATA frame at p (payload of `length` bytes) in C: 1 done, 0 not for C, -1 error. */
-static int echo_frame(ConnectionBase *self, PyObject *data, const unsigned char *frame, size_t length) {
+/* Answer the DATA frame at `frame` (payload of `length` bytes) of `stream` if C may: its answer (and
+ * any WINDOW_UPDATE due) appended to out, the chunk tallied, the windows accounted; 1 done, 0 not for
+ * C (nothing changed). No Python API: the I/O thread runs it without the GIL, the read path with it. */
+static int echo_core(ConnectionBase *self, StreamBase *stream, const unsigned char *frame, size_t length, Buffer *out) {
     uint8_t flags = frame[4];
     uint32_t stream_id = be32(frame + 5) & 0x7FFFFFFF;
     const unsigned char *payload = frame + 9;
     if (flags & 0x09) return 0; /* END_STREAM or PADDED: Python's */
     if (length < 5 || payload[0] != 0 || be32(payload + 1) != length - 5) return 0;
-    PyObject *key = PyLong_FromUnsignedLong(stream_id);
-    if (key == NULL) return -1;
-    PyObject *item = PyDict_GetItemWithError(self->streams, key); /* borrowed */
-    Py_DECREF(key);
-    if (item == NULL) return PyErr_Occurred() ? -1 : 0;
-    if (!PyObject_TypeCheck(item, &StreamBaseType)) return 0;
-    StreamBase *stream = (StreamBase *)item;
     if (!stream->echo || stream->response_bytes == 0) return 0;
-    size_t offset, n;
+    size_t offset = 0, n = 0;
     if (!response_chunk(payload + 5, length - 5, &offset, &n)) return 0;
     size_t message;
     size_t size = answer_size(n, &message);
     long long sent = (long long)(5 + message);
     if (sent > self->max_frame || sent > stream->window || sent > self->window) return 0;
     const unsigned char *body = payload + 5 + offset;
-
-    PyObject *chunk = PyBytes_FromStringAndSize((const char *)body, (Py_ssize_t)n);
-    if (chunk == NULL) return -1;
-    PyObject *answer = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
-    if (answer == NULL) {
-        Py_DECREF(chunk);
-        return -1;
-    }
-    write_answer((unsigned char *)PyBytes_AS_STRING(answer), stream_id, body, n, message);
-    int rc = PyList_Append(self->out, answer);
-    Py_DECREF(answer);
-    if (rc < 0) {
-        Py_DECREF(chunk);
-        return -1;
-    }
+    if (buf_reserve(out, size + 26) < 0) return 0;
+    if (tail_push(stream, (const char *)body, n) < 0) return 0;
+    write_answer(out->data + out->len, stream_id, body, n, message);
+    out->len += size;
     stream->response_bytes += (long long)n;
     stream->chunks++;
-    tail_push(stream, chunk);
-    Py_DECREF(chunk);
     stream->window -= sent;
     self->window -= sent;
-    /* The frame counts against our receive windows; top them up past half. */
+    /* The frame counts against our receive windows; top them up past half (room reserved above). */
     self->received += (long long)length;
     if (self->received > HALF_WINDOW) {
-        if (append_window_update(self->out, 0, self->received) < 0) return -1;
+        put_window_update(out, 0, self->received);
         self->received = 0;
     }
     stream->received += (long long)length;
     if (stream->received > HALF_WINDOW) {
-        if (append_window_update(self->out, stream_id, stream->received) < 0) return -1;
+        put_window_update(out, stream_id, stream->received);
         stream->received = 0;
     }
     return 1;
+}
+
+static Buffer read_out; /* the read path's answers (under the GIL) */
+
+/* The read path's echo: the stream looked up in the dict; the answer goes to the out list. */
+static int echo_frame(ConnectionBase *self, PyObject *data, const unsigned char *frame, size_t length) {
+    uint32_t stream_id = be32(frame + 5) & 0x7FFFFFFF;
+    PyObject *key = PyLong_FromUnsignedLong(stream_id);
+    if (key == NULL) return -1;
+    PyObject *item = PyDict_GetItemWithError(self->streams, key); /* borrowed */
+    Py_DECREF(key);
+    if (item == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!PyObject_TypeCheck(item, &StreamBaseType)) return 0;
+    read_out.len = 0;
+    if (!echo_core(self, (StreamBase *)item, frame, length, &read_out)) return 0;
+    PyObject *answer = PyBytes_FromStringAndSize((const char *)read_out.data, (Py_ssize_t)read_out.len);
+    if (answer == NULL) return -1;
+    int rc = PyList_Append(self->out, answer);
+    Py_DECREF(answer);
+    return rc < 0 ? -1 : 1;
 }
 
 /* The frames of data from position on; the position of the first frame not yet whole, or -1. */
@@ -427,6 +497,316 @@ static Py_ssize_t run_frames(ConnectionBase *self, PyObject *data, Py_ssize_t po
         return size;
     }
     return position;
+}
+
+/* ---- The I/O thread ------------------------------------------------------------------------------
+ *
+ * One native thread per process, started at the first lend, with its own epoll and an eventfd to the
+ * event loop. A connection is lent to it (ConnectionBase.lend) when every open stream echoes: uvloop
+ * stops reading the socket, this thread reads it, and answers the middle chunks (echo_core) without
+ * the GIL and without waking the event loop. The first frame it cannot answer (anything but such a
+ * chunk: a new stream's HEADERS, the last chunk, a WINDOW_UPDATE, a PING, ...), the peer's end or an
+ * error, or an answer the socket cannot take now, hands the connection back: the socket leaves this
+ * epoll, the connection goes on the returned list, and the eventfd wakes the loop, which reclaims it
+ * (ConnectionBase.reclaim: the bytes not answered, to be read as a read of its own, and the answers
+ * not written, to be written first) and reads the socket again. Python also reclaims a lent connection
+ * before it touches it at all (a send, a finish, a GOAWAY, a close: epp/wire/http2.py), so that the
+ * connection's state has one owner at a time, handed over under io_mutex.
+ *
+ * io_mutex is held by the thread while it serves the events of one epoll_wait, and by Python while it
+ * lends or reclaims. The thread never takes the GIL, so Python may wait for io_mutex holding it. A
+ * stale event (a connection reclaimed after epoll_wait returned it) is told by the slot's generation.
+ */
+
+typedef struct {
+    ConnectionBase *conn;
+    uint32_t gen;
+} Slot;
+
+static pthread_mutex_t io_mutex = PTHREAD_MUTEX_INITIALIZER;
+static int io_epoll = -1, io_event = -1;
+static pid_t io_pid = 0;
+static Slot *io_slots;
+static uint32_t io_slots_len;
+static ConnectionBase **io_returned;
+static size_t io_returned_len, io_returned_cap;
+
+static void give_back(ConnectionBase *c) {
+    epoll_ctl(io_epoll, EPOLL_CTL_DEL, c->fd, NULL);
+    c->lent = 2;
+    io_returned[io_returned_len++] = c; /* (room reserved at the lend: one place per slot) */
+}
+
+/* Serve one readable lent connection; 1 if it was handed back (the loop must be woken). */
+static int io_serve(ConnectionBase *c, Buffer *out) {
+    if (buf_reserve(&c->in, 65536) < 0) {
+        give_back(c);
+        return 1;
+    }
+    ssize_t got;
+    do {
+        got = recv(c->fd, c->in.data + c->in.len, c->in.cap - c->in.len, MSG_DONTWAIT);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    if (got <= 0) { /* the peer's end, or an error: Python's transport sees it once it reads again */
+        give_back(c);
+        return 1;
+    }
+    c->in.len += (size_t)got;
+    out->len = 0;
+    size_t position = 0;
+    int back = 0;
+    while (c->in.len - position >= 9) {
+        const unsigned char *frame = c->in.data + position;
+        size_t length = ((size_t)frame[0] << 16) | ((size_t)frame[1] << 8) | frame[2];
+        if (length > (1u << 20)) { /* Python refuses it */
+            back = 1;
+            break;
+        }
+        if (9 + length > c->in.len - position) break; /* not yet whole */
+        StreamBase *stream = NULL;
+        if (frame[3] == 0) {
+            uint32_t id = be32(frame + 5) & 0x7FFFFFFF;
+            for (int i = 0; i < c->n_lent; i++)
+                if (c->lent_ids[i] == id) stream = c->lent_streams[i];
+        }
+        if (stream == NULL || !echo_core(c, stream, frame, length, out)) {
+            back = 1;
+            break;
+        }
+        c->thread_chunks++;
+        position += 9 + length;
+    }
+    if (position) {
+        memmove(c->in.data, c->in.data + position, c->in.len - position);
+        c->in.len -= position;
+    }
+    size_t written = 0;
+    while (written < out->len) {
+        ssize_t n = send(c->fd, out->data + written, out->len - written, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        written += (size_t)n;
+    }
+    if (written < out->len) { /* the socket is full (or failed): Python's transport takes the rest */
+        if (buf_reserve(&c->unsent, out->len - written) == 0) {
+            memcpy(c->unsent.data + c->unsent.len, out->data + written, out->len - written);
+            c->unsent.len += out->len - written;
+        }
+        back = 1;
+    }
+    if (back) give_back(c);
+    return back;
+}
+
+static void *io_main(void *arg) {
+    int epoll = (int)(intptr_t)arg;
+    pthread_setname_np(pthread_self(), "epp-io");
+    struct epoll_event events[64];
+    Buffer out = {0};
+    for (;;) {
+        int n = epoll_wait(epoll, events, 64, -1);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return NULL;
+        }
+        int wake = 0;
+        pthread_mutex_lock(&io_mutex);
+        for (int i = 0; i < n; i++) {
+            uint32_t slot = (uint32_t)events[i].data.u64, gen = (uint32_t)(events[i].data.u64 >> 32);
+            if (slot >= io_slots_len || io_slots[slot].gen != gen) continue; /* reclaimed meanwhile */
+            ConnectionBase *c = io_slots[slot].conn;
+            if (c != NULL && c->lent == 1) wake |= io_serve(c, &out);
+        }
+        pthread_mutex_unlock(&io_mutex);
+        if (wake) {
+            uint64_t one = 1;
+            ssize_t rc = write(io_event, &one, sizeof one);
+            (void)rc;
+        }
+    }
+}
+
+/* Start the thread in this process (again after a fork: the parent's thread is not in the child). */
+static int io_start(void) {
+    if (io_pid == getpid()) return 0;
+    pthread_mutex_init(&io_mutex, NULL);
+    io_slots = NULL; /* a parent's entries, if forked, are the parent's: forgotten, not freed */
+    io_slots_len = 0;
+    io_returned = NULL;
+    io_returned_len = io_returned_cap = 0;
+    int epoll = epoll_create1(EPOLL_CLOEXEC);
+    if (epoll < 0) return -1;
+    int event = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (event < 0) {
+        close(epoll);
+        return -1;
+    }
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    pthread_t thread;
+    int rc = pthread_create(&thread, &attr, io_main, (void *)(intptr_t)epoll);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        close(epoll);
+        close(event);
+        errno = rc;
+        return -1;
+    }
+    io_epoll = epoll;
+    io_event = event;
+    io_pid = getpid();
+    return 0;
+}
+
+/* lend(fd): give the connection to the I/O thread if every open stream echoes; True if lent. */
+static PyObject *conn_lend(ConnectionBase *self, PyObject *arg) {
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred()) return NULL;
+    if (self->lent || self->closed || !self->plain || PyList_GET_SIZE(self->out) > 0) Py_RETURN_FALSE;
+    Py_ssize_t count = PyDict_GET_SIZE(self->streams);
+    if (count == 0 || count > self->lend_max || count > MAX_LENT_STREAMS) Py_RETURN_FALSE;
+    Py_ssize_t position = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(self->streams, &position, &key, &value)) {
+        if (!PyObject_TypeCheck(value, &StreamBaseType) || !((StreamBase *)value)->echo) Py_RETURN_FALSE;
+    }
+    if (io_start() < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    pthread_mutex_lock(&io_mutex);
+    uint32_t slot = 0;
+    while (slot < io_slots_len && io_slots[slot].conn != NULL) slot++;
+    if (slot == io_slots_len) {
+        Slot *slots = realloc(io_slots, (io_slots_len + 16) * sizeof *slots);
+        if (slots == NULL) {
+            pthread_mutex_unlock(&io_mutex);
+            return PyErr_NoMemory();
+        }
+        memset(slots + io_slots_len, 0, 16 * sizeof *slots);
+        io_slots = slots;
+        io_slots_len += 16;
+    }
+    if (io_returned_cap < io_slots_len) { /* room for every lent connection: give_back never allocates */
+        ConnectionBase **list = realloc(io_returned, io_slots_len * sizeof *list);
+        if (list == NULL) {
+            pthread_mutex_unlock(&io_mutex);
+            return PyErr_NoMemory();
+        }
+        io_returned = list;
+        io_returned_cap = io_slots_len;
+    }
+    int n = 0;
+    position = 0;
+    while (PyDict_Next(self->streams, &position, &key, &value)) {
+        StreamBase *stream = (StreamBase *)value;
+        unsigned long id = PyLong_AsUnsignedLong(key);
+        if (id == (unsigned long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            id = 0; /* not a stream id: no frame will name it */
+        }
+        Py_INCREF(stream);
+        self->lent_ids[n] = (uint32_t)id;
+        self->lent_streams[n++] = stream;
+    }
+    self->n_lent = n;
+    self->fd = (int)fd;
+    self->slot = slot;
+    self->in.len = 0;
+    self->unsent.len = 0;
+    io_slots[slot].conn = self;
+    struct epoll_event event = {.events = EPOLLIN};
+    event.data.u64 = (uint64_t)slot | ((uint64_t)io_slots[slot].gen << 32);
+    self->lent = 1;
+    if (epoll_ctl(io_epoll, EPOLL_CTL_ADD, (int)fd, &event) < 0) {
+        int error = errno;
+        self->lent = 0;
+        io_slots[slot].conn = NULL;
+        io_slots[slot].gen++;
+        self->n_lent = 0;
+        pthread_mutex_unlock(&io_mutex);
+        for (int i = 0; i < n; i++) Py_DECREF(self->lent_streams[i]);
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_INCREF(self); /* the thread's reference, until reclaimed */
+    self->lends++;
+    pthread_mutex_unlock(&io_mutex);
+    Py_RETURN_TRUE;
+}
+
+/* reclaim(): take the connection back from the thread: None if it was not lent, else (unsent,
+ * unread): the answers the thread could not write and the bytes it did not answer. */
+static PyObject *conn_reclaim(ConnectionBase *self, PyObject *unused) {
+    if (!self->lent) Py_RETURN_NONE; /* (only Python lends: no lock needed to see it was not) */
+    pthread_mutex_lock(&io_mutex);
+    if (self->lent == 1) epoll_ctl(io_epoll, EPOLL_CTL_DEL, self->fd, NULL);
+    for (size_t i = 0; i < io_returned_len; i++) {
+        if (io_returned[i] == self) {
+            io_returned[i] = io_returned[--io_returned_len];
+            break;
+        }
+    }
+    io_slots[self->slot].conn = NULL;
+    io_slots[self->slot].gen++;
+    self->lent = 0;
+    int n = self->n_lent;
+    StreamBase *streams[MAX_LENT_STREAMS];
+    memcpy(streams, self->lent_streams, (size_t)n * sizeof streams[0]);
+    self->n_lent = 0;
+    PyObject *unsent = PyBytes_FromStringAndSize((const char *)self->unsent.data, (Py_ssize_t)self->unsent.len);
+    PyObject *unread = PyBytes_FromStringAndSize((const char *)self->in.data, (Py_ssize_t)self->in.len);
+    self->unsent.len = 0;
+    self->in.len = 0;
+    pthread_mutex_unlock(&io_mutex);
+    for (int i = 0; i < n; i++) Py_DECREF(streams[i]);
+    PyObject *result = NULL;
+    if (unsent != NULL && unread != NULL) result = PyTuple_Pack(2, unsent, unread);
+    Py_XDECREF(unsent);
+    Py_XDECREF(unread);
+    Py_DECREF(self); /* the thread's reference (the caller holds another) */
+    return result;
+}
+
+/* returned(): the connections the thread handed back since the last call (each still to reclaim). */
+static PyObject *io_take_returned(PyObject *module, PyObject *unused) {
+    if (io_pid != getpid()) return PyList_New(0);
+    pthread_mutex_lock(&io_mutex);
+    PyObject *list = PyList_New((Py_ssize_t)io_returned_len);
+    if (list != NULL) {
+        for (size_t i = 0; i < io_returned_len; i++) {
+            Py_INCREF(io_returned[i]);
+            PyList_SET_ITEM(list, (Py_ssize_t)i, (PyObject *)io_returned[i]);
+        }
+        io_returned_len = 0;
+    }
+    pthread_mutex_unlock(&io_mutex);
+    return list;
+}
+
+/* event_fd(): the eventfd the thread signals when it hands a connection back (starts the thread). */
+static PyObject *io_event_fd(PyObject *module, PyObject *unused) {
+    if (io_start() < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLong(io_event);
+}
+
+/* At the end of a read: if the connection may be lent and every open stream echoes, ask Python's
+ * _lend (which knows the transport); -1 on error. */
+static int maybe_lend(ConnectionBase *self) {
+    if (!self->lend_ok || self->lent || self->closed || !self->plain) return 0;
+    Py_ssize_t count = PyDict_GET_SIZE(self->streams);
+    if (count == 0 || count > self->lend_max || count > MAX_LENT_STREAMS) return 0;
+    Py_ssize_t position = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(self->streams, &position, &key, &value)) {
+        if (!PyObject_TypeCheck(value, &StreamBaseType) || !((StreamBase *)value)->echo) return 0;
+    }
+    PyObject *result = PyObject_CallMethodNoArgs((PyObject *)self, str_lend);
+    if (result == NULL) return -1;
+    Py_DECREF(result);
+    return 0;
 }
 
 /* Write what is in out (one write, or writelines for several pieces), then empty it. */
@@ -486,7 +866,17 @@ static PyObject *conn_data_received(ConnectionBase *self, PyObject *data) {
         if (result == NULL) return NULL;
         Py_DECREF(result);
     }
-    if (PyList_GET_SIZE(self->out) > 0) return conn_flush(self, NULL);
+    if (PyList_GET_SIZE(self->out) > 0) {
+        PyObject *result = conn_flush(self, NULL);
+        if (result == NULL) return NULL;
+        Py_DECREF(result);
+    }
+    if (self->lend_ok && maybe_lend(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *conn_check_lend(ConnectionBase *self, PyObject *unused) {
+    if (maybe_lend(self) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -494,6 +884,11 @@ static PyMethodDef conn_methods[] = {
     {"data_received", (PyCFunction)conn_data_received, METH_O,
      "asyncio.Protocol.data_received: read the frames, answering response body chunks of echoing streams in C."},
     {"_flush", (PyCFunction)conn_flush, METH_NOARGS, "Write what is in out, then empty it."},
+    {"lend", (PyCFunction)conn_lend, METH_O,
+     "lend(fd) -> True if the connection is now the I/O thread's (every open stream echoes); see _fast.c."},
+    {"reclaim", (PyCFunction)conn_reclaim, METH_NOARGS,
+     "Take a lent connection back: None if it was not lent, else (unsent answers, unread bytes)."},
+    {"_check_lend", (PyCFunction)conn_check_lend, METH_NOARGS, "Lend the connection if it may be (calls _lend)."},
     {"frames", (PyCFunction)conn_frames, METH_VARARGS,
      "frames(data, position) -> the position of the first frame not yet whole; the same loop as data_received."},
     {NULL},
@@ -510,6 +905,12 @@ static PyMemberDef conn_members[] = {
     {"closed", T_INT, offsetof(ConnectionBase, closed), 0, "1: nothing more is written"},
     {"flush_scheduled", T_INT, offsetof(ConnectionBase, flush_scheduled), 0, "1: a _flush is due soon"},
     {"transport", T_OBJECT, offsetof(ConnectionBase, transport), 0, "the asyncio transport (None until made)"},
+    {"lend_ok", T_INT, offsetof(ConnectionBase, lend_ok), 0, "1: the connection may be lent to the I/O thread"},
+    {"lend_max", T_INT, offsetof(ConnectionBase, lend_max), 0, "lend only with at most this many streams open"},
+    {"lent", T_INT, offsetof(ConnectionBase, lent), READONLY, "0 Python's, 1 the I/O thread's, 2 handed back"},
+    {"lends", T_ULONGLONG, offsetof(ConnectionBase, lends), READONLY, "how many times it was lent"},
+    {"thread_chunks", T_ULONGLONG, offsetof(ConnectionBase, thread_chunks), READONLY,
+     "response body chunks the I/O thread answered"},
     {NULL},
 };
 
@@ -546,6 +947,8 @@ static PyObject *echo_answer(PyObject *module, PyObject *chunk) {
 
 static PyMethodDef module_methods[] = {
     {"echo_answer", (PyCFunction)echo_answer, METH_O, "The serialized ProcessingResponse C answers a chunk with."},
+    {"returned", (PyCFunction)io_take_returned, METH_NOARGS, "The connections the I/O thread handed back (to reclaim)."},
+    {"event_fd", (PyCFunction)io_event_fd, METH_NOARGS, "The eventfd the I/O thread signals when it hands back."},
     {NULL},
 };
 
@@ -562,7 +965,8 @@ PyMODINIT_FUNC PyInit__fast(void) {
     str_writelines = PyUnicode_InternFromString("writelines");
     str_slow = PyUnicode_InternFromString("_slow");
     str_error = PyUnicode_InternFromString("_error");
-    if (!str_frame || !str_keep || !str_slow || !str_error || !str_write || !str_writelines) return NULL;
+    str_lend = PyUnicode_InternFromString("_lend");
+    if (!str_lend || !str_frame || !str_keep || !str_slow || !str_error || !str_write || !str_writelines) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&StreamBaseType);

@@ -38,6 +38,13 @@ never opened, PUSH_PROMISE, frames over our 1 MiB, malformed PING/SETTINGS/RST_S
 WINDOW_UPDATE/GOAWAY, bad padding, bad HPACK); a stream error resets that stream only (DATA after
 the client's END_STREAM, a stream WINDOW_UPDATE of 0 or past 2^31-1). Tested in tests/wire.
 
+A plaintext connection whose open streams all echo (at most 4) is lent to a native I/O thread
+(:mod:`epp.wire._fast`, "The I/O thread"; ``io_thread``), which answers their middle chunks without
+waking the event loop and hands the connection back at any other frame; :meth:`Connection._reclaim`
+takes it back first wherever this side touches the connection (a send, a finish, a GOAWAY, a close),
+so that its state has one owner at a time. Why, and what it buys: :mod:`epp.extproc.processor`,
+"Transport".
+
 A message split over frames is reassembled in place (a bytearray), and a large answer is sent in
 frames cut from a view: both cost the message's size, not its size squared. ``python
 bench/wire_reassembly.py``: a 16 MiB message in 16 KiB frames (the default request body limit, one
@@ -48,15 +55,18 @@ when each frame copied what came before; now 34 and 23 ms (64 MiB: 84 s and 44 s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import struct
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import hpack
 
-from epp.wire._fast import ConnectionBase, StreamBase
+from epp.wire._fast import ConnectionBase, StreamBase, event_fd, returned
 
 __all__ = [
     "Call",
@@ -245,9 +255,11 @@ class Stream(StreamBase):
 
     def send(self, message: bytes) -> None:
         """Send one gRPC message (serialized) on this stream; nothing once it has ended."""
+        connection = self._connection
+        if connection.lent:
+            connection._reclaim()
         if self.ended:
             return
-        connection = self._connection
         if not self.headers_sent:
             self.headers_sent = True
             connection.write_frame(_HEADERS, _END_HEADERS, self.id, _RESPONSE_HEADERS)
@@ -265,15 +277,19 @@ class Stream(StreamBase):
 
     def flush(self) -> None:
         """Write what this connection has to send now (it is written at the end of a read anyway)."""
+        if self._connection.lent:
+            self._connection._reclaim()
         self._connection._flush()
 
     def finish(self, status: int = Status.OK, message: str = "") -> None:
         """End the call with ``status`` (trailers); later sends and finishes do nothing."""
+        connection = self._connection
+        if connection.lent:
+            connection._reclaim()
         if self.ended:
             return
         self.ended = True
         self.echo = 0
-        connection = self._connection
         if not self.headers_sent:  # trailers-only: the response headers and the status in one block
             self.headers_sent = True
             block = _RESPONSE_HEADERS + _trailers(status, message)
@@ -301,6 +317,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         on_close: Callable[[Connection], None] | None = None,
         on_bad_preface: Callable[[Connection, bytes], None] | None = None,
         max_concurrent_streams: int = 0,
+        io_thread: bool = False,
     ) -> None:
         ConnectionBase.__init__(self)  # streams, out, windows
         # Announced (SETTINGS_MAX_CONCURRENT_STREAMS) when given, not enforced: a client that honours it
@@ -324,6 +341,10 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self.going_away = False  # we sent GOAWAY: no new streams
         self.opened_mark = 0  # streams_opened when the server last compared its connections (rebalancing)
         self.idle: asyncio.Event | None = None  # set when going away and the last stream ended
+        self._io_thread = io_thread  # lend the socket to the I/O thread while every stream echoes
+        self._fd = -1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._unread: bytes | None = None  # what the I/O thread handed back, read soon (see _reclaim)
 
     @property
     def started(self) -> bool:
@@ -336,12 +357,19 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self.transport = transport  # uvloop's transports do not subclass asyncio's: the C base takes any
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        sock = transport.get_extra_info("socket")
+        if self._io_thread and sock is not None and transport.get_extra_info("sslcontext") is None:
+            self._fd = sock.fileno()
+            self._loop = asyncio.get_running_loop()
+            self.lend_ok = 1
         # Our SETTINGS, then open the connection's receive window to the maximum.
         self.write_frame(_SETTINGS, 0, 0, self._our_settings)
         self.write_frame(_WINDOW_UPDATE, 0, 0, struct.pack(">I", _MAX_WINDOW - 65_535))
         self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.reclaim()  # (if lent: the thread lets go of it; what it held is of no use now)
+        self.lend_ok = 0
         self.closed = 1
         self._cancel_all()
         if self.idle is not None:
@@ -383,6 +411,66 @@ class Connection(ConnectionBase, asyncio.Protocol):
             return
         self.reading = 0
         self._flush()
+        if self.lend_ok:
+            self._check_lend()
+
+    # -- the I/O thread (epp.wire._fast) ----------------------------------------------------------
+
+    def _lend(self) -> None:
+        """Every open stream echoes (the C read path's call, at the end of a read): from now on the
+        I/O thread reads the socket and answers their middle chunks, until a frame it does not answer
+        hands the connection back (:func:`_returns`) or this side needs it (:meth:`_reclaim`)."""
+        transport = self.transport
+        if (
+            self._unread is not None
+            or self.going_away
+            or self.flush_scheduled
+            or transport is None
+            or transport.is_closing()
+            or transport.get_write_buffer_size()
+        ):
+            return
+        loop = self._loop
+        assert loop is not None
+        try:
+            _watch_returns(loop)
+            transport.pause_reading()
+            lent = self.lend(self._fd)
+        except Exception as exc:  # (an OSError from epoll, say): this connection's chunks stay the loop's
+            log.warning("cannot lend the connection from %s to the I/O thread (%s); not trying again", self.peer, exc)
+            self.lend_ok = 0
+            lent = False
+        if not lent:
+            transport.resume_reading()
+
+    def _reclaim(self, now: bool = False) -> None:
+        """Take the connection back from the I/O thread (nothing if it is not lent): write the answers it
+        could not, read the socket again, and read what it handed back, ``now`` or at the loop's next
+        turn (not inside whatever call of this side needed the connection)."""
+        taken = self.reclaim()
+        if taken is None:
+            return
+        unsent, unread = taken
+        transport = self.transport
+        if transport is None or self.closed:
+            return
+        if unsent:
+            transport.write(unsent)
+        if not unread:
+            transport.resume_reading()
+        elif now:
+            transport.resume_reading()
+            self.data_received(unread)
+        else:
+            self._unread = unread
+            asyncio.get_running_loop().call_soon(self._read_unread)
+
+    def _read_unread(self) -> None:
+        unread, self._unread = self._unread, None
+        if self.closed or unread is None or self.transport is None:
+            return
+        self.transport.resume_reading()
+        self.data_received(unread)
 
     def _keep(self, data: bytes, position: int) -> None:
         """The start of a frame not yet whole: kept until the rest arrives."""
@@ -714,6 +802,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
     # -- writing --------------------------------------------------------------------------------
 
     def write_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self.lent:
+            self._reclaim()
         self.out.append(_FRAME.pack(len(payload) << 8 | kind, flags, stream_id))
         if payload:
             self.out.append(payload)
@@ -793,6 +883,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
         """Tell the peer to open no more streams (the open ones run to their end)."""
         if self.closed:
             return
+        if self.lent:
+            self._reclaim()
         self.going_away = True
         self.write_frame(_GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + reason.encode()[:256])
 
@@ -805,6 +897,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self._check_idle()
 
     def _abort(self) -> None:
+        self.reclaim()
+        self.lend_ok = 0
         if self.transport is not None and not self.closed:
             self.closed = 1
             self.transport.close()
@@ -816,6 +910,9 @@ class Connection(ConnectionBase, asyncio.Protocol):
         (Not when the transport reports the connection lost: a TLS transport first waits for the
         peer's answer to its close_notify, up to the loop's SSL shutdown timeout.)
         """
+        if self.lent:
+            self._reclaim()  # (its unsent answers are written before the close)
+        self.lend_ok = 0
         self._flush()
         if self.transport is not None and not self.closed:
             self.closed = 1
@@ -830,6 +927,29 @@ class Connection(ConnectionBase, asyncio.Protocol):
         for stream in streams:
             self._cancel(stream)
         self._check_idle()
+
+
+_watched: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def _watch_returns(loop: asyncio.AbstractEventLoop) -> None:
+    """Have ``loop`` reclaim the connections the I/O thread hands back (once per loop)."""
+    if loop not in _watched:
+        fd = event_fd()
+        loop.add_reader(fd, _returns, fd)
+        _watched.add(loop)
+
+
+def _returns(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        os.read(fd, 8)
+    running = asyncio.get_running_loop()
+    for connection in returned():
+        loop = connection._loop
+        if loop is running:
+            connection._reclaim(now=True)
+        elif loop is not None and not loop.is_closed():  # another loop's connection (another thread)
+            loop.call_soon_threadsafe(connection._reclaim, True)
 
 
 class _ConnectionError(Exception):

@@ -70,8 +70,10 @@ class GrpcServer:
         flag: str = "the port",
         max_concurrent_streams: int = 0,
         first_bytes_timeout: float = _FIRST_BYTES_TIMEOUT,
+        io_thread: bool = True,
     ) -> None:
         self._methods = methods
+        self._io_thread = io_thread and ssl_context is None
         self._max_streams = max_concurrent_streams  # announced per connection when given (see Connection)
         self._ssl = ssl_context
         if ssl_context is not None:
@@ -190,6 +192,7 @@ class GrpcServer:
             on_close=self._connections.discard,
             on_bad_preface=self._bad_preface,
             max_concurrent_streams=self._max_streams,
+            io_thread=self._io_thread,
         )
         self._connections.add(connection)
         if self._stopping:

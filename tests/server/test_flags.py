@@ -196,6 +196,7 @@ def test_upstream_helm_chart_arguments_are_accepted(tmp_path: Path) -> None:
         (["--metrics-port", "3"], "metrics_port", 3),
         (["-bind-address", "127.0.0.1"], "bind_address", "127.0.0.1"),
         (["-cert-path", "/certs"], "cert_path", "/certs"),
+        (["-io-thread=false"], "io_thread", False),
         (["-config-text", "kind: x"], "config_text", "kind: x"),
         (["-max-request-body-bytes", "1024"], "max_request_body_bytes", 1024),
         (["-shutdown-grace-period", "2.5s"], "shutdown_grace_seconds", 2.5),
