@@ -662,6 +662,12 @@ def num_gpu_blocks(opts: Options) -> int:
     return max(1024, round(opts.cache_fraction * working_set_blocks))
 
 
+def _picker_flags(policy: str) -> tuple[str, list[str]]:
+    """A picker policy and the extra flags it names: ``default+io-thread=false`` -> (default, [--io-thread=false])."""
+    base, *flags = policy.split("+")
+    return base, [f"--{flag}" for flag in flags]
+
+
 def _peer(policy: str) -> tuple[str, str] | None:
     """(router kind, its policy) for a peer policy (``sglang-router``, ``vllm-router:round_robin``), else None."""
     kind, _, peer_policy = policy.partition(":")
@@ -691,8 +697,9 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
                 bootstrap = render_round_robin(BootstrapOptions(listen_address="127.0.0.1", listen_port=0,
                                                                 admin_port=0, pool_endpoints=tuple(sim.pods)))
             else:
-                config = _QUEUE_KV_CONFIG if policy == "queue-kv" else policy.removeprefix("config:")
-                extra = ["--config-file", str(config)] if policy != "default" else []
+                base, flags = _picker_flags(policy)
+                config = _QUEUE_KV_CONFIG if base == "queue-kv" else base.removeprefix("config:")
+                extra = (["--config-file", str(config)] if base != "default" else []) + flags
                 picker = PickerProcess(sim.pods, extra_args=extra)
                 picker.start()
                 bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
@@ -853,6 +860,8 @@ class Options:
 
 def _check_policy(policy: str) -> None:
     peer = _peer(policy)
+    if peer is None:
+        policy = _picker_flags(policy)[0]
     if policy.startswith("config:"):
         if not Path(policy.removeprefix("config:")).is_file():
             raise ValueError(f"policy {policy!r}: no such file")
@@ -1158,6 +1167,7 @@ def _parser(preset: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(d.workloads), help="comma-separated, of " + ",".join(WORKLOADS))
     p.add_argument("--policies", default=",".join(d.policies),
                    help=f"comma-separated, of {','.join(POLICIES)}; config:PATH (the picker with that config); "
+                        "a picker policy +FLAG=VALUE the picker with --FLAG=VALUE (default+io-thread=false); "
                         f"sglang-router and vllm-router are their {_PEER_POLICY}, KIND:POLICY another of theirs")
     p.add_argument("--rounds", type=int, default=d.rounds,
                    help="run every workload x policy this many times (policies alternating); tables show medians")

@@ -12,17 +12,17 @@ SSE event is one ext_proc message each way. This bench measures that cost throug
   picker sees the response headers and the stream's end, no chunk (and so no usage tokens).
 
 The echo backends (:mod:`epp.testing.backends`) answer ``"stream": true`` with ``max_tokens`` SSE
-events, ``--token-interval`` seconds apart (default 2 ms, so that Envoy forwards events one by one, as a
-decoding engine's are). For each number of events and each concurrency (``--streams``: 1 stream at a
-time, then 16 at once), both modes run the same requests, alternating for ``--rounds`` rounds; the
-table gives medians of: the picker's CPU ms per request and µs per ext_proc message it answered (from
-``/proc``, user + system, worker processes included) and the kernel's share of it (system over user +
-system in the run: at one stream most of a chunk's cost is the kernel's, the wake-up, the syscalls and,
-on loopback, the TCP work of Envoy's side that the picker's sends run), Envoy's CPU ms per request in
-both modes, and the ext_proc messages per request (Envoy's own ``ext_proc`` stream counters). The picker's CPU is counted
-above its idle rate (measured for ``--idle-seconds`` before the load: scraping the pods, timers),
-which would otherwise be charged to the messages of slow streams. A 1 KB prompt by default;
-``--prompt-bytes 409600`` for the 400 KB case.
+events, ``--token-interval`` seconds apart (default 2 ms, so that Envoy forwards events one by one,
+as a decoding engine's are). For each number of events and each concurrency (``--streams``: 1 stream
+at a time, then 16 at once), both modes run the same requests, alternating for ``--rounds`` rounds;
+the table gives medians of: the picker's CPU ms per request and µs per ext_proc message it answered
+(from ``/proc``, user + system, worker processes included) and the kernel's share of it (system over
+user + system in the run: at one stream most of a chunk's cost is the kernel's, the wake-up, the
+syscalls and, on loopback, the TCP work of Envoy's side that the picker's sends run), Envoy's CPU ms
+per request in both modes, and the ext_proc messages per request (Envoy's own ``ext_proc`` stream
+counters). The picker's CPU is counted above its idle rate (measured for ``--idle-seconds`` before
+the load: scraping the pods, timers), which would otherwise be charged to the messages of slow
+streams. A 1 KB prompt by default; ``--prompt-bytes 409600`` for the 400 KB case.
 
     python bench/streaming_cost.py [--events 16,256,1024] [--streams 1,16] [--requests 20] [--rounds 3]
                                    [--prompt-bytes 1024] [--baseline-python /other/tree/.venv/bin/python]
@@ -148,7 +148,8 @@ def _print(runs: list[Run], args: argparse.Namespace) -> None:
         f"{args.requests} requests per round, {args.rounds} rounds, medians\n"
     )
     header = (
-        f"{'picker':>6} {'events':>6} {'streams':>7} | {'picker ms/req':>13} {'µs/message':>10} {'messages/req':>12} {'kernel':>6} | "
+        f"{'picker':>6} {'events':>6} {'streams':>7} | {'picker ms/req':>13} {'µs/message':>10} {'messages/req':>12} "
+        f"{'kernel':>6} | "
         f"{'Envoy ms/req (epp)':>18} {'(direct)':>9} | {'SSE lines/req':>13} | errors"
     )
     print(header)
@@ -165,7 +166,8 @@ def _print(runs: list[Run], args: argparse.Namespace) -> None:
                 per_message = statistics.median((r.picker_cpu_ms or 0.0) * 1e3 / (r.messages or 1.0) for r in picked)
                 kernel = statistics.median(r.kernel_share or 0.0 for r in picked)
                 print(
-                    f"{mode:>6} {events:>6} {streams:>7} | {picker:13.2f} {per_message:10.1f} {messages:12.1f} {kernel:6.0%} | "
+                    f"{mode:>6} {events:>6} {streams:>7} | {picker:13.2f} {per_message:10.1f} {messages:12.1f} "
+                    f"{kernel:6.0%} | "
                     f"{statistics.median(r.envoy_cpu_ms for r in picked):18.2f} "
                     f"{statistics.median(r.envoy_cpu_ms for r in direct):9.2f} | "
                     f"{statistics.median(r.chunks for r in picked):13.1f} | {sum(r.errors for r in picked + direct)}"

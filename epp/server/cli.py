@@ -71,7 +71,8 @@ SERVE_FLAGS = FlagSet(
             "io-thread",
             True,
             "this project's, not upstream's: with --secure-serving=false, a native thread answers the middle "
-            "chunks of streamed responses while a connection has at most 4 streams open (less CPU per chunk); "
+            "chunks of streamed responses while a connection has at most 4 streams open, each past its 32nd chunk "
+            "(less CPU per chunk); "
             "false: the event loop answers every message",
         ),
         make_flag("config-file", "", "EndpointPickerConfig YAML file"),

@@ -209,6 +209,11 @@ static int buf_reserve(Buffer *b, size_t more) {
 }
 
 #define MAX_LENT_STREAMS 64
+/* A connection is lent only once each open stream has had this many response chunks: a lend and its
+ * hand-back cost about two wake-ups of the event loop, which a short stream's chunks do not repay
+ * (measured: bench/routing_quality.py's 16-token streams cost the picker 7-15% more CPU when lent at
+ * their first chunk; see epp/extproc/processor.py, "Transport"). */
+#define LEND_AFTER_CHUNKS 32
 
 typedef struct {
     PyObject_HEAD
@@ -502,7 +507,8 @@ static Py_ssize_t run_frames(ConnectionBase *self, PyObject *data, Py_ssize_t po
 /* ---- The I/O thread ------------------------------------------------------------------------------
  *
  * One native thread per process, started at the first lend, with its own epoll and an eventfd to the
- * event loop. A connection is lent to it (ConnectionBase.lend) when every open stream echoes: uvloop
+ * event loop. A connection is lent to it (ConnectionBase.lend) when every open stream echoes (at most
+ * lend_max of them, each past LEND_AFTER_CHUNKS): uvloop
  * stops reading the socket, this thread reads it, and answers the middle chunks (echo_core) without
  * the GIL and without waking the event loop. The first frame it cannot answer (anything but such a
  * chunk: a new stream's HEADERS, the last chunk, a WINDOW_UPDATE, a PING, ...), the peer's end or an
@@ -523,6 +529,7 @@ typedef struct {
     uint32_t gen;
 } Slot;
 
+static long long lend_after = LEND_AFTER_CHUNKS; /* (tests lower it: set_lend_after) */
 static pthread_mutex_t io_mutex = PTHREAD_MUTEX_INITIALIZER;
 static int io_epoll = -1, io_event = -1;
 static pid_t io_pid = 0;
@@ -563,14 +570,18 @@ static int io_serve(ConnectionBase *c, Buffer *out) {
             back = 1;
             break;
         }
-        if (9 + length > c->in.len - position) break; /* not yet whole */
         StreamBase *stream = NULL;
-        if (frame[3] == 0) {
+        if (frame[3] == 0 && !(frame[4] & 0x09)) { /* DATA, neither END_STREAM nor PADDED */
             uint32_t id = be32(frame + 5) & 0x7FFFFFFF;
             for (int i = 0; i < c->n_lent; i++)
                 if (c->lent_ids[i] == id) stream = c->lent_streams[i];
         }
-        if (stream == NULL || !echo_core(c, stream, frame, length, out)) {
+        if (stream == NULL) { /* Python's, whole or not: handed back without waiting for the rest */
+            back = 1;
+            break;
+        }
+        if (9 + length > c->in.len - position) break; /* not yet whole */
+        if (!echo_core(c, stream, frame, length, out)) {
             back = 1;
             break;
         }
@@ -663,6 +674,11 @@ static int io_start(void) {
     return 0;
 }
 
+static int lendable_stream(PyObject *value) {
+    return PyObject_TypeCheck(value, &StreamBaseType) && ((StreamBase *)value)->echo &&
+           ((StreamBase *)value)->chunks >= lend_after;
+}
+
 /* lend(fd): give the connection to the I/O thread if every open stream echoes; True if lent. */
 static PyObject *conn_lend(ConnectionBase *self, PyObject *arg) {
     long fd = PyLong_AsLong(arg);
@@ -673,7 +689,7 @@ static PyObject *conn_lend(ConnectionBase *self, PyObject *arg) {
     Py_ssize_t position = 0;
     PyObject *key, *value;
     while (PyDict_Next(self->streams, &position, &key, &value)) {
-        if (!PyObject_TypeCheck(value, &StreamBaseType) || !((StreamBase *)value)->echo) Py_RETURN_FALSE;
+        if (!lendable_stream(value)) Py_RETURN_FALSE;
     }
     if (io_start() < 0) return PyErr_SetFromErrno(PyExc_OSError);
     pthread_mutex_lock(&io_mutex);
@@ -786,6 +802,16 @@ static PyObject *io_take_returned(PyObject *module, PyObject *unused) {
     return list;
 }
 
+/* set_lend_after(n): lend a connection once each open stream has had n chunks (the default 32); the
+ * previous value. For tests and measurements. */
+static PyObject *io_set_lend_after(PyObject *module, PyObject *arg) {
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    long long previous = lend_after;
+    lend_after = n < 1 ? 1 : n;
+    return PyLong_FromLongLong(previous);
+}
+
 /* event_fd(): the eventfd the thread signals when it hands a connection back (starts the thread). */
 static PyObject *io_event_fd(PyObject *module, PyObject *unused) {
     if (io_start() < 0) return PyErr_SetFromErrno(PyExc_OSError);
@@ -801,7 +827,7 @@ static int maybe_lend(ConnectionBase *self) {
     Py_ssize_t position = 0;
     PyObject *key, *value;
     while (PyDict_Next(self->streams, &position, &key, &value)) {
-        if (!PyObject_TypeCheck(value, &StreamBaseType) || !((StreamBase *)value)->echo) return 0;
+        if (!lendable_stream(value)) return 0;
     }
     PyObject *result = PyObject_CallMethodNoArgs((PyObject *)self, str_lend);
     if (result == NULL) return -1;
@@ -949,6 +975,8 @@ static PyMethodDef module_methods[] = {
     {"echo_answer", (PyCFunction)echo_answer, METH_O, "The serialized ProcessingResponse C answers a chunk with."},
     {"returned", (PyCFunction)io_take_returned, METH_NOARGS, "The connections the I/O thread handed back (to reclaim)."},
     {"event_fd", (PyCFunction)io_event_fd, METH_NOARGS, "The eventfd the I/O thread signals when it hands back."},
+    {"set_lend_after", (PyCFunction)io_set_lend_after, METH_O,
+     "Lend a connection once each open stream has had this many chunks; returns the previous value."},
     {NULL},
 };
 

@@ -38,7 +38,7 @@ never opened, PUSH_PROMISE, frames over our 1 MiB, malformed PING/SETTINGS/RST_S
 WINDOW_UPDATE/GOAWAY, bad padding, bad HPACK); a stream error resets that stream only (DATA after
 the client's END_STREAM, a stream WINDOW_UPDATE of 0 or past 2^31-1). Tested in tests/wire.
 
-A plaintext connection whose open streams all echo (at most 4) is lent to a native I/O thread
+A plaintext connection whose open streams all echo (at most 4, each past its 32nd chunk) is lent to a native I/O thread
 (:mod:`epp.wire._fast`, "The I/O thread"; ``io_thread``), which answers their middle chunks without
 waking the event loop and hands the connection back at any other frame; :meth:`Connection._reclaim`
 takes it back first wherever this side touches the connection (a send, a finish, a GOAWAY, a close),

@@ -132,6 +132,13 @@ def test_bad_options_are_refused_with_a_message(change: dict, message: str) -> N
         rq.Options(**{**_TINY, **change})
 
 
+def test_a_picker_policy_names_extra_picker_flags() -> None:
+    assert rq._picker_flags("default+io-thread=false") == ("default", ["--io-thread=false"])
+    rq.Options(**{**_TINY, "policies": ("default+io-thread=false",)})  # accepted
+    with pytest.raises(ValueError, match="unknown policy 'random'"):
+        rq.Options(**{**_TINY, "policies": ("random+io-thread=false",)})
+
+
 def test_main_refuses_an_unknown_workload_without_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
     assert rq.main(["--workloads", "a,z"]) == 2
     assert "unknown workload 'z'" in capsys.readouterr().err

@@ -51,8 +51,9 @@ def _sum(page: str, family: str) -> float:
 
 
 def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(tier: Tier) -> None:
-    # 1,500 tokens, one SSE event each: the middle chunks are answered by the picker's C read path,
-    # the last one carries the usage it reads (epp.wire, epp.extproc.usage).
+    # 1,500 tokens, one SSE event each: the middle chunks are answered by the picker's I/O thread (a
+    # plaintext port, one stream: the connection is lent to it), the last one carries the usage it
+    # reads (epp.wire, epp.extproc.usage).
     metrics = f"http://127.0.0.1:{tier.picker.metrics_port}/metrics"
     before = get(metrics)[1].decode()
     made = {name: s.counter("vllm:generation_tokens_total") for name, s in tier.servers.items()}

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import random
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import pytest
 
 from epp.server.tls import self_signed_certificate
+from epp.wire._fast import set_lend_after
 from epp.wire.http2 import Connection, Stream
 from epp.wire.server import GrpcServer, bind_socket
 from tests.conftest import eventually
@@ -85,6 +86,14 @@ class Lending:
         assert self.client.peer.streams[stream_id].messages == expected
 
 
+@pytest.fixture(autouse=True)
+def lend_at_once() -> Iterator[None]:
+    """Lend as soon as every stream echoes (the default waits for 32 chunks a stream; its own test below)."""
+    previous = set_lend_after(1)
+    yield
+    set_lend_after(previous)
+
+
 @pytest.fixture
 async def lending() -> AsyncIterator[Lending]:
     calls: dict[int, BodyEcho] = {}
@@ -122,6 +131,26 @@ async def test_middle_chunks_are_answered_by_the_thread_the_first_and_last_by_th
     assert call.stream.response_bytes == sum(map(len, lending.sent[1]))
     assert call.stream.tail() == lending.sent[1][-4:]
     assert connection.lent == 0 and connection.lends == 1
+
+
+async def test_by_default_a_connection_is_lent_once_its_streams_have_had_32_chunks(lending: Lending) -> None:
+    set_lend_after(32)  # the default: a short stream's chunks would not repay a lend and its hand-back
+    await lending.start(1)
+    connection = lending.connection
+    for index in range(30):
+        await lending.chunk(1, _middle(index))
+    assert connection.lends == 0  # 31 chunks so far
+    await lending.chunk(1, _middle(30))
+    assert connection.lent == 1  # the 32nd read ends with the connection lent
+    for index in range(31, 40):
+        await lending.chunk(1, _middle(index))
+    assert connection.thread_chunks == 9
+    await lending.start(3)  # a new stream: handed back, and not lent again until it has had 32 chunks too
+    for index in range(40, 50):
+        await lending.chunk(1, _middle(index))
+    assert connection.lends == 1 and connection.thread_chunks == 9
+    await lending.end(1)
+    await lending.end(3)
 
 
 async def test_chunks_back_to_back_and_a_frame_split_across_reads_are_answered_in_order(lending: Lending) -> None:
