@@ -405,21 +405,23 @@ async def test_lent_streams_and_connections_are_freed_once_done() -> None:
         calls[stream.id] = call = BodyEcho(stream)
         return call
 
-    server = GrpcServer({PATH: handler}, first_bytes_timeout=0.1)  # (its timer holds the connection until then)
-    port = server.serve_socket(bind_socket("127.0.0.1", 0))
-    client = await Client.connect(port)
-    lending = Lending(server, client, calls, Recorder(), {})
-    await asyncio.sleep(0.15)
-    for stream_id in range(1, 41, 2):
-        await lending.start(stream_id)
-        for index in range(3):
-            await lending.chunk(stream_id, _middle(index))
-        await lending.end(stream_id)
-    assert lending.connection.lends == 20 and lending.connection.thread_chunks == 60
-    await client.close()
-    await server.stop(0)
-    await eventually(lambda: server.connections == 0, "the connection closed")
-    del lending, server
+    async def serve() -> None:
+        server = GrpcServer({PATH: handler}, first_bytes_timeout=0.1)  # (its timer holds the connection till then)
+        port = server.serve_socket(bind_socket("127.0.0.1", 0))
+        client = await Client.connect(port)
+        lending = Lending(server, client, calls, Recorder(), {})
+        await asyncio.sleep(0.15)
+        for stream_id in range(1, 41, 2):
+            await lending.start(stream_id)
+            for index in range(3):
+                await lending.chunk(stream_id, _middle(index))
+            await lending.end(stream_id)
+        assert lending.connection.lends == 20 and lending.connection.thread_chunks == 60
+        await client.close()
+        await server.stop(0)
+        await eventually(lambda: server.connections == 0, "the connection closed")
+
+    await serve()
     calls.clear()
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, (Stream, ConnectionType))]
