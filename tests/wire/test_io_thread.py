@@ -12,10 +12,14 @@ calls see what they would have seen, and the thread did answer the middle chunks
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import random
 import ssl
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,8 +98,9 @@ def lend_at_once() -> Iterator[None]:
     set_lend_after(previous)
 
 
-@pytest.fixture
-async def lending() -> AsyncIterator[Lending]:
+@contextlib.asynccontextmanager
+async def _serving(*, client_ssl: ssl.SSLContext | None = None, **options: Any) -> AsyncIterator[Lending]:
+    """A server of ext_proc-like streams (and a unary echo), and a raw client connected to it."""
     calls: dict[int, BodyEcho] = {}
 
     def handler(stream: Stream) -> BodyEcho:
@@ -103,12 +108,20 @@ async def lending() -> AsyncIterator[Lending]:
         return call
 
     recorder = Recorder()
-    server = GrpcServer({PATH: handler, ECHO: recorder}, flag="--grpc-port test")
+    server = GrpcServer({PATH: handler, ECHO: recorder}, flag="--grpc-port test", **options)  # type: ignore[arg-type]
     port = server.serve_socket(bind_socket("127.0.0.1", 0))
-    client = await Client.connect(port)
-    yield Lending(server, client, calls, recorder, {})
-    await client.close()
-    await server.stop(0)
+    client = await Client.connect(port, ssl_context=client_ssl)
+    try:
+        yield Lending(server, client, calls, recorder, {})
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+@pytest.fixture
+async def lending() -> AsyncIterator[Lending]:
+    async with _serving() as running:
+        yield running
 
 
 def _middle(index: int) -> bytes:
@@ -339,89 +352,45 @@ async def test_random_interleavings_are_answered_as_the_event_loop_alone_would(l
     assert lending.connection.thread_chunks > 0
 
 
-async def test_a_tls_connection_is_never_lent(tmp_path: object) -> None:
-    import pathlib
-
+async def test_a_tls_connection_is_never_lent(tmp_path: Path) -> None:
     certificate, key = self_signed_certificate()
-    directory = pathlib.Path(str(tmp_path))
-    (directory / "tls.crt").write_bytes(certificate)
-    (directory / "tls.key").write_bytes(key)
+    (tmp_path / "tls.crt").write_bytes(certificate)
+    (tmp_path / "tls.key").write_bytes(key)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(directory / "tls.crt", directory / "tls.key")
-    calls: dict[int, BodyEcho] = {}
-
-    def handler(stream: Stream) -> BodyEcho:
-        calls[stream.id] = call = BodyEcho(stream)
-        return call
-
-    server = GrpcServer({PATH: handler}, ssl_context=context)
-    port = server.serve_socket(bind_socket("127.0.0.1", 0))
+    context.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
     client_context = ssl.create_default_context(cadata=certificate.decode())
     client_context.set_alpn_protocols(["h2"])
-    client = await Client.connect(port, ssl_context=client_context)
-    lending = Lending(server, client, calls, Recorder(), {})
-    try:
+    async with _serving(ssl_context=context, client_ssl=client_context) as lending:
         await lending.start(1)
         for index in range(5):
             await lending.chunk(1, _middle(index))
         await lending.end(1)
         assert lending.connection.lends == 0 and lending.connection.thread_chunks == 0
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_without_the_io_thread_nothing_is_lent() -> None:
-    calls: dict[int, BodyEcho] = {}
-
-    def handler(stream: Stream) -> BodyEcho:
-        calls[stream.id] = call = BodyEcho(stream)
-        return call
-
-    server = GrpcServer({PATH: handler}, io_thread=False)
-    port = server.serve_socket(bind_socket("127.0.0.1", 0))
-    client = await Client.connect(port)
-    lending = Lending(server, client, calls, Recorder(), {})
-    try:
+    async with _serving(io_thread=False) as lending:
         await lending.start(1)
         for index in range(5):
             await lending.chunk(1, _middle(index))
         await lending.end(1)
         assert lending.connection.lends == 0
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_lent_streams_and_connections_are_freed_once_done() -> None:
     # The thread holds references while a connection is lent: every one must be let go at the reclaim.
-    import gc
-
-    from epp.wire.http2 import Connection as ConnectionType
-
-    calls: dict[int, BodyEcho] = {}
-
-    def handler(stream: Stream) -> BodyEcho:
-        calls[stream.id] = call = BodyEcho(stream)
-        return call
-
     async def serve() -> None:
-        server = GrpcServer({PATH: handler}, first_bytes_timeout=0.1)  # (its timer holds the connection till then)
-        port = server.serve_socket(bind_socket("127.0.0.1", 0))
-        client = await Client.connect(port)
-        lending = Lending(server, client, calls, Recorder(), {})
-        await asyncio.sleep(0.15)
-        for stream_id in range(1, 41, 2):
-            await lending.start(stream_id)
-            for index in range(3):
-                await lending.chunk(stream_id, _middle(index))
-            await lending.end(stream_id)
-        assert lending.connection.lends == 20 and lending.connection.thread_chunks == 60
-        await client.close()
-        await server.stop(0)
+        async with _serving(first_bytes_timeout=0.1) as lending:  # (its timer holds the connection till then)
+            await asyncio.sleep(0.15)
+            for stream_id in range(1, 41, 2):
+                await lending.start(stream_id)
+                for index in range(3):
+                    await lending.chunk(stream_id, _middle(index))
+                await lending.end(stream_id)
+            assert lending.connection.lends == 20 and lending.connection.thread_chunks == 60
+            server = lending.server
         await eventually(lambda: server.connections == 0, "the connection closed")
 
     await serve()
-    calls.clear()
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, (Stream, ConnectionType))]
+    assert not [o for o in gc.get_objects() if isinstance(o, (Stream, Connection))]
