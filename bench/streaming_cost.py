@@ -117,15 +117,15 @@ def _measure(
     idle: float = 0.0,
 ) -> Run:
     url = f"http://127.0.0.1:{envoy.listen_port}/v1/completions"
-    picker_before = cpu_seconds(picker_pid) if picker_pid else 0.0
-    times_before = cpu_times(picker_pid) if picker_pid else (0.0, 0.0)
+    picker_before = cpu_times(picker_pid) if picker_pid else (0.0, 0.0)
     envoy_before = cpu_seconds(envoy.pid, children=False)
     messages_before = _envoy_messages(envoy) if picker_pid else 0
     start = time.monotonic()
     errors, lines = asyncio.run(_load(url, body, requests, streams))
     elapsed = time.monotonic() - start
-    picker_used = cpu_seconds(picker_pid) - picker_before - idle * elapsed if picker_pid else 0.0
-    user, system = (a - b for a, b in zip(cpu_times(picker_pid), times_before, strict=True)) if picker_pid else (0, 0)
+    picker_after = cpu_times(picker_pid) if picker_pid else (0.0, 0.0)
+    user, system = picker_after[0] - picker_before[0], picker_after[1] - picker_before[1]
+    picker_used = user + system - idle * elapsed
     envoy_used = cpu_seconds(envoy.pid, children=False) - envoy_before
     messages = _envoy_messages(envoy) - messages_before if picker_pid else 0
     return Run(

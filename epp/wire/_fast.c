@@ -89,10 +89,6 @@ static int tail_push(StreamBase *self, const char *data, size_t size) {
     return 0;
 }
 
-static int stream_traverse(StreamBase *self, visitproc visit, void *arg) {
-    return 0;
-}
-
 static void tail_clear(StreamBase *self) {
     for (int i = 0; i < self->tail_len; i++) {
         Piece *slot = &self->tail[(self->tail_start + i) % self->tail_cap];
@@ -103,12 +99,7 @@ static void tail_clear(StreamBase *self) {
     self->tail_start = 0;
 }
 
-static int stream_clear(StreamBase *self) {
-    return 0;
-}
-
 static void stream_dealloc(StreamBase *self) {
-    PyObject_GC_UnTrack(self);
     tail_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -179,13 +170,11 @@ static PyTypeObject StreamBaseType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "epp.wire._fast.StreamBase",
     .tp_basicsize = sizeof(StreamBase),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE, /* it holds no Python object (subclasses may) */
     .tp_doc = "One HTTP/2 stream's flow-control windows and its response body tally.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)stream_init,
     .tp_dealloc = (destructor)stream_dealloc,
-    .tp_traverse = (traverseproc)stream_traverse,
-    .tp_clear = (inquiry)stream_clear,
     .tp_methods = stream_methods,
     .tp_members = stream_members,
 };
@@ -208,7 +197,10 @@ static int buf_reserve(Buffer *b, size_t more) {
     return 0;
 }
 
-#define MAX_LENT_STREAMS 64
+/* A connection is lent only with at most this many streams open: past that its reads carry several
+ * chunks each, which the loop answers as cheaply, and it would be handed back and forth at every new
+ * stream and last chunk (measured with 64: 16 streams cost more; epp/extproc/processor.py). */
+#define LEND_MAX_STREAMS 4
 /* A connection is lent only once each open stream has had this many response chunks: a lend and its
  * hand-back cost about two wake-ups of the event loop, which a short stream's chunks do not repay
  * (measured: bench/routing_quality.py's 16-token streams cost the picker 7-15% more CPU when lent at
@@ -230,12 +222,11 @@ typedef struct {
     /* Lending to the I/O thread (see "The I/O thread" below); all under io_mutex. */
     int lend_ok;        /* 1: this connection may be lent (plaintext, a socket of its own) */
     int lent;           /* 0 Python's; 1 the thread's; 2 handed back, waiting for Python's reclaim */
-    int lend_max;       /* lend only with at most this many streams open (<= MAX_LENT_STREAMS) */
     int fd;
     uint32_t slot;
     int n_lent;
-    uint32_t lent_ids[MAX_LENT_STREAMS];
-    StreamBase *lent_streams[MAX_LENT_STREAMS]; /* strong references while lent */
+    uint32_t lent_ids[LEND_MAX_STREAMS];
+    StreamBase *lent_streams[LEND_MAX_STREAMS]; /* strong references while lent */
     Buffer in;          /* bytes the thread read and has not answered (a partial frame, or what it hands back) */
     Buffer unsent;      /* answers the thread could not write (the socket was full): Python writes them first */
     unsigned long long lends, thread_chunks; /* counters, for tests and benchmarks */
@@ -274,7 +265,6 @@ static int conn_init(ConnectionBase *self, PyObject *args, PyObject *kwds) {
     self->window = 65535;
     self->max_frame = 16384;
     self->fd = -1;
-    self->lend_max = 4;
     return 0;
 }
 
@@ -391,8 +381,8 @@ static void write_answer(unsigned char *p, uint32_t stream_id, const unsigned ch
     memcpy(p, body, n);
 }
 
-static int put_window_update(Buffer *out, uint32_t stream_id, long long increment) {
-    if (buf_reserve(out, 13) < 0) return -1;
+/* A WINDOW_UPDATE frame onto out, whose room the caller reserved. */
+static void put_window_update(Buffer *out, uint32_t stream_id, long long increment) {
     unsigned char frame[13] = {0, 0, 4, 8, 0,
                                (unsigned char)(stream_id >> 24), (unsigned char)(stream_id >> 16),
                                (unsigned char)(stream_id >> 8), (unsigned char)stream_id,
@@ -400,7 +390,6 @@ static int put_window_update(Buffer *out, uint32_t stream_id, long long incremen
                                (unsigned char)(increment >> 8), (unsigned char)increment};
     memcpy(out->data + out->len, frame, 13);
     out->len += 13;
-    return 0;
 }
 
 /* Answer the DATA frame at `frame` (payload of `length` bytes) of `stream` if C may: its answer (and
@@ -420,7 +409,7 @@ static int echo_core(ConnectionBase *self, StreamBase *stream, const unsigned ch
     long long sent = (long long)(5 + message);
     if (sent > self->max_frame || sent > stream->window || sent > self->window) return 0;
     const unsigned char *body = payload + 5 + offset;
-    if (buf_reserve(out, size + 26) < 0) return 0;
+    if (buf_reserve(out, size + 26) < 0) return 0; /* the answer and two WINDOW_UPDATEs */
     if (tail_push(stream, (const char *)body, n) < 0) return 0;
     write_answer(out->data + out->len, stream_id, body, n, message);
     out->len += size;
@@ -508,8 +497,8 @@ static Py_ssize_t run_frames(ConnectionBase *self, PyObject *data, Py_ssize_t po
  *
  * One native thread per process, started at the first lend, with its own epoll and an eventfd to the
  * event loop. A connection is lent to it (ConnectionBase.lend) when every open stream echoes (at most
- * lend_max of them, each past LEND_AFTER_CHUNKS): uvloop
- * stops reading the socket, this thread reads it, and answers the middle chunks (echo_core) without
+ * LEND_MAX_STREAMS of them, each past LEND_AFTER_CHUNKS): uvloop stops reading the socket, this thread
+ * reads it, and answers the middle chunks (echo_core) without
  * the GIL and without waking the event loop. The first frame it cannot answer (anything but such a
  * chunk: a new stream's HEADERS, the last chunk, a WINDOW_UPDATE, a PING, ...), the peer's end or an
  * error, or an answer the socket cannot take now, hands the connection back: the socket leaves this
@@ -674,23 +663,27 @@ static int io_start(void) {
     return 0;
 }
 
-static int lendable_stream(PyObject *value) {
-    return PyObject_TypeCheck(value, &StreamBaseType) && ((StreamBase *)value)->echo &&
-           ((StreamBase *)value)->chunks >= lend_after;
+/* The connection may be lent now: not lent or closed, no partial frame or header block, and 1 to
+ * LEND_MAX_STREAMS streams open, each echoing and past lend_after chunks. */
+static int lendable(ConnectionBase *self) {
+    if (self->lent || self->closed || !self->plain) return 0;
+    Py_ssize_t count = PyDict_GET_SIZE(self->streams);
+    if (count == 0 || count > LEND_MAX_STREAMS) return 0;
+    Py_ssize_t position = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(self->streams, &position, &key, &value)) {
+        if (!PyObject_TypeCheck(value, &StreamBaseType)) return 0;
+        StreamBase *stream = (StreamBase *)value;
+        if (!stream->echo || stream->chunks < lend_after) return 0;
+    }
+    return 1;
 }
 
 /* lend(fd): give the connection to the I/O thread if every open stream echoes; True if lent. */
 static PyObject *conn_lend(ConnectionBase *self, PyObject *arg) {
     long fd = PyLong_AsLong(arg);
     if (fd == -1 && PyErr_Occurred()) return NULL;
-    if (self->lent || self->closed || !self->plain || PyList_GET_SIZE(self->out) > 0) Py_RETURN_FALSE;
-    Py_ssize_t count = PyDict_GET_SIZE(self->streams);
-    if (count == 0 || count > self->lend_max || count > MAX_LENT_STREAMS) Py_RETURN_FALSE;
-    Py_ssize_t position = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(self->streams, &position, &key, &value)) {
-        if (!lendable_stream(value)) Py_RETURN_FALSE;
-    }
+    if (!lendable(self) || PyList_GET_SIZE(self->out) > 0) Py_RETURN_FALSE;
     if (io_start() < 0) return PyErr_SetFromErrno(PyExc_OSError);
     pthread_mutex_lock(&io_mutex);
     uint32_t slot = 0;
@@ -715,7 +708,8 @@ static PyObject *conn_lend(ConnectionBase *self, PyObject *arg) {
         io_returned_cap = io_slots_len;
     }
     int n = 0;
-    position = 0;
+    Py_ssize_t position = 0;
+    PyObject *key, *value;
     while (PyDict_Next(self->streams, &position, &key, &value)) {
         StreamBase *stream = (StreamBase *)value;
         unsigned long id = PyLong_AsUnsignedLong(key);
@@ -769,7 +763,7 @@ static PyObject *conn_reclaim(ConnectionBase *self, PyObject *unused) {
     io_slots[self->slot].gen++;
     self->lent = 0;
     int n = self->n_lent;
-    StreamBase *streams[MAX_LENT_STREAMS];
+    StreamBase *streams[LEND_MAX_STREAMS];
     memcpy(streams, self->lent_streams, (size_t)n * sizeof streams[0]);
     self->n_lent = 0;
     PyObject *unsent = PyBytes_FromStringAndSize((const char *)self->unsent.data, (Py_ssize_t)self->unsent.len);
@@ -821,14 +815,7 @@ static PyObject *io_event_fd(PyObject *module, PyObject *unused) {
 /* At the end of a read: if the connection may be lent and every open stream echoes, ask Python's
  * _lend (which knows the transport); -1 on error. */
 static int maybe_lend(ConnectionBase *self) {
-    if (!self->lend_ok || self->lent || self->closed || !self->plain) return 0;
-    Py_ssize_t count = PyDict_GET_SIZE(self->streams);
-    if (count == 0 || count > self->lend_max || count > MAX_LENT_STREAMS) return 0;
-    Py_ssize_t position = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(self->streams, &position, &key, &value)) {
-        if (!lendable_stream(value)) return 0;
-    }
+    if (!self->lend_ok || !lendable(self)) return 0;
     PyObject *result = PyObject_CallMethodNoArgs((PyObject *)self, str_lend);
     if (result == NULL) return -1;
     Py_DECREF(result);
@@ -932,7 +919,6 @@ static PyMemberDef conn_members[] = {
     {"flush_scheduled", T_INT, offsetof(ConnectionBase, flush_scheduled), 0, "1: a _flush is due soon"},
     {"transport", T_OBJECT, offsetof(ConnectionBase, transport), 0, "the asyncio transport (None until made)"},
     {"lend_ok", T_INT, offsetof(ConnectionBase, lend_ok), 0, "1: the connection may be lent to the I/O thread"},
-    {"lend_max", T_INT, offsetof(ConnectionBase, lend_max), 0, "lend only with at most this many streams open"},
     {"lent", T_INT, offsetof(ConnectionBase, lent), READONLY, "0 Python's, 1 the I/O thread's, 2 handed back"},
     {"lends", T_ULONGLONG, offsetof(ConnectionBase, lends), READONLY, "how many times it was lent"},
     {"thread_chunks", T_ULONGLONG, offsetof(ConnectionBase, thread_chunks), READONLY,

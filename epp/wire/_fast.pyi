@@ -29,7 +29,6 @@ class ConnectionBase:
     flush_scheduled: int
     transport: Any
     lend_ok: int
-    lend_max: int
     @property
     def lent(self) -> int: ...
     @property

@@ -277,9 +277,7 @@ class Stream(StreamBase):
 
     def flush(self) -> None:
         """Write what this connection has to send now (it is written at the end of a read anyway)."""
-        if self._connection.lent:
-            self._connection._reclaim()
-        self._connection._flush()
+        self._connection._flush()  # (while lent, nothing is: whatever writes takes the connection back first)
 
     def finish(self, status: int = Status.OK, message: str = "") -> None:
         """End the call with ``status`` (trailers); later sends and finishes do nothing."""
@@ -884,9 +882,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         """Tell the peer to open no more streams (the open ones run to their end)."""
         if self.closed:
             return
-        if self.lent:
-            self._reclaim()
-        self.going_away = True
+        self.going_away = True  # (write_frame takes the connection back from the I/O thread)
         self.write_frame(_GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + reason.encode()[:256])
 
     def _check_idle(self) -> None:
