@@ -3,7 +3,9 @@
  * formats (see their docstrings); each function here does exactly what the numpy expression in
  * its docstring does, and tests/prefix/ holds both to a plain Python reference. _native.pyi gives
  * mypy their signatures. A third, kv_chain, keys the blocks of KV-cache events (epp.prefix.kvindex):
- * XXH64 chained per block, held to the xxhash package by tests/prefix/test_native.py.
+ * XXH64 chained per block, held to the xxhash package by tests/prefix/test_native.py. KeyMasks is
+ * epp.prefix.kvindex's map from a block key to the pods holding it, and its lookup walk; held to a
+ * dict by tests/prefix/test_native.py.
  *
  * Why C and not numpy: with numpy, hashing an 8k-token prompt was six array passes (~14 µs) and a
  * lookup of 25 sampled keys eight array calls (~8 µs), nearly all of it per-call overhead; here
@@ -412,6 +414,278 @@ done:
     return result;
 }
 
+/* --- KeyMasks: the precise index's map from a block key to the mask of the pods holding it ------- */
+
+PyDoc_STRVAR(KeyMasks_doc,
+"KeyMasks()\n\n"
+"A map from a block key (a non-zero uint64) to a non-zero uint64 mask, pod slot s being bit s:\n"
+"open addressing in two flat arrays, linear probing, deletion by backward shift (no tombstones),\n"
+"grown at half load. epp.prefix.kvindex keeps its pods' bits below 64 here. A Python dict of ints\n"
+"costs a lookup three cache misses (its index, its entry, the key object); here one, and match\n"
+"fetches the slots of the keys ahead while it walks.");
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t *keys; /* 0: an empty slot */
+    uint64_t *masks;
+    size_t cap; /* a power of two */
+    unsigned shift; /* 64 - log2(cap) */
+    size_t count;
+} KeyMasks;
+
+static inline size_t km_home(const KeyMasks *t, uint64_t key) {
+    return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> t->shift);
+}
+
+static inline size_t km_find(const KeyMasks *t, uint64_t key) { /* its slot, or the empty slot that ends its run */
+    const size_t m = t->cap - 1;
+    size_t i = km_home(t, key);
+    while (t->keys[i] != 0 && t->keys[i] != key)
+        i = (i + 1) & m;
+    return i;
+}
+
+static int km_alloc(KeyMasks *t, size_t cap) {
+    uint64_t *keys = PyMem_Calloc(cap, sizeof(uint64_t));
+    uint64_t *masks = PyMem_Calloc(cap, sizeof(uint64_t));
+    if (keys == NULL || masks == NULL) {
+        PyMem_Free(keys);
+        PyMem_Free(masks);
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t *old_keys = t->keys, *old_masks = t->masks;
+    const size_t old_cap = t->cap;
+    t->keys = keys;
+    t->masks = masks;
+    t->cap = cap;
+    t->shift = 64 - (unsigned)__builtin_ctzll((unsigned long long)cap);
+    for (size_t i = 0; i < old_cap; i++) {
+        if (old_keys[i] != 0) {
+            const size_t j = km_find(t, old_keys[i]);
+            t->keys[j] = old_keys[i];
+            t->masks[j] = old_masks[i];
+        }
+    }
+    PyMem_Free(old_keys);
+    PyMem_Free(old_masks);
+    return 0;
+}
+
+static void km_delete(KeyMasks *t, size_t i) {
+    const size_t m = t->cap - 1;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & m;
+        if (t->keys[j] == 0)
+            break;
+        const size_t k = km_home(t, t->keys[j]);
+        /* The entry at j may move to the hole at i when its home is not in (i, j] (cyclically). */
+        const int stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
+        if (!stays) {
+            t->keys[i] = t->keys[j];
+            t->masks[i] = t->masks[j];
+            i = j;
+        }
+    }
+    t->keys[i] = 0;
+    t->masks[i] = 0;
+    t->count--;
+}
+
+static PyObject *KeyMasks_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "KeyMasks() takes no arguments");
+        return NULL;
+    }
+    KeyMasks *t = (KeyMasks *)type->tp_alloc(type, 0);
+    if (t == NULL)
+        return NULL;
+    if (km_alloc(t, 64) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return (PyObject *)t;
+}
+
+static void KeyMasks_dealloc(KeyMasks *t) {
+    PyMem_Free(t->keys);
+    PyMem_Free(t->masks);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int km_key(PyObject *obj, uint64_t *key) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "keys must be integers, got %.50s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *key = PyLong_AsUnsignedLongLong(obj);
+    if (*key == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+static PyObject *KeyMasks_get(KeyMasks *t, PyObject *arg) {
+    uint64_t key;
+    if (km_key(arg, &key) < 0)
+        return NULL;
+    if (key == 0)
+        return PyLong_FromLong(0);
+    return PyLong_FromUnsignedLongLong(t->masks[km_find(t, key)]);
+}
+
+static int km_key_and_bits(PyObject *const *args, Py_ssize_t nargs, const char *usage, uint64_t *key, uint64_t *bits) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    if (km_key(args[0], key) < 0 || km_key(args[1], bits) < 0)
+        return -1;
+    if (*key == 0) {
+        PyErr_SetString(PyExc_ValueError, "key 0 is reserved (an empty slot)");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *KeyMasks_add(KeyMasks *t, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t key, bits;
+    if (km_key_and_bits(args, nargs, "add(key, bits)", &key, &bits) < 0)
+        return NULL;
+    size_t i = km_find(t, key);
+    const uint64_t before = t->masks[i];
+    if (bits & ~before) {
+        if (t->keys[i] == 0) {
+            if (2 * (t->count + 1) > t->cap) {
+                if (km_alloc(t, 2 * t->cap) < 0)
+                    return NULL;
+                i = km_find(t, key);
+            }
+            t->keys[i] = key;
+            t->count++;
+        }
+        t->masks[i] = before | bits;
+    }
+    return PyLong_FromUnsignedLongLong(before);
+}
+
+static PyObject *KeyMasks_discard(KeyMasks *t, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t key, bits;
+    if (km_key_and_bits(args, nargs, "discard(key, bits)", &key, &bits) < 0)
+        return NULL;
+    const size_t i = km_find(t, key);
+    if (t->keys[i] != 0) {
+        t->masks[i] &= ~bits;
+        if (t->masks[i] == 0)
+            km_delete(t, i);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(KeyMasks_match_doc,
+"match(keys) -> list[tuple[int, int]]\n\n"
+"For each pod slot s set in the mask of ``keys[0]``: (s, how many keys from the first its bit is\n"
+"set in, consecutively). ``keys`` is a list of ints.");
+
+#define KM_AHEAD 8 /* keys whose slots are fetched ahead of the one looked up */
+
+static PyObject *KeyMasks_match(KeyMasks *t, PyObject *arg) {
+    if (!PyList_CheckExact(arg)) {
+        PyErr_SetString(PyExc_TypeError, "match(keys): keys must be a list");
+        return NULL;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(arg);
+    if (n == 0)
+        return PyList_New(0);
+    uint64_t *keys = PyMem_Malloc((size_t)n * sizeof(uint64_t));
+    if (keys == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (km_key(PyList_GET_ITEM(arg, i), &keys[i]) < 0) {
+            PyMem_Free(keys);
+            return NULL;
+        }
+    }
+    Py_ssize_t runs[64];
+    for (int b = 0; b < 64; b++)
+        runs[b] = -1;
+    uint64_t alive = keys[0] ? t->masks[km_find(t, keys[0])] : 0;
+    const uint64_t first = alive;
+    for (Py_ssize_t i = 0; i < KM_AHEAD && i < n; i++)
+        __builtin_prefetch(&t->keys[km_home(t, keys[i])]);
+    Py_ssize_t i = 0;
+    for (; i < n && alive; i++) {
+        if (i + KM_AHEAD < n) {
+            const size_t h = km_home(t, keys[i + KM_AHEAD]);
+            __builtin_prefetch(&t->keys[h]);
+            __builtin_prefetch(&t->masks[h]);
+        }
+        const uint64_t mask = keys[i] ? t->masks[km_find(t, keys[i])] : 0;
+        uint64_t gone = alive & ~mask;
+        while (gone) {
+            runs[__builtin_ctzll(gone)] = i;
+            gone &= gone - 1;
+        }
+        alive &= mask;
+    }
+    PyMem_Free(keys);
+    while (alive) {
+        runs[__builtin_ctzll(alive)] = n;
+        alive &= alive - 1;
+    }
+    PyObject *result = PyList_New(0);
+    if (result == NULL)
+        return NULL;
+    for (int b = 0; b < 64; b++) {
+        if (!(first >> b & 1))
+            continue;
+        PyObject *pair = Py_BuildValue("(in)", b, runs[b]);
+        if (pair == NULL || PyList_Append(result, pair) < 0) {
+            Py_XDECREF(pair);
+            Py_DECREF(result);
+            return NULL;
+        }
+        Py_DECREF(pair);
+    }
+    return result;
+}
+
+static Py_ssize_t KeyMasks_len(KeyMasks *t) { return (Py_ssize_t)t->count; }
+
+static PyObject *KeyMasks_nbytes(KeyMasks *t, void *closure) {
+    (void)closure;
+    return PyLong_FromSize_t(2 * t->cap * sizeof(uint64_t));
+}
+
+static PyMethodDef KeyMasks_methods[] = {
+    {"get", (PyCFunction)KeyMasks_get, METH_O, "get(key) -> the key's mask, 0 when absent"},
+    {"add", (PyCFunction)(void (*)(void))KeyMasks_add, METH_FASTCALL, "add(key, bits) -> the key's mask before: sets its bits"},
+    {"discard", (PyCFunction)(void (*)(void))KeyMasks_discard, METH_FASTCALL,
+     "discard(key, bits): clears its bits, removing the key once none is left"},
+    {"match", (PyCFunction)KeyMasks_match, METH_O, KeyMasks_match_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef KeyMasks_getset[] = {
+    {"nbytes", (getter)KeyMasks_nbytes, NULL, "the bytes of its two arrays", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods KeyMasks_sequence = {.sq_length = (lenfunc)KeyMasks_len};
+
+static PyTypeObject KeyMasksType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "epp.prefix._native.KeyMasks",
+    .tp_basicsize = sizeof(KeyMasks),
+    .tp_dealloc = (destructor)KeyMasks_dealloc,
+    .tp_as_sequence = &KeyMasks_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = KeyMasks_doc,
+    .tp_methods = KeyMasks_methods,
+    .tp_getset = KeyMasks_getset,
+    .tp_new = KeyMasks_new,
+};
+
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, chain_doc},
     {"lookup", (PyCFunction)(void (*)(void))lookup, METH_FASTCALL, lookup_doc},
@@ -423,4 +697,17 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "epp.prefix._native", "The prefix-cache index's hot loops (see epp/prefix/_native.c).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&KeyMasksType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&KeyMasksType);
+    if (PyModule_AddObject(m, "KeyMasks", (PyObject *)&KeyMasksType) < 0) {
+        Py_DECREF(&KeyMasksType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

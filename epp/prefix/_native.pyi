@@ -25,3 +25,19 @@ def kv_chain(
     tokens: list[int] | _Buffer, block_size: int, count: int, parent: int, seed: int, suffix: _Buffer, /
 ) -> list[int]:
     """The chained XXH64 keys of the first ``count`` blocks of ``tokens`` (see kvindex)."""
+
+class KeyMasks:
+    """Block key (non-zero uint64) -> mask of pod slots 0-63 (see ``_native.c``)."""
+
+    def __init__(self) -> None: ...
+    def get(self, key: int, /) -> int:
+        """The key's mask, 0 when absent."""
+    def add(self, key: int, bits: int, /) -> int:
+        """Sets ``bits`` in the key's mask; returns the mask before."""
+    def discard(self, key: int, bits: int, /) -> None:
+        """Clears ``bits`` in the key's mask; the key goes once its mask is 0."""
+    def match(self, keys: list[int], /) -> list[tuple[int, int]]:
+        """(slot, consecutive keys from the first holding it) for each slot of ``keys[0]``'s mask."""
+    def __len__(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...

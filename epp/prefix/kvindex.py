@@ -10,9 +10,10 @@ block), so a request's token ids, cut into blocks of the same size, give the sam
 (``epp.prefix._native.kv_chain``, ~50 ns a block; ~0.22 ms for a 100k-token prompt). A block with
 ``extra_keys`` (vLLM: the LoRA adapter's name on every block of an adapter request, the
 ``cache_salt`` on the first block, multimodal ids) only matches a lookup that passes the same keys:
-:func:`chain_keys` takes ``lora_name`` and ``cache_salt`` and builds vLLM's per-block tuples; a
-plain lookup never matches a salted or adapter block (the engine would not reuse it either). The
-engine's hash is kept only to resolve ``BlockRemoved`` and parents.
+:func:`chain_keys` takes ``lora_name`` and ``cache_salt`` and chains vLLM's per-block tuples, a run
+of equal ones per native call (found by a Python loop over the blocks, an adapter request's lookup
+cost 0.45 ms more at 100k tokens); a plain lookup never matches a salted or adapter block (the
+engine would not reuse it either). The engine's hash is kept only to resolve ``BlockRemoved`` and parents.
 
 State. Per pod (a :data:`PodId`, ``"ip:port"`` or ``"ip:port@rank"``) and per *space* (the medium,
 ``GPU`` when unnamed, and the KV-cache group ``group_idx``): engine hash -> key, in insertion order,
@@ -34,9 +35,16 @@ called for it again, so the producer can fall back to the approximate index for 
 Cost (``python bench/kvevents_decode.py``: one batch of 32 events storing 512 blocks of 16 tokens,
 applied to a pod new to the index each time): 230 µs, 0.45 µs per block, where the first version
 took 2,430 µs (4.7 µs per block: a Python xxh3 call, a numpy array and four dict updates per
-block); decoding the batch (msgspec, 33 KB) takes 148 µs more. Pods are bits of one int per key
-(``_where``), not a dict per key: a dict per block made the garbage collector's full passes walk
+block; 180-195 µs now); decoding the batch (msgspec, 33 KB) takes 148 µs more. Pods are bits of one
+mask per key, not a dict per key: a dict per block made the garbage collector's full passes walk
 every block of the index, pauses of 100 ms and more during an event storm.
+
+Lookups. The masks live in a native map (``_native.KeyMasks``: two flat uint64 arrays, open
+addressing) for pod slots 0-63, and in a dict of ints for the slots past them (more than 64 pods
+with events at once). A lookup walks the request's keys in C, fetching the slots of the keys ahead:
+for a 100k-token prompt that one pod holds (6,354 blocks; ~60k keys in the index) 0.3-0.5 ms where
+a Python walk over a dict of ints took ~2 ms, mostly cache misses (a dict lookup reads its index,
+its entry and the key's int object; ``python bench/tokenize_cost.py``, "produce").
 """
 
 from __future__ import annotations
@@ -61,41 +69,59 @@ _ENCODE = msgspec.msgpack.Encoder().encode
 _NO_SUFFIX = b""
 
 
+_Extra = tuple[str, ...] | None  # one block's extra keys
+
+
+def _first_and_rest(lora_name: str | None, cache_salt: str | None) -> tuple[_Extra, _Extra]:
+    """vLLM's extra keys of a request's first block and of every later one (None: no extra keys)."""
+    rest = (lora_name,) if lora_name else None
+    first = tuple(k for k in (lora_name, cache_salt) if k) or None
+    return first, rest
+
+
 def block_extra_keys(count: int, lora_name: str | None = None, cache_salt: str | None = None) -> list[Any] | None:
     """vLLM's per-block ``extra_keys`` of a request (``to_event_extra_keys``): the adapter's name on
     every block, the cache salt on the first; None when the request has neither."""
-    if not lora_name and not cache_salt:
+    first, rest = _first_and_rest(lora_name, cache_salt)
+    if first is None:
         return None
-    rest = (lora_name,) if lora_name else None
-    first = tuple(k for k in (lora_name, cache_salt) if k)
     return [first, *([rest] * (count - 1))] if count else []
 
 
+def _runs(extra: Sequence[Any] | None, count: int) -> list[tuple[int, Any]]:
+    """``(blocks, extra keys)`` of the runs of equal extra keys over the first ``count`` blocks, in
+    order; a block past the end of ``extra`` has none."""
+    if not extra:
+        return [(count, None)]
+    listed = min(len(extra), count)
+    # groupby compares neighbours in C (equal tuples of one event, or one shared tuple: identity).
+    runs = [(len(list(group)), e) for e, group in itertools.groupby(itertools.islice(extra, listed))]
+    if listed < count:
+        runs.append((count - listed, None))
+    return runs
+
+
 def _chain(
-    tokens: list[int] | np.ndarray, block_size: int, count: int, parent: int, seed: int,
-    extra: Sequence[Any] | None,
+    tokens: list[int] | np.ndarray, block_size: int, parent: int, seed: int, runs: Sequence[tuple[int, Any]]
 ) -> list[int]:
-    """Keys of the first ``count`` blocks, chained from ``parent``; ``extra`` one entry per block."""
-    if not extra or all(e is None for e in extra[:count]):
-        return _native.kv_chain(tokens, block_size, count, parent, seed, _NO_SUFFIX)
+    """Keys of the blocks of ``runs`` (see :func:`_runs`), chained from ``parent``: one native call a run."""
+    if len(runs) == 1 and runs[0][1] is None:
+        return _native.kv_chain(tokens, block_size, runs[0][0], parent, seed, _NO_SUFFIX)
     keys: list[int] = []
-    # Runs of blocks with the same extra keys (an adapter's name on every block) hash in one call.
     start = 0
-    while start < count:
-        e = extra[start] if start < len(extra) else None
-        end = start + 1
-        while end < count and (extra[end] if end < len(extra) else None) == e:
-            end += 1
+    for blocks, e in runs:
+        if not blocks:
+            continue
         suffix = _NO_SUFFIX if e is None else _ENCODE(e)
-        part = tokens[start * block_size : end * block_size]
+        part = tokens[start * block_size : (start + blocks) * block_size]
         if isinstance(part, np.ndarray):
             part = np.ascontiguousarray(part, dtype=np.uint32)
         elif not isinstance(part, list):
             part = list(part)
-        run = _native.kv_chain(part, block_size, end - start, parent, seed, suffix)
+        run = _native.kv_chain(part, block_size, blocks, parent, seed, suffix)
         keys += run
         parent = run[-1]
-        start = end
+        start += blocks
     return keys
 
 
@@ -108,7 +134,8 @@ def chain_keys(
     lora_name: str | None = None,
     cache_salt: str | None = None,
 ) -> list[int]:
-    """The keys of the whole blocks of ``token_ids``, as stored events of the same request give them."""
+    """The keys of the whole blocks of ``token_ids``, as stored events of the same request give them
+    (their extra keys :func:`block_extra_keys`'s, chained a run at a time without building them)."""
     if block_size < 1:
         raise ValueError(f"block_size must be ≥ 1, got {block_size}")
     tokens: list[int] | np.ndarray
@@ -121,7 +148,9 @@ def chain_keys(
         count = min(count, max_blocks)
     if count <= 0:
         return []
-    return _chain(tokens, block_size, count, 0, seed, block_extra_keys(count, lora_name, cache_salt))
+    first, rest = _first_and_rest(lora_name, cache_salt)
+    runs = [(count, rest)] if first == rest else [(1, first), (count - 1, rest)]
+    return _chain(tokens, block_size, 0, seed, runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,15 +172,64 @@ class _Space:
         self.weight = weight
 
 
-class _Pod:
-    __slots__ = ("bit", "block_size", "known", "size", "spaces")
+_WORD = 64  # pod slots in the native masks; pods past them (rare) use _WideMasks
 
-    def __init__(self, bit: int) -> None:
+
+class _WideMasks:
+    """Key -> mask for the pod slots from 64 on (bit s - 64): the native map's interface, in Python."""
+
+    __slots__ = ("masks",)
+
+    def __init__(self) -> None:
+        self.masks: dict[int, int] = {}
+
+    def get(self, key: int) -> int:
+        return self.masks.get(key, 0)
+
+    def add(self, key: int, bits: int) -> int:
+        before = self.masks.get(key, 0)
+        self.masks[key] = before | bits
+        return before
+
+    def discard(self, key: int, bits: int) -> None:
+        mask = self.masks.get(key, 0) & ~bits
+        if mask:
+            self.masks[key] = mask
+        else:
+            self.masks.pop(key, None)
+
+    def match(self, keys: list[int]) -> list[tuple[int, int]]:
+        get = self.masks.get
+        first = alive = get(keys[0], 0)
+        runs: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            mask = get(key, 0)
+            gone = alive & ~mask
+            while gone:
+                low = gone & -gone
+                runs[low.bit_length() - 1] = i
+                gone ^= low
+            alive &= mask
+            if not alive:
+                break
+        while alive:
+            low = alive & -alive
+            runs[low.bit_length() - 1] = len(keys)
+            alive ^= low
+        return [(_WORD + b, runs[b]) for b in range(first.bit_length()) if first >> b & 1]
+
+
+class _Pod:
+    __slots__ = ("bit", "block_size", "known", "masks", "size", "spaces", "word_bit")
+
+    def __init__(self, bit: int, masks: _native.KeyMasks | _WideMasks) -> None:
         self.spaces: dict[tuple[str, int | None], _Space] = {}
         self.known = True
         self.block_size = 0
         self.size = 0  # engine hashes held, over every space
         self.bit = bit  # 1 << slot: this pod's bit in the index's masks
+        self.masks = masks  # the map its bit lives in: the native one below slot 64
+        self.word_bit = bit if bit >> _WORD == 0 else bit >> _WORD  # its bit there
 
 
 class KVEventIndex:
@@ -174,9 +252,11 @@ class KVEventIndex:
         self._weights = dict(media_weights)
         self._pods: dict[PodId, _Pod] = {}
         self._slots: list[PodId | None] = []  # slot -> pod; a pod's bit is 1 << its slot
-        # key -> mask of the pods holding it. Ints, not a dict per key: a dict per block made the
-        # garbage collector's full passes walk every block (pauses of 100+ ms in an event storm).
-        self._where: dict[int, int] = {}
+        # key -> mask of the pods holding it (slots 0-63 native, the rest in _wide): no Python object
+        # per block (a dict per block made the garbage collector's full passes walk every block,
+        # pauses of 100+ ms in an event storm; a dict of ints cost a lookup three cache misses).
+        self._where = _native.KeyMasks()
+        self._wide = _WideMasks()
         # key -> {pod bit: weight} for the pods that hold it only on media weighing less than 1.
         self._weak: dict[int, dict[int, float]] = {}
         self._evicted = 0
@@ -206,7 +286,7 @@ class KVEventIndex:
         except ValueError:
             slot = len(self._slots)
             self._slots.append(pod)
-        state = self._pods[pod] = _Pod(1 << slot)
+        state = self._pods[pod] = _Pod(1 << slot, self._where if slot < _WORD else self._wide)
         return state
 
     def _space(self, state: _Pod, medium: str, group: int | None) -> _Space:
@@ -238,12 +318,12 @@ class KVEventIndex:
                 return
             parent = found
         state.block_size = size
-        keys = _chain(tokens, size, count, parent, self.seed, event.extra_keys)
+        keys = _chain(tokens, size, parent, self.seed, _runs(event.extra_keys, count))
         if self.on_store is not None:
             self.on_store(pod, keys)
         held, counts, weight = space.held, space.counts, space.weight
-        where = self._where
-        bit = state.bit
+        where = state.masks
+        bit, word_bit = state.bit, state.word_bit
         added = 0
         for engine_hash, key in zip(hashes, keys, strict=False):  # keys: the whole blocks only
             old = held.get(engine_hash)
@@ -258,9 +338,7 @@ class KVEventIndex:
                 counts[key] = c + 1
                 continue
             counts[key] = 1
-            mask = where.get(key, 0)
-            if not mask & bit:
-                where[key] = mask | bit
+            if not where.add(key, word_bit) & word_bit:
                 if weight < 1.0:
                     self._weak.setdefault(key, {})[bit] = weight
             elif weight < 1.0 or key in self._weak:
@@ -288,16 +366,12 @@ class KVEventIndex:
         if len(state.spaces) > 1 and any(key in other.counts for other in state.spaces.values()):
             self._reweigh(state, key)  # still held on another medium
             return
-        self._unhold(state.bit, key)
+        self._unhold(state, key)
 
-    def _unhold(self, bit: int, key: int) -> None:
-        mask = self._where.get(key, 0) & ~bit
-        if mask:
-            self._where[key] = mask
-        else:
-            self._where.pop(key, None)
+    def _unhold(self, state: _Pod, key: int) -> None:
+        state.masks.discard(key, state.word_bit)
         weak = self._weak.get(key)
-        if weak is not None and weak.pop(bit, None) is not None and not weak:
+        if weak is not None and weak.pop(state.bit, None) is not None and not weak:
             del self._weak[key]
 
     def _reweigh(self, state: _Pod, key: int) -> None:
@@ -315,10 +389,9 @@ class KVEventIndex:
         state = self._pods.get(pod)
         if state is None:
             return
-        bit = state.bit
         for space in state.spaces.values():
             for key in space.counts:
-                self._unhold(bit, key)
+                self._unhold(state, key)
         state.spaces.clear()
         state.size = 0
 
@@ -353,52 +426,42 @@ class KVEventIndex:
         return {p.block_size for p in self._pods.values() if p.block_size}
 
     def match(self, keys: Sequence[int]) -> dict[PodId, tuple[int, float]]:
-        """Per pod holding the first block: (consecutive blocks held from the first, their weighted sum)."""
+        """Per pod holding the first block: (consecutive blocks held from the first, their weighted sum).
+
+        The walk is the native map's (``KeyMasks.match``: each key's slot fetched a few keys ahead;
+        a Python loop over a dict of ints took 2 ms for a 100k-token prompt one pod holds, most of
+        it cache misses), then the pods past slot 63 if any; the blocks a pod holds only on a
+        lighter medium (``_weak``) lower its sum."""
         if not keys:
             return {}
-        where = self._where
-        weak = self._weak
-        alive = where.get(keys[0], 0)
-        if not alive:
+        keys = keys if isinstance(keys, list) else list(keys)
+        runs = self._where.match(keys)
+        if self._wide.masks:
+            runs += self._wide.match(keys)
+        if not runs:
             return {}
-        runs: dict[int, int] = {}  # pod bit -> run length, for pods whose run ended
-        loss: dict[int, float] = {}  # pod bit -> weight its blocks lack from 1 each
-        n = len(keys)
-        i = 0
-        while i < n:
-            key = keys[i]
-            mask = where.get(key, 0)
-            gone = alive & ~mask
-            if gone:
-                alive &= mask
-                while gone:
-                    low = gone & -gone
-                    runs[low] = i
-                    gone ^= low
-                if not alive:
-                    break
-            partial = weak.get(key)
-            if partial is not None:
-                for bit, w in partial.items():
-                    if alive & bit:
-                        loss[bit] = loss.get(bit, 0.0) + 1.0 - w
-            i += 1
-        while alive:
-            low = alive & -alive
-            runs[low] = i
-            alive ^= low
+        loss: dict[int, float] = {}  # slot -> weight its blocks lack from 1 each
+        weak = self._weak
+        if weak:
+            ends = {1 << slot: run for slot, run in runs}
+            longest = max(ends.values())
+            for j in itertools.compress(range(longest), map(weak.__contains__, keys[:longest])):
+                for bit, w in weak[keys[j]].items():
+                    if j < ends.get(bit, 0):
+                        slot = bit.bit_length() - 1
+                        loss[slot] = loss.get(slot, 0.0) + 1.0 - w
         slots = self._slots
         result: dict[PodId, tuple[int, float]] = {}
-        for bit, run in runs.items():
-            pod = slots[bit.bit_length() - 1]
+        for slot, run in runs:
+            pod = slots[slot]
             if pod is not None:
-                result[pod] = (run, run - loss.get(bit, 0.0))
+                result[pod] = (run, run - loss.get(slot, 0.0))
         return result
 
     def holds(self, pod: PodId, key: int) -> bool:
         """Whether ``pod`` holds the block ``key`` (in any space)."""
         state = self._pods.get(pod)
-        return state is not None and bool(self._where.get(key, 0) & state.bit)
+        return state is not None and bool(state.masks.get(key) & state.word_bit)
 
     def blocks_of(self, pod: PodId) -> frozenset[int]:
         """The keys ``pod`` holds (in any space)."""

@@ -1,4 +1,7 @@
-from epp.prefix.kvindex import KVEventIndex, chain_keys
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epp.prefix.kvindex import DEFAULT_MEDIA_WEIGHTS, KVEventIndex, chain_keys
 from epp.prefix.kvwire import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
@@ -67,3 +70,63 @@ def test_blocks_per_pod_are_bounded_oldest_first():
     # The first blocks went first: a lookup from the start matches nothing.
     assert index.match(chain_keys(tokens, BS)) == {}
     assert len(index.blocks_of("a:1")) == 3
+
+
+def test_an_adapter_or_salted_request_matches_the_blocks_its_events_stored_with_extra_keys():
+    # vLLM's events carry the adapter's name on every block and the salt on the first (decoded from
+    # msgpack: lists, equal but not the same object); chain_keys chains them a run at a time.
+    tokens = list(range(40))  # 10 blocks
+    for lora, salt, first, rest in (
+        ("ad1", None, ["ad1"], ["ad1"]),
+        (None, "s", ["s"], None),
+        ("ad1", "s", ["ad1", "s"], ["ad1"]),
+    ):
+        index = KVEventIndex()
+        extra = [first] + [None if rest is None else list(rest) for _ in range(5)]
+        index.apply("a:1", [_stored(list(range(1, 7)), None, tokens[:24], extra=extra)])
+        later = [None if rest is None else list(rest) for _ in range(3)]  # a next batch: the last block's extra unsent
+        index.apply("a:1", [_stored([7, 8, 9, 10], 6, tokens[24:], extra=later if rest else None)])
+        keys = chain_keys(tokens, BS, lora_name=lora, cache_salt=salt)
+        expected = 10 if rest is None else 9  # a block without the adapter's key is not the adapter's block
+        assert index.match(keys) == {"a:1": (expected, float(expected))}, (lora, salt)
+        assert index.match(chain_keys(tokens, BS)) == {}  # a plain lookup never matches a salted first block
+
+
+def _walk(model, blocks):
+    """The reference: per pod, the blocks it holds in turn from the first, and their weights."""
+    result = {}
+    for pod, weights in model.items():
+        run = 0
+        while run < blocks and run in weights:
+            run += 1
+        if run:
+            result[pod] = (run, sum(weights[b] for b in range(run)))
+    return result
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_match_is_the_walk_of_each_pods_run_from_the_first_block(data):
+    blocks = data.draw(st.integers(1, 400), label="blocks")
+    tokens = list(range(blocks * BS))
+    keys = chain_keys(tokens, BS)
+    index = KVEventIndex()
+    model = {}
+    pods = data.draw(st.integers(1, 70), label="pods")  # past 64: masks wider than a machine word
+    for p in range(pods):
+        held = data.draw(st.integers(0, blocks), label="held")
+        if not held:
+            continue
+        medium = data.draw(st.sampled_from(["GPU", "CPU"]), label="medium")
+        hashes = [p * 10_000 + b for b in range(held)]
+        index.apply(f"p{p}:1", [_stored(hashes, None, tokens[: held * BS], medium=medium)])
+        holes = data.draw(st.lists(st.integers(0, held - 1), max_size=3), label="holes")
+        if holes:
+            index.apply(f"p{p}:1", [BlockRemoved(block_hashes=[hashes[h] for h in holes], medium=medium)])
+        model[f"p{p}:1"] = {b: DEFAULT_MEDIA_WEIGHTS[medium] for b in range(held) if b not in holes}
+    got = index.match(keys)
+    want = _walk(model, blocks)
+    assert got.keys() == want.keys()
+    for pod, (run, weighted) in want.items():
+        assert got[pod][0] == run
+        assert abs(got[pod][1] - weighted) < 1e-6
