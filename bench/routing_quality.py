@@ -716,11 +716,15 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
                 idle = _idle_cores({"picker": picker.pid, "envoy": envoy.pid}, opts.idle_window)
         before = asyncio.run(_sim_counters(sim.pods))
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        if picker is not None:  # its request-path process alone (the rest is its scrape worker)
+            cpu0[_PICKER_MAIN] = cpu_seconds(picker.pid, children=False)
         client0 = time.process_time()
         wall0 = time.perf_counter()
         records, unfinished = _run_loop(_drive(url, workload, opts))
         wall = time.perf_counter() - wall0
         cpu_s = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
+        if picker is not None:
+            cpu_s[_PICKER_MAIN] = cpu_seconds(picker.pid, children=False) - cpu0[_PICKER_MAIN]
         cpu_s["client"] = time.process_time() - client0
         after = asyncio.run(_sim_counters(sim.pods))
         if router is not None and router.kind == "vllm-router":
@@ -750,6 +754,7 @@ def _idle_cores(pids: dict[str, int], window: float) -> dict[str, float]:
 
 
 _ROUTING = ("picker", "envoy", *PEER_KINDS)  # the processes that route (the pods and the client do not)
+_PICKER_MAIN = "picker request path"  # the picker's own process, its scrape worker left out (a part of "picker")
 
 
 def routing_cpu_per_1k(r: Result) -> dict[str, float]:
@@ -1019,6 +1024,10 @@ def format_cpu_table(results: Sequence[Result], pods: int) -> str:
         idle = [r.idle_cores["picker"] for r in results if r.policy == policy and "picker" in r.idle_cores]
         lines.append(f"  {_label(policy):<20} {overall[policy]:6.2f}   ({split})"
                      + (f"; picker idle {statistics.median(idle):.3f} cores at {pods} pods" if idle else ""))
+        parts = [_picker_parts(r) for r in results if r.policy == policy and r.completed and _PICKER_MAIN in r.cpu_s]
+        if parts:
+            lines.append(f"  {'':<20}        the picker's request path {statistics.median(p[0] for p in parts):.2f}, "
+                         f"its scrape worker {statistics.median(p[1] for p in parts):.2f} (idle not subtracted)")
     pickers = [p for p in overall if _peer(p) is None and p != "rr"]
     if "sglang-router" in overall and pickers:
         for policy in pickers:
@@ -1029,6 +1038,13 @@ def format_cpu_table(results: Sequence[Result], pods: int) -> str:
                          f"{picker:.2f} / {overall['sglang-router']:.2f} = {ratio:.2f} "
                          + ("(met)" if ratio <= 0.5 else f"(not met: {ratio / 0.5:.1f}x the target)"))
     return "\n".join(lines)
+
+
+def _picker_parts(r: Result) -> tuple[float, float]:
+    """CPU-seconds per 1,000 requests of the picker's request-path process and of its scrape worker,
+    over the load (neither with the idle rate subtracted: it is measured for the two together)."""
+    main = r.cpu_s[_PICKER_MAIN]
+    return main / r.completed * 1000, (r.cpu_s["picker"] - main) / r.completed * 1000
 
 
 def format_table(results: Sequence[Result]) -> str:
@@ -1049,7 +1065,7 @@ def format_table(results: Sequence[Result]) -> str:
             lines.append(
                 f"{label:<18} {_label(r.policy):<20} {r.hit_rate:8.1%} {oracle} {r.ttft_p50_ms:7.0f}ms "
                 f"{r.ttft_p90_ms:6.0f}ms {rel} {r.req_per_s:6.1f} {r.tokens_per_s:6.0f} {sticky} {r.imbalance:5.2f} "
-                f"{f'{r.completed}/{r.requests}':>9} {sum(r.cpu_cores.values()):5.2f}"
+                f"{f'{r.completed}/{r.requests}':>9} {sum(v for k, v in r.cpu_cores.items() if k != _PICKER_MAIN):5.2f}"
             )
             label = ""
         lines.append(f"{'':<18} {'oracle (bound)':<20} {rows[0].oracle_hit_rate:8.1%}")

@@ -163,10 +163,15 @@ def test_smoke_run_through_envoy_the_picker_and_the_simulator() -> None:
         assert 0.0 <= r.hit_rate <= r.oracle_hit_rate + 1e-9, r
         assert 0 < r.ttft_p50_ms <= r.ttft_p90_ms
         assert r.req_per_s > 0 and r.tokens_per_s == pytest.approx(r.req_per_s * opts.max_tokens)
-        expected = {"simulator", "envoy", "client"} | ({"picker"} if r.policy != "rr" else set())
+        picker = {"picker", rq._PICKER_MAIN} if r.policy != "rr" else set()
+        expected = {"simulator", "envoy", "client"} | picker
         assert set(r.cpu_cores) == set(r.cpu_s) == expected
         # Routing CPU: Envoy, and the picker's with its idle rate (measured before the load) apart.
-        assert set(rq.routing_cpu_per_1k(r)) == expected - {"simulator", "client"}
+        assert set(rq.routing_cpu_per_1k(r)) == expected - {"simulator", "client", rq._PICKER_MAIN}
+        if picker:  # its request path is a part of it, the rest its scrape worker
+            path, worker = rq._picker_parts(r)
+            assert path > 0 and worker >= 0
+            assert path + worker == pytest.approx(r.cpu_s["picker"] / r.completed * 1000)
         assert set(r.idle_cores) == ({"picker", "envoy"} if r.policy != "rr" else set())
     # Prefix affinity: a group's requests after the first mostly stay on one pod. Not always: the
     # default profile also weighs queues, and on a loaded machine a pod's scraped queue can outweigh
