@@ -60,6 +60,20 @@ over the whole conversation 1.0-1.6 ms (this template iterates every message's c
 the Llama-like one renders in 0.17 ms; jinja2's sandbox costs ~3% of it), the prefix lookup
 0.2 ms, encoding the turn's ~1,300 new tokens 1.2 ms (HF tokenizers runs at ~1 µs a token here,
 its pre-tokenizer regex first). Cold, tokenization is all of it: ~1.5 µs a token.
+
+Now (base-model requests, so the warm lookup walks the ~6,300 blocks pod-a holds; at 3bcc6da, side
+by side with 30b7ddf in one session, alternating; each figure an invocation's median of 9 requests,
+``--sizes 100000 --runs 9``, the old code run from a checkout with ``PYTHONPATH``)::
+
+    warm 100k chat, chatml-tools   30b7ddf  5.75  5.78  5.75  5.20 ms   (produce 1.81-2.10)
+                                   3bcc6da  4.18  4.13  4.06  4.16 ms   (produce 0.52-0.56)
+    warm 100k chat, llama          30b7ddf  5.16  4.67  4.85 ms
+                                   3bcc6da  4.06  3.07  3.01 ms
+    warm 100k completions          30b7ddf  2.68  2.41  2.56  2.32 ms
+                                   3bcc6da  1.07  1.21  1.07  1.18 ms
+
+The rest is as above: parse ~0.4 ms, tokenization 3.1-3.2 ms with this template (rendering and
+encoding the new turn), produce ~0.5 ms (the chain 0.2, the approximate index 0.15, the walk).
 """
 
 from __future__ import annotations
