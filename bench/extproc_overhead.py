@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         envoys += [envoy for envoy, _ in targets.values()]
         for envoy in envoys:
             envoy.start()
-        for mode, (envoy, pid) in targets.items():
+        for envoy, pid in targets.values():
             if pid is not None:
                 wait_for_picker(envoy)
         for size in (int(s) for s in args.sizes.split(",")):

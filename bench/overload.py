@@ -311,14 +311,14 @@ def print_table(rows: list[Row], scenario: Scenario) -> None:
         (
             r.mode, f"{r.interactive}/{r.batch}", r.p50, r.p99, str(r.interactive_shed), f"{r.batch_done:.0%}",
             f"{r.shed_429}/{r.shed_503}", str(r.incomplete), str(r.errors), f"{r.launch_lag_p99_ms:.1f}",
-        )  # fmt: skip
+        )
         for r in rows
     ]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-    print(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print(" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     print("-+-".join("-" * w for w in widths))
     for line in lines:
-        print(" | ".join(c.ljust(w) for c, w in zip(line, widths)))
+        print(" | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)))
     by_mode = {r.mode: r for r in rows}
     flow, plain = by_mode.get("flow-control"), by_mode.get("picker")
     if flow and plain and plain.p99_value > 0:

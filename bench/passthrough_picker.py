@@ -36,7 +36,7 @@ class Passthrough(pb_grpc.ExternalProcessorServicer):
     def __init__(self, endpoints: list[str]) -> None:
         self._replies = itertools.cycle([_destination_reply(e) for e in endpoints])
 
-    async def Process(self, request_iterator, context):  # type: ignore[no-untyped-def]  # noqa: N802
+    async def Process(self, request_iterator, context):  # type: ignore[no-untyped-def]
         chunks: list[bytes] = []
         async for message in request_iterator:
             kind = message.WhichOneof("request")

@@ -15,7 +15,6 @@ from epp.datalayer.served import ModelPoller, parse_model_list
 from epp.framework import NOT_LISTED, Endpoint, ServedModels
 
 
-
 def test_a_vllm_model_list_parses_into_base_and_adapters() -> None:
     body = json.dumps({"object": "list", "data": [
         {"id": "base", "object": "model", "root": "/m/base", "parent": None},

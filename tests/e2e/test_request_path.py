@@ -177,7 +177,7 @@ async def test_200_concurrent_requests_all_succeed(make_stack: StackFactory) -> 
     bodies = [_completion(f"concurrent {i} " + "p" * (i * 37 % 3000)) for i in range(200)]
     results = await asyncio.gather(*(_post(stack, body) for body in bodies))
     assert [status for status, _ in results] == [200] * 200
-    for body, (_, answer) in zip(bodies, results):
+    for body, (_, answer) in zip(bodies, results, strict=True):
         assert answer["body_sha256"] == hashlib.sha256(body).hexdigest()
 
 

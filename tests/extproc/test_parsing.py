@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -134,7 +135,7 @@ def test_a_growing_conversation_keeps_its_earlier_rendering_as_a_prefix() -> Non
         {"role": "user", "content": "And the colour?"},
     ]
     prompts = [_parse("/v1/chat/completions", {"model": "m", "messages": messages[:n]}).prompt for n in range(5)]
-    for shorter, longer in zip(prompts, prompts[1:]):
+    for shorter, longer in itertools.pairwise(prompts):
         assert longer.startswith(shorter)
         assert longer != shorter
 

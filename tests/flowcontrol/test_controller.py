@@ -170,7 +170,7 @@ async def test_round_robin_gives_flows_of_different_rates_equal_service() -> Non
     pool.capacity = 2
     fc.wake()
     for round_ in range(1, 11):
-        await until(lambda: len(clients.dispatched) == 2 * round_)
+        await until(lambda: len(clients.dispatched) == 2 * round_)  # noqa: B023 (awaited in this iteration)
         await turns()
         assert len(clients.dispatched) == 2 * round_  # the gate holds until a slot frees
         clients.release(*clients.dispatched[-2:])

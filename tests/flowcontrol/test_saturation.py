@@ -29,8 +29,8 @@ def pod(i: int, *, queue: int = 0, kv: float = 0.0, running: int = 0, age: float
     return Endpoint(f"pod-{i}", f"10.0.0.{i}", 8000, metrics=metrics)
 
 
-def utilization(config: UtilizationConfig = UtilizationConfig(), in_flight=None) -> UtilizationDetector:
-    return UtilizationDetector(config, in_flight=in_flight, clock=lambda: NOW)
+def utilization(config: UtilizationConfig | None = None, in_flight=None) -> UtilizationDetector:
+    return UtilizationDetector(config or UtilizationConfig(), in_flight=in_flight, clock=lambda: NOW)
 
 
 # Defaults: queueDepthThreshold 5, kvCacheUtilThreshold 0.8, metricsStalenessThreshold 200ms.

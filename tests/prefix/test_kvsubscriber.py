@@ -341,7 +341,7 @@ async def test_bound_socket_resolves_ip_only_topics_by_rank_when_the_pool_has_on
         sub.allow("127.0.0.1:8000")
         for r, p in enumerate(ranks):
             tokens = [r] * 8
-            while "127.0.0.1:800%d" % r not in sub.index.match(chain_keys(tokens, BS)):
+            while f"127.0.0.1:800{r}" not in sub.index.match(chain_keys(tokens, BS)):
                 _store_chain(p, tokens)
                 p.flush()
                 await asyncio.sleep(0.02)

@@ -19,7 +19,7 @@ from epp.testing.vllm import http_get as get
 from epp.testing.vllm import http_post as post
 from tests.realvllm.conftest import Tier
 
-_WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
+_WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]
 
 
 def _prompt(seed: int, words: int) -> str:

@@ -33,7 +33,7 @@ def _model_labels(registry: CollectorRegistry) -> set[str]:
         sample.labels["model_name"]
         for family in registry.collect()
         for sample in family.samples
-        if "model_name" in sample.labels and sample.labels["model_name"]
+        if sample.labels.get("model_name")
     }
 
 

@@ -536,7 +536,7 @@ def test_random_picker_seed_is_reproducible() -> None:
 
 
 def test_random_picker_rejects_zero() -> None:
-    with pytest.raises(ValueError, match="^rp: maxNumOfEndpoints must be at least 1, got 0$"):
+    with pytest.raises(ValueError, match=r"^rp: maxNumOfEndpoints must be at least 1, got 0$"):
         RandomPicker("rp", max_num_of_endpoints=0)
 
 

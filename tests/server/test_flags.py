@@ -297,12 +297,12 @@ def test_endpoint_listed_in_both_endpoints_and_file_is_an_error(tmp_path: Path) 
     # Duplicates across --endpoints and --endpoints-file are caught too.
     path = tmp_path / "pool.txt"
     path.write_text("10.0.0.1:8000\n")
-    with pytest.raises(FlagError, match="10.0.0.1:8000 is listed twice"):
+    with pytest.raises(FlagError, match=r"10\.0\.0\.1:8000 is listed twice"):
         settings_from_args(["--endpoints", "10.0.0.1:8000", "--endpoints-file", str(path)])
 
 
 def test_missing_endpoints_file_is_a_flag_error(tmp_path: Path) -> None:
-    with pytest.raises(FlagError, match="^--endpoints-file: .*No such file"):
+    with pytest.raises(FlagError, match=r"^--endpoints-file: .*No such file"):
         settings_from_args(["--endpoints-file", str(tmp_path / "nope.txt")])
 
 

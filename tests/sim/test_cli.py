@@ -62,7 +62,7 @@ def test_cli_publishes_kv_events_on_the_port_plus_the_pod_index() -> None:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
     try:
         lines = [proc.stdout.readline().split() for _ in range(2)]
-        for name, url, events, replay in lines:
+        for _name, url, events, replay in lines:
             assert events.startswith("kv-events=tcp://127.0.0.1:") and replay.startswith("kv-replay=tcp://127.0.0.1:")
             with urllib.request.urlopen(url + "/kv_event_sources", timeout=5) as r:
                 source = json.load(r)["0"]

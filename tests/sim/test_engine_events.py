@@ -125,7 +125,7 @@ async def test_a_lost_batch_is_replayed_and_without_replay_the_pod_is_dropped(tm
                 prompts = _prompts(random.Random(11), 30)
                 await _workload(pool.url(0), prompts[:10], concurrency=1)
                 flush = engine.publisher.flush
-                engine.publisher.flush = lambda send=True: flush(send=False)  # the next batch is lost
+                engine.publisher.flush = lambda send=True, flush=flush: flush(send=False)  # the next batch is lost
                 await _workload(pool.url(0), prompts[10:11], concurrency=1)
                 engine.publisher.flush = flush
                 await _workload(pool.url(0), prompts[11:], concurrency=1)

@@ -72,7 +72,7 @@ def test_filter_keeps_the_affinity_group_with_probability_threshold() -> None:
 def test_filter_drops_stale_endpoints_and_passes_base_model_requests() -> None:
     candidates = [pod(0, **RUNNING, stale=True), pod(1, **FREE_SLOT)]
     assert names(LoraAffinityFilter(threshold=1.0).filter(request(adapter="a"), candidates)) == ["pod-1"]
-    assert names(LoraAffinityFilter().filter(request(adapter=None), candidates + [pod(2, **FULL)])) == [
+    assert names(LoraAffinityFilter().filter(request(adapter=None), [*candidates, pod(2, **FULL)])) == [
         "pod-0",
         "pod-1",
         "pod-2",

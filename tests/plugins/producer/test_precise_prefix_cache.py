@@ -203,7 +203,7 @@ async def test_each_pod_is_followed_at_the_port_the_pool_names_and_matches_its_c
                 request = _ask(prompt)
                 producer.produce(request, endpoints)
                 ids = render_completion(prompt)
-                for pod, endpoint in zip(pool, endpoints):
+                for pod, endpoint in zip(pool, endpoints, strict=True):
                     hits = pod.engine.kv.count_hits(block_hashes(ids, seed).tolist(), len(ids) // 16)
                     assert request.state[PREFIX_MATCH].matched.get(endpoint.name, 0) == hits
             assert producer.subscriber is not None and producer.subscriber.stats.rejected_total == 0
@@ -476,6 +476,6 @@ def test_bad_tokenizer_parameters_name_the_key(pool: dict[str, object], message:
 
 def test_broken_tokenizer_files_stop_startup_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{}")
-    with pytest.raises(ValueError, match="tokenizer.json"):
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
         PrecisePrefixCacheProducer("p", PreciseParameters("p", {"indexerConfig": {"tokenizersPoolConfig": {
             "local": {"autoDiscoveryDir": str(tmp_path)}}}}))  # fmt: skip

@@ -39,7 +39,7 @@ def active_scorer(**kwargs: Any) -> ActiveRequestScorer:
 )
 def test_active_request_scorer(active: list[int], kwargs: dict[str, Any], expected: list[float]) -> None:
     candidates = [pod(i) for i in range(len(active))]
-    for endpoint, count in zip(candidates, active):
+    for endpoint, count in zip(candidates, active, strict=True):
         send(endpoint, count, at=NOW - 1.0)
     assert active_scorer(**kwargs).score(REQUEST, candidates) == pytest.approx(expected)
 

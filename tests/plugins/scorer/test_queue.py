@@ -111,12 +111,12 @@ def test_queue_scorer_prefers_the_busy_pod_nearest_the_end_of_its_prefill() -> N
     # yet a new request waits least on the pod whose prefill is furthest along.
     now = time.monotonic()
     candidates = [replace(pod(i), metrics=replace(pod(i).metrics, updated_at=now)) for i in range(3)]
-    for endpoint, started in zip(candidates, (now - 0.02, now - 0.08, now - 0.05)):
+    for endpoint, started in zip(candidates, (now - 0.02, now - 0.08, now - 0.05), strict=True):
         warm = endpoint.inflight.add(1000, now=started - 10.0)
         endpoint.inflight.answering(warm, now=started - 9.9)  # learned: 0.1 s per 1000-token prompt
         endpoint.inflight.add(1000, now=started)
     scores = QueueScorer().score(REQUEST, candidates)
     assert scores[1] == 1.0 and scores[0] == 0.0
     assert 0.0 < scores[2] < 1.0
-    picked = MaxScorePicker(seed=0).pick(REQUEST, [ScoredEndpoint(e, s) for e, s in zip(candidates, scores)])
+    picked = MaxScorePicker(seed=0).pick(REQUEST, [ScoredEndpoint(e, s) for e, s in zip(candidates, scores, strict=True)])
     assert names(picked) == ["pod-1"]
