@@ -420,7 +420,7 @@ PyDoc_STRVAR(KeyMasks_doc,
 "KeyMasks()\n\n"
 "A map from a block key (a non-zero uint64) to a non-zero uint64 mask, pod slot s being bit s:\n"
 "open addressing in two flat arrays, linear probing, deletion by backward shift (no tombstones),\n"
-"grown at half load. epp.prefix.kvindex keeps its pods' bits below 64 here. A Python dict of ints\n"
+"grown at half load; epp.prefix.kvindex keeps one per 64 pod slots. A Python dict of ints\n"
 "costs a lookup three cache misses (its index, its entry, the key object); here one, and match\n"
 "fetches the slots of the keys ahead while it walks.");
 
@@ -597,6 +597,11 @@ static PyObject *KeyMasks_match(KeyMasks *t, PyObject *arg) {
     const Py_ssize_t n = PyList_GET_SIZE(arg);
     if (n == 0)
         return PyList_New(0);
+    uint64_t head;
+    if (km_key(PyList_GET_ITEM(arg, 0), &head) < 0)
+        return NULL;
+    if (head == 0 || t->masks[km_find(t, head)] == 0)
+        return PyList_New(0); /* nobody holds the first block: no key past it is read */
     uint64_t *keys = PyMem_Malloc((size_t)n * sizeof(uint64_t));
     if (keys == NULL)
         return PyErr_NoMemory();

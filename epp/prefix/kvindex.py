@@ -10,10 +10,11 @@ block), so a request's token ids, cut into blocks of the same size, give the sam
 (``epp.prefix._native.kv_chain``, ~50 ns a block; ~0.22 ms for a 100k-token prompt). A block with
 ``extra_keys`` (vLLM: the LoRA adapter's name on every block of an adapter request, the
 ``cache_salt`` on the first block, multimodal ids) only matches a lookup that passes the same keys:
-:func:`chain_keys` takes ``lora_name`` and ``cache_salt`` and chains vLLM's per-block tuples, a run
-of equal ones per native call (found by a Python loop over the blocks, an adapter request's lookup
-cost 0.45 ms more at 100k tokens); a plain lookup never matches a salted or adapter block (the
-engine would not reuse it either). The engine's hash is kept only to resolve ``BlockRemoved`` and parents.
+:func:`chain_keys` takes ``lora_name`` and ``cache_salt`` and chains vLLM's per-block tuples a run
+of equal ones per native call (a request has two runs at most; finding them block by block in
+Python cost an adapter request 0.45 ms more at 100k tokens); a plain lookup never matches a salted
+or adapter block (the engine would not reuse it either). The engine's hash is kept only to resolve
+``BlockRemoved`` and parents.
 
 State. Per pod (a :data:`PodId`, ``"ip:port"`` or ``"ip:port@rank"``) and per *space* (the medium,
 ``GPU`` when unnamed, and the KV-cache group ``group_idx``): engine hash -> key, in insertion order,
@@ -39,12 +40,12 @@ block; 180-195 µs now); decoding the batch (msgspec, 33 KB) takes 148 µs more.
 mask per key, not a dict per key: a dict per block made the garbage collector's full passes walk
 every block of the index, pauses of 100 ms and more during an event storm.
 
-Lookups. The masks live in a native map (``_native.KeyMasks``: two flat uint64 arrays, open
-addressing) for pod slots 0-63, and in a dict of ints for the slots past them (more than 64 pods
-with events at once). A lookup walks the request's keys in C, fetching the slots of the keys ahead:
-for a 100k-token prompt that one pod holds (6,354 blocks; ~60k keys in the index) 0.3-0.5 ms where
-a Python walk over a dict of ints took ~2 ms, mostly cache misses (a dict lookup reads its index,
-its entry and the key's int object; ``python bench/tokenize_cost.py``, "produce").
+Lookups. The masks live in native maps (``_native.KeyMasks``: two flat uint64 arrays, open
+addressing), one per 64 pod slots (a second one only with more than 64 pods at once). A lookup
+walks the request's keys in C, fetching the slots of the keys ahead: for a 100k-token prompt that
+one pod holds (6,354 blocks; ~60k keys in the index) 0.3-0.5 ms where a Python walk over a dict of
+ints took ~2 ms, mostly cache misses (a dict lookup reads its index, its entry and the key's int
+object; ``python bench/tokenize_cost.py``, "produce").
 """
 
 from __future__ import annotations
@@ -172,64 +173,20 @@ class _Space:
         self.weight = weight
 
 
-_WORD = 64  # pod slots in the native masks; pods past them (rare) use _WideMasks
-
-
-class _WideMasks:
-    """Key -> mask for the pod slots from 64 on (bit s - 64): the native map's interface, in Python."""
-
-    __slots__ = ("masks",)
-
-    def __init__(self) -> None:
-        self.masks: dict[int, int] = {}
-
-    def get(self, key: int) -> int:
-        return self.masks.get(key, 0)
-
-    def add(self, key: int, bits: int) -> int:
-        before = self.masks.get(key, 0)
-        self.masks[key] = before | bits
-        return before
-
-    def discard(self, key: int, bits: int) -> None:
-        mask = self.masks.get(key, 0) & ~bits
-        if mask:
-            self.masks[key] = mask
-        else:
-            self.masks.pop(key, None)
-
-    def match(self, keys: list[int]) -> list[tuple[int, int]]:
-        get = self.masks.get
-        first = alive = get(keys[0], 0)
-        runs: dict[int, int] = {}
-        for i, key in enumerate(keys):
-            mask = get(key, 0)
-            gone = alive & ~mask
-            while gone:
-                low = gone & -gone
-                runs[low.bit_length() - 1] = i
-                gone ^= low
-            alive &= mask
-            if not alive:
-                break
-        while alive:
-            low = alive & -alive
-            runs[low.bit_length() - 1] = len(keys)
-            alive ^= low
-        return [(_WORD + b, runs[b]) for b in range(first.bit_length()) if first >> b & 1]
+_WORD = 64  # pod slots per native map: slot s is bit s % 64 of map s // 64
 
 
 class _Pod:
     __slots__ = ("bit", "block_size", "known", "masks", "size", "spaces", "word_bit")
 
-    def __init__(self, bit: int, masks: _native.KeyMasks | _WideMasks) -> None:
+    def __init__(self, bit: int, masks: _native.KeyMasks) -> None:
         self.spaces: dict[tuple[str, int | None], _Space] = {}
         self.known = True
         self.block_size = 0
         self.size = 0  # engine hashes held, over every space
         self.bit = bit  # 1 << slot: this pod's bit in the index's masks
-        self.masks = masks  # the map its bit lives in: the native one below slot 64
-        self.word_bit = bit if bit >> _WORD == 0 else bit >> _WORD  # its bit there
+        self.masks = masks  # the map of its slot's word
+        self.word_bit = 1 << ((bit.bit_length() - 1) % _WORD)  # its bit there
 
 
 class KVEventIndex:
@@ -252,11 +209,10 @@ class KVEventIndex:
         self._weights = dict(media_weights)
         self._pods: dict[PodId, _Pod] = {}
         self._slots: list[PodId | None] = []  # slot -> pod; a pod's bit is 1 << its slot
-        # key -> mask of the pods holding it (slots 0-63 native, the rest in _wide): no Python object
-        # per block (a dict per block made the garbage collector's full passes walk every block,
-        # pauses of 100+ ms in an event storm; a dict of ints cost a lookup three cache misses).
-        self._where = _native.KeyMasks()
-        self._wide = _WideMasks()
+        # key -> mask of the pods holding it, one native map per 64 pod slots: no Python object per
+        # block (a dict per block made the garbage collector's full passes walk every block, pauses
+        # of 100+ ms in an event storm; a dict of ints cost a lookup three cache misses).
+        self._words: list[_native.KeyMasks] = []
         # key -> {pod bit: weight} for the pods that hold it only on media weighing less than 1.
         self._weak: dict[int, dict[int, float]] = {}
         self._evicted = 0
@@ -286,7 +242,9 @@ class KVEventIndex:
         except ValueError:
             slot = len(self._slots)
             self._slots.append(pod)
-        state = self._pods[pod] = _Pod(1 << slot, self._where if slot < _WORD else self._wide)
+        while len(self._words) <= slot // _WORD:
+            self._words.append(_native.KeyMasks())
+        state = self._pods[pod] = _Pod(1 << slot, self._words[slot // _WORD])
         return state
 
     def _space(self, state: _Pod, medium: str, group: int | None) -> _Space:
@@ -428,16 +386,14 @@ class KVEventIndex:
     def match(self, keys: Sequence[int]) -> dict[PodId, tuple[int, float]]:
         """Per pod holding the first block: (consecutive blocks held from the first, their weighted sum).
 
-        The walk is the native map's (``KeyMasks.match``: each key's slot fetched a few keys ahead;
-        a Python loop over a dict of ints took 2 ms for a 100k-token prompt one pod holds, most of
-        it cache misses), then the pods past slot 63 if any; the blocks a pod holds only on a
-        lighter medium (``_weak``) lower its sum."""
+        The walk is the native maps' (``KeyMasks.match``, one per 64 pod slots: each key's slot
+        fetched a few keys ahead; a Python loop over a dict of ints took 2 ms for a 100k-token
+        prompt one pod holds, most of it cache misses); the blocks a pod holds only on a lighter
+        medium (``_weak``) lower its sum."""
         if not keys:
             return {}
         keys = keys if isinstance(keys, list) else list(keys)
-        runs = self._where.match(keys)
-        if self._wide.masks:
-            runs += self._wide.match(keys)
+        runs = [(w * _WORD + slot, run) for w, word in enumerate(self._words) for slot, run in word.match(keys)]
         if not runs:
             return {}
         loss: dict[int, float] = {}  # slot -> weight its blocks lack from 1 each
