@@ -9,6 +9,6 @@ _FLAGS = ["-O3", "-std=c11"]
 setup(
     ext_modules=[
         Extension("epp.prefix._native", ["epp/prefix/_native.c"], extra_compile_args=_FLAGS),
-        Extension("epp.wire._fast", ["epp/wire/_fast.c"], extra_compile_args=_FLAGS),
+        Extension("epp.wire._fast", ["epp/wire/_fast.c"], extra_compile_args=_FLAGS, libraries=["ssl", "crypto"]),
     ]
 )

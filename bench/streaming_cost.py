@@ -10,6 +10,9 @@ SSE event is one ext_proc message each way. This bench measures that cost throug
   python), to compare two versions side by side in one run.
 * ``none``:   (``--none``) this tree's picker behind an Envoy with response body mode NONE: the
   picker sees the response headers and the stream's end, no chunk (and so no usage tokens).
+* ``tls``:    (``--tls``) this tree's picker serving TLS (``--secure-serving=true``, upstream's
+  default, its self-signed certificate) to an Envoy that connects to it over TLS; and beside it
+  ``tls-uv``, the same with ``--native-tls=false`` (the event loop's TLS instead of C's).
 
 The echo backends (:mod:`epp.testing.backends`) answer ``"stream": true`` with ``max_tokens`` SSE
 events, ``--token-interval`` seconds apart (default 2 ms, so that Envoy forwards events one by one,
@@ -154,7 +157,7 @@ def _print(runs: list[Run], args: argparse.Namespace) -> None:
     )
     print(header)
     print("-" * len(header))
-    for mode in ("epp", "base", "none"):
+    for mode in ("epp", "base", "none", "tls", "tls-uv"):
         for events in sorted({r.events for r in runs}):
             for streams in sorted({r.streams for r in runs}):
                 picked = [r for r in runs if (r.events, r.streams, r.mode) == (events, streams, mode)]
@@ -191,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         "--none", action="store_true",
         help="also mode 'none': this tree's picker behind an Envoy whose response body mode is NONE",
     )  # fmt: skip
+    parser.add_argument(
+        "--tls", action="store_true",
+        help="also modes 'tls' and 'tls-uv': this tree's picker serving TLS (--secure-serving=true) to an Envoy "
+        "that uses it, in C and (tls-uv) with the event loop's TLS",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     backends = subprocess.Popen(
@@ -205,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         pickers["base"] = PickerProcess(pool, python=args.baseline_python, extra_args=args.picker_arg)
     if args.none:
         pickers["none"] = PickerProcess(pool, extra_args=args.picker_arg)
+    if args.tls:
+        pickers["tls"] = PickerProcess(pool, tls=True, extra_args=args.picker_arg)
+        pickers["tls-uv"] = PickerProcess(pool, tls=True, extra_args=[*args.picker_arg, "--native-tls=false"])
     envoys: dict[str, EnvoyProcess] = {}
     runs: list[Run] = []
     try:
@@ -213,9 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode, picker in pickers.items():
             picker.start(timeout=120)  # a shared, loaded machine can take more than the default 20 s
             body_mode = "NONE" if mode == "none" else base.response_body_mode
-            envoys[mode] = EnvoyProcess(
-                render(replace(base, picker_port=picker.grpc_port, response_body_mode=body_mode)), concurrency=1
-            )
+            options = replace(base, picker_port=picker.grpc_port, response_body_mode=body_mode, picker_tls=mode.startswith("tls"))
+            envoys[mode] = EnvoyProcess(render(options), concurrency=1)
         for mode, envoy in envoys.items():
             envoy.start()
             if mode != "direct":

@@ -70,10 +70,16 @@ SERVE_FLAGS = FlagSet(
         make_flag(
             "io-thread",
             True,
-            "this project's, not upstream's: with --secure-serving=false, a native thread answers the middle "
-            "chunks of streamed responses while a connection has at most 4 streams open, each past its 32nd chunk "
-            "(less CPU per chunk); "
+            "this project's, not upstream's: a native thread answers the middle chunks of streamed responses "
+            "while a connection has at most 4 streams open, each past its 32nd chunk (less CPU per chunk); "
             "false: the event loop answers every message",
+        ),
+        make_flag(
+            "native-tls",
+            True,
+            "this project's, not upstream's: with --secure-serving, TLS records are encrypted and decrypted in C "
+            "(OpenSSL, the same library and settings as Python's ssl module), so that streamed chunks cost what "
+            "they cost on plaintext and the I/O thread serves TLS connections too; false: the event loop's TLS",
         ),
         make_flag("config-file", "", "EndpointPickerConfig YAML file"),
         make_flag("config-text", "", "EndpointPickerConfig YAML, inline (instead of --config-file)"),
@@ -206,6 +212,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         secure_serving=values["secure-serving"],
         cert_path=values["cert-path"],
         io_thread=values["io-thread"],
+        native_tls=values["native-tls"],
         config_text=config_text,
         disabled_plugins=tuple(sorted({*values["disable-plugin"], *disabled_from_env()})),
         max_request_body_bytes=values["max-request-body-bytes"],

@@ -273,6 +273,7 @@ class EndpointPicker:
                 max_message=settings.max_request_body_bytes + _MESSAGE_HEADROOM,
                 flag=f"--grpc-port {self.grpc_port}",
                 io_thread=settings.io_thread,
+                native_tls=settings.native_tls,
             )
         self._health_server = GrpcServer(
             self.health.methods(), flag=f"--grpc-health-port {self.grpc_health_port}", io_thread=False
@@ -338,6 +339,7 @@ class EndpointPicker:
             flag=f"--grpc-port {self.grpc_port}",
             tls=settings.secure_serving,
             io_thread=settings.io_thread,
+            native_tls=settings.native_tls,
             cert_path=settings.cert_path,
             cert_pem=cert,
             key_pem=key,

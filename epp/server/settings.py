@@ -27,7 +27,8 @@ class Settings:
     bind_address: str = "0.0.0.0"
     secure_serving: bool = True
     cert_path: str = ""  # a directory holding tls.crt and tls.key; empty: self-signed at start
-    io_thread: bool = True  # plaintext ext_proc: streamed chunks answered by a native thread (epp.wire._fast)
+    io_thread: bool = True  # streamed chunks answered by a native thread (epp.wire._fast)
+    native_tls: bool = True  # TLS records in C (epp.wire._fast.TlsTransport), not the event loop's
     config_text: str | None = None
     disabled_plugins: tuple[str, ...] = ()  # plugin types turned off (--disable-plugin, $EPP_DISABLE_PLUGINS)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES

@@ -162,6 +162,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     key_pem: bytes = b""
     tls: bool = False
     io_thread: bool = True
+    native_tls: bool = True
     tracing: bool = False
     verbosity: int = 1
     log_format: str = "console"
@@ -668,6 +669,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
         flag=spec.flag,
         max_concurrent_streams=spec.max_concurrent_streams,
         io_thread=spec.io_thread,
+        native_tls=spec.native_tls,
     )
     reported = [0]
 

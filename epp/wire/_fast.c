@@ -43,6 +43,8 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <unistd.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
 #include "structmember.h"
 
 #define MAX_TAIL 16
@@ -228,7 +230,11 @@ typedef struct {
     uint32_t lent_ids[LEND_MAX_STREAMS];
     StreamBase *lent_streams[LEND_MAX_STREAMS]; /* strong references while lent */
     Buffer in;          /* bytes the thread read and has not answered (a partial frame, or what it hands back) */
-    Buffer unsent;      /* answers the thread could not write (the socket was full): Python writes them first */
+    Buffer unsent;      /* answers the thread could not write (the socket was full): Python writes them first;
+                         * on a TLS connection they are TLS records already */
+    SSL *tls;           /* while a TLS connection is lent: its session, which the thread then reads and writes */
+    PyObject *tls_owner; /* while lent: the TlsTransport that owns tls (a strong reference) */
+    int tls_end;        /* the thread read the TLS session's end: 1 the peer's close_notify, -1 an error */
     unsigned long long lends, thread_chunks; /* counters, for tests and benchmarks */
 } ConnectionBase;
 
@@ -493,6 +499,500 @@ static Py_ssize_t run_frames(ConnectionBase *self, PyObject *data, Py_ssize_t po
     return position;
 }
 
+/* ---- TLS in C: TlsTransport ------------------------------------------------------------------------
+ *
+ * On a TLS port (--secure-serving=true, upstream's default) the records of a connection are decrypted
+ * and encrypted here, with OpenSSL on memory BIOs, instead of by uvloop's SSL protocol and Python's
+ * ssl objects (~30 us more per message at one stream, measured: bench/streaming_cost.py --tls). A
+ * TlsTransport sits between uvloop's plain transport of the socket and the Connection: to uvloop it is
+ * the protocol (data_received: the records in; the plaintext goes on to the Connection's C read path
+ * without Python code), to the Connection it is the transport (write, writelines: the plaintext out,
+ * as records, one write of uvloop's per call). Because the session is plain C state, a lent TLS
+ * connection's records are the I/O thread's to read and write too (io_serve), like a plaintext one's.
+ *
+ * The session comes from the server's ssl.SSLContext (its SSL_CTX, so certificates, protocols,
+ * ciphers and ALPN "h2" are exactly what Python configured), which is used only where tls_usable()
+ * checked that this module and Python's ssl module run the same OpenSSL and that the context's
+ * SSL_CTX reads back the context's own options; else the server keeps uvloop's TLS. The Connection is
+ * made (factory()) only once the handshake is done; on_ready(transport, None or the error's text) is
+ * called once, when the handshake ends either way.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    SSL_CTX *ctx;
+} SSLContextHead; /* the start of CPython's PySSLContext (Modules/_ssl.c): the SSL_CTX comes first */
+
+static PyTypeObject *sslcontext_type; /* _ssl._SSLContext, once tls_usable() found it */
+
+typedef struct {
+    PyObject_HEAD
+    SSL *ssl;
+    PyObject *context;  /* the ssl.SSLContext (for get_extra_info, and to keep its SSL_CTX alive) */
+    PyObject *factory;  /* makes the protocol once the handshake is done (cleared then) */
+    PyObject *on_ready; /* called once the handshake ends (cleared then) */
+    PyObject *raw;      /* uvloop's transport of the socket; None before connection_made and after lost */
+    PyObject *protocol; /* the Connection, once made */
+    int state;          /* 0 handshaking, 1 open, 2 closing or closed by this side, 3 lost */
+    int ended;          /* the I/O thread read the session's end (1 close_notify, -1 an error): the
+                         * Connection acts on it once what the thread read before is handled */
+} TlsTransport;
+
+static PyTypeObject TlsTransportType, ConnectionBaseType;
+static PyObject *conn_data_received(ConnectionBase *self, PyObject *data);
+static PyObject *tls_close(TlsTransport *self, PyObject *unused);
+static PyObject *tls_abort(TlsTransport *self, PyObject *unused);
+static PyObject *str_connection_made, *str_connection_lost, *str_data_received, *str_close, *str_abort,
+    *str_get_extra_info, *str_pause_writing, *str_resume_writing;
+
+/* Decrypt what the session's read BIO holds onto b: 0 all read (more records needed), 1 the peer's
+ * close_notify, -1 an error (left on OpenSSL's error queue for the caller) or out of memory. No
+ * Python API: the I/O thread calls it too. */
+static int tls_decrypt(SSL *ssl, Buffer *b) {
+    for (;;) {
+        if (buf_reserve(b, 16384 + 256) < 0) return -1;
+        size_t room = b->cap - b->len;
+        int n = SSL_read(ssl, b->data + b->len, room > INT32_MAX ? INT32_MAX : (int)room);
+        if (n > 0) {
+            b->len += (size_t)n;
+            /* All read (the usual case: one record per read): no SSL_read just to be told so. */
+            if (BIO_ctrl_pending(SSL_get_rbio(ssl)) == 0 && SSL_pending(ssl) == 0) return 0;
+            continue;
+        }
+        int error = SSL_get_error(ssl, n);
+        if (error == SSL_ERROR_WANT_READ) {
+            ERR_clear_error();
+            return 0;
+        }
+        return error == SSL_ERROR_ZERO_RETURN ? 1 : -1;
+    }
+}
+
+/* The text of OpenSSL's first queued error (the queue emptied), or `fallback`. */
+static PyObject *tls_error_text(const char *fallback) {
+    unsigned long code = ERR_get_error();
+    ERR_clear_error();
+    if (code == 0) return PyUnicode_FromString(fallback);
+    char text[256];
+    ERR_error_string_n(code, text, sizeof text);
+    return PyUnicode_FromString(text);
+}
+
+/* Write what the session's write BIO holds to the socket's transport (one write); -1 on error. */
+static int tls_flush(TlsTransport *self) {
+    BIO *wbio = SSL_get_wbio(self->ssl);
+    size_t pending = BIO_ctrl_pending(wbio);
+    if (pending == 0) return 0;
+    PyObject *records = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)pending);
+    if (records == NULL) return -1;
+    int got = BIO_read(wbio, PyBytes_AS_STRING(records), (int)pending);
+    if (got != (int)pending || self->raw == Py_None) {
+        Py_DECREF(records);
+        return 0; /* (a memory BIO reads back what it holds; no socket: nothing to write to) */
+    }
+    PyObject *result = PyObject_CallMethodOneArg(self->raw, str_write, records);
+    Py_DECREF(records);
+    if (result == NULL) return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+static int tls_traverse(TlsTransport *self, visitproc visit, void *arg) {
+    Py_VISIT(self->context);
+    Py_VISIT(self->factory);
+    Py_VISIT(self->on_ready);
+    Py_VISIT(self->raw);
+    Py_VISIT(self->protocol);
+    return 0;
+}
+
+static int tls_clear(TlsTransport *self) {
+    Py_CLEAR(self->context);
+    Py_CLEAR(self->factory);
+    Py_CLEAR(self->on_ready);
+    Py_CLEAR(self->raw);
+    Py_CLEAR(self->protocol);
+    return 0;
+}
+
+static void tls_dealloc(TlsTransport *self) {
+    PyObject_GC_UnTrack(self);
+    tls_clear(self);
+    if (self->ssl != NULL) SSL_free(self->ssl); /* (frees its BIOs) */
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int tls_init(TlsTransport *self, PyObject *args, PyObject *kwds) {
+    PyObject *context, *factory, *on_ready;
+    if (!PyArg_ParseTuple(args, "OOO", &context, &factory, &on_ready)) return -1;
+    if (sslcontext_type == NULL || !PyObject_TypeCheck(context, sslcontext_type)) {
+        PyErr_SetString(PyExc_TypeError, "TlsTransport() takes an ssl.SSLContext that tls_usable() accepted");
+        return -1;
+    }
+    if (self->ssl != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "TlsTransport is initialized once");
+        return -1;
+    }
+    SSL *ssl = SSL_new(((SSLContextHead *)context)->ctx);
+    BIO *rbio = BIO_new(BIO_s_mem()), *wbio = BIO_new(BIO_s_mem());
+    if (ssl == NULL || rbio == NULL || wbio == NULL) {
+        if (ssl != NULL) SSL_free(ssl);
+        if (rbio != NULL) BIO_free(rbio);
+        if (wbio != NULL) BIO_free(wbio);
+        ERR_clear_error();
+        PyErr_NoMemory();
+        return -1;
+    }
+    BIO_set_mem_eof_return(rbio, -1); /* an empty read BIO means "more to come", not the end */
+    BIO_set_mem_eof_return(wbio, -1);
+    SSL_set_bio(ssl, rbio, wbio);
+    SSL_set_accept_state(ssl);
+    SSL_set_mode(ssl, SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER | SSL_MODE_AUTO_RETRY);
+    self->ssl = ssl;
+    Py_INCREF(context);
+    Py_XSETREF(self->context, context);
+    Py_INCREF(factory);
+    Py_XSETREF(self->factory, factory);
+    Py_INCREF(on_ready);
+    Py_XSETREF(self->on_ready, on_ready);
+    Py_INCREF(Py_None);
+    Py_XSETREF(self->raw, Py_None);
+    return 0;
+}
+
+/* The handshake ended (error: None, or its text): on_ready is called, once. */
+static int tls_ready(TlsTransport *self, PyObject *error) {
+    PyObject *on_ready = self->on_ready;
+    if (on_ready == NULL) return 0;
+    self->on_ready = NULL;
+    PyObject *result = PyObject_CallFunctionObjArgs(on_ready, (PyObject *)self, error, NULL);
+    Py_DECREF(on_ready);
+    if (result == NULL) return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+static PyObject *tls_raw_call(TlsTransport *self, PyObject *name) {
+    if (self->raw == Py_None) Py_RETURN_NONE;
+    return PyObject_CallMethodNoArgs(self->raw, name);
+}
+
+/* -- the protocol side (uvloop calls these) -- */
+
+static PyObject *tls_connection_made(TlsTransport *self, PyObject *raw) {
+    Py_INCREF(raw);
+    Py_XSETREF(self->raw, raw);
+    Py_RETURN_NONE;
+}
+
+static Buffer tls_plain; /* the loop's decrypted bytes of one read (under the GIL) */
+
+static PyObject *tls_data_received(TlsTransport *self, PyObject *data) {
+    if (self->state >= 2) Py_RETURN_NONE;
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) return NULL;
+    int fed = view.len == 0 || BIO_write(SSL_get_rbio(self->ssl), view.buf, (int)view.len) == (int)view.len;
+    PyBuffer_Release(&view);
+    if (!fed) {
+        ERR_clear_error();
+        return PyErr_NoMemory();
+    }
+    if (self->state == 0) {
+        int done = SSL_do_handshake(self->ssl);
+        int error = done == 1 ? SSL_ERROR_NONE : SSL_get_error(self->ssl, done);
+        if (tls_flush(self) < 0) return NULL; /* our handshake messages, or the alert of a failure */
+        if (error == SSL_ERROR_WANT_READ) {
+            ERR_clear_error();
+            Py_RETURN_NONE;
+        }
+        if (error != SSL_ERROR_NONE) {
+            PyObject *text = tls_error_text("the TLS handshake failed");
+            if (text == NULL) return NULL;
+            self->state = 2;
+            PyObject *closed = tls_raw_call(self, str_close);
+            Py_XDECREF(closed);
+            int rc = closed == NULL ? -1 : tls_ready(self, text);
+            Py_DECREF(text);
+            if (rc < 0) return NULL;
+            Py_RETURN_NONE;
+        }
+        self->state = 1;
+        PyObject *factory = self->factory;
+        self->factory = NULL;
+        PyObject *protocol = PyObject_CallNoArgs(factory);
+        Py_DECREF(factory);
+        if (protocol == NULL) return NULL;
+        Py_XSETREF(self->protocol, protocol);
+        PyObject *result = PyObject_CallMethodOneArg(protocol, str_connection_made, (PyObject *)self);
+        if (result == NULL) return NULL;
+        Py_DECREF(result);
+        if (tls_ready(self, Py_None) < 0) return NULL;
+        if (self->state != 1) Py_RETURN_NONE; /* closed by connection_made or on_ready */
+    }
+    tls_plain.len = 0;
+    int end = tls_decrypt(self->ssl, &tls_plain);
+    if (end != 0) ERR_clear_error();
+    if (tls_flush(self) < 0) return NULL; /* what reading asked to send (a KeyUpdate's answer, say) */
+    if (tls_plain.len > 0 && self->protocol != NULL) {
+        PyObject *plain = PyBytes_FromStringAndSize((const char *)tls_plain.data, (Py_ssize_t)tls_plain.len);
+        if (plain == NULL) return NULL;
+        PyObject *protocol = self->protocol, *result;
+        Py_INCREF(protocol);
+        if (PyObject_TypeCheck(protocol, &ConnectionBaseType))
+            result = conn_data_received((ConnectionBase *)protocol, plain);
+        else
+            result = PyObject_CallMethodOneArg(protocol, str_data_received, plain);
+        Py_DECREF(protocol);
+        Py_DECREF(plain);
+        if (result == NULL) return NULL;
+        Py_DECREF(result);
+    }
+    if (end != 0 && self->state == 1) {
+        /* The peer's close_notify (its end, as an EOF: ours, and the transport closes), or records that
+         * do not decrypt (the connection is aborted); the protocol's connection_lost follows either way. */
+        PyObject *result = end > 0 ? tls_close(self, NULL) : tls_abort(self, NULL);
+        if (result == NULL) return NULL;
+        Py_DECREF(result);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *tls_eof_received(TlsTransport *self, PyObject *unused) {
+    Py_RETURN_NONE; /* (falsy: uvloop closes the transport) */
+}
+
+static PyObject *tls_connection_lost(TlsTransport *self, PyObject *exc) {
+    self->state = 3;
+    PyObject *protocol = self->protocol, *raw = self->raw;
+    self->protocol = NULL;
+    Py_INCREF(Py_None);
+    self->raw = Py_None;
+    Py_XDECREF(raw);
+    Py_CLEAR(self->factory);
+    int rc = 0;
+    if (protocol != NULL) {
+        PyObject *result = PyObject_CallMethodOneArg(protocol, str_connection_lost, exc);
+        Py_DECREF(protocol);
+        if (result == NULL) return NULL;
+        Py_DECREF(result);
+    } else {
+        PyObject *text = exc == Py_None ? PyUnicode_FromString("the peer closed the connection during the handshake")
+                                        : PyObject_Str(exc);
+        if (text == NULL) return NULL;
+        rc = tls_ready(self, text);
+        Py_DECREF(text);
+    }
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *tls_forward_protocol(TlsTransport *self, PyObject *name) {
+    if (self->protocol == NULL) Py_RETURN_NONE;
+    return PyObject_CallMethodNoArgs(self->protocol, name);
+}
+
+static PyObject *tls_pause_writing(TlsTransport *self, PyObject *unused) {
+    return tls_forward_protocol(self, str_pause_writing);
+}
+
+static PyObject *tls_resume_writing(TlsTransport *self, PyObject *unused) {
+    return tls_forward_protocol(self, str_resume_writing);
+}
+
+/* -- the transport side (the Connection calls these) -- */
+
+static int tls_encrypt(TlsTransport *self, PyObject *data) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) return -1;
+    const char *p = view.buf;
+    Py_ssize_t left = view.len;
+    while (left > 0) {
+        int n = SSL_write(self->ssl, p, left > INT32_MAX ? INT32_MAX : (int)left);
+        if (n <= 0) {
+            PyBuffer_Release(&view);
+            PyObject *text = tls_error_text("TLS write failed");
+            if (text != NULL) {
+                PyErr_SetObject(PyExc_OSError, text);
+                Py_DECREF(text);
+            }
+            return -1;
+        }
+        p += n;
+        left -= n;
+    }
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+static PyObject *tls_write(TlsTransport *self, PyObject *data) {
+    if (self->state != 1) Py_RETURN_NONE; /* closing or lost: nothing more goes out (as a closed transport) */
+    if (tls_encrypt(self, data) < 0 || tls_flush(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *tls_writelines(TlsTransport *self, PyObject *pieces) {
+    if (self->state != 1) Py_RETURN_NONE;
+    PyObject *iterator = PyObject_GetIter(pieces);
+    if (iterator == NULL) return NULL;
+    PyObject *piece;
+    while ((piece = PyIter_Next(iterator)) != NULL) {
+        int rc = tls_encrypt(self, piece);
+        Py_DECREF(piece);
+        if (rc < 0) {
+            Py_DECREF(iterator);
+            return NULL;
+        }
+    }
+    Py_DECREF(iterator);
+    if (PyErr_Occurred() || tls_flush(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *tls_write_raw(TlsTransport *self, PyObject *records) {
+    if (self->state != 1 || self->raw == Py_None) Py_RETURN_NONE;
+    return PyObject_CallMethodOneArg(self->raw, str_write, records);
+}
+
+static PyObject *tls_close(TlsTransport *self, PyObject *unused) {
+    if (self->state == 1) {
+        SSL_shutdown(self->ssl); /* our close_notify (the peer's is not waited for) */
+        ERR_clear_error();
+        if (tls_flush(self) < 0) return NULL;
+    }
+    if (self->state < 2) self->state = 2;
+    return tls_raw_call(self, str_close);
+}
+
+static PyObject *tls_abort(TlsTransport *self, PyObject *unused) {
+    if (self->state < 2) self->state = 2;
+    return tls_raw_call(self, str_abort);
+}
+
+static PyObject *tls_is_closing(TlsTransport *self, PyObject *unused) {
+    if (self->state >= 2 || self->raw == Py_None) Py_RETURN_TRUE;
+    return PyObject_CallMethod(self->raw, "is_closing", NULL);
+}
+
+static PyObject *tls_pause_reading(TlsTransport *self, PyObject *unused) {
+    if (self->raw == Py_None) Py_RETURN_NONE;
+    return PyObject_CallMethod(self->raw, "pause_reading", NULL);
+}
+
+static PyObject *tls_resume_reading(TlsTransport *self, PyObject *unused) {
+    if (self->raw == Py_None) Py_RETURN_NONE;
+    return PyObject_CallMethod(self->raw, "resume_reading", NULL);
+}
+
+static PyObject *tls_get_write_buffer_size(TlsTransport *self, PyObject *unused) {
+    if (self->raw == Py_None) return PyLong_FromLong(0);
+    return PyObject_CallMethod(self->raw, "get_write_buffer_size", NULL);
+}
+
+static PyObject *tls_get_extra_info(TlsTransport *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"name", "default", NULL};
+    PyObject *name, *fallback = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "U|O", names, &name, &fallback)) return NULL;
+    if (PyUnicode_CompareWithASCIIString(name, "sslcontext") == 0) {
+        Py_INCREF(self->context);
+        return self->context;
+    }
+    if (PyUnicode_CompareWithASCIIString(name, "cipher") == 0 && self->state == 1) {
+        const SSL_CIPHER *cipher = SSL_get_current_cipher(self->ssl);
+        if (cipher != NULL)
+            return Py_BuildValue("(ssi)", SSL_CIPHER_get_name(cipher), SSL_get_version(self->ssl),
+                                 SSL_CIPHER_get_bits(cipher, NULL));
+    }
+    if (PyUnicode_CompareWithASCIIString(name, "alpn_protocol") == 0 && self->state >= 1) {
+        const unsigned char *protocol = NULL;
+        unsigned int length = 0;
+        SSL_get0_alpn_selected(self->ssl, &protocol, &length);
+        if (length) return PyUnicode_FromStringAndSize((const char *)protocol, length);
+    }
+    if (self->raw == Py_None) {
+        Py_INCREF(fallback);
+        return fallback;
+    }
+    return PyObject_CallMethodObjArgs(self->raw, str_get_extra_info, name, fallback, NULL);
+}
+
+static PyMethodDef tls_methods[] = {
+    {"connection_made", (PyCFunction)tls_connection_made, METH_O, "(protocol side) the socket's transport"},
+    {"data_received", (PyCFunction)tls_data_received, METH_O, "(protocol side) records in: the handshake, then plaintext to the protocol"},
+    {"eof_received", (PyCFunction)tls_eof_received, METH_NOARGS, "(protocol side) the peer's end: close"},
+    {"connection_lost", (PyCFunction)tls_connection_lost, METH_O, "(protocol side) the socket is gone"},
+    {"pause_writing", (PyCFunction)tls_pause_writing, METH_NOARGS, "(protocol side) passed on to the protocol"},
+    {"resume_writing", (PyCFunction)tls_resume_writing, METH_NOARGS, "(protocol side) passed on to the protocol"},
+    {"write", (PyCFunction)tls_write, METH_O, "Encrypt and send."},
+    {"writelines", (PyCFunction)tls_writelines, METH_O, "Encrypt each piece; send them in one write."},
+    {"write_raw", (PyCFunction)tls_write_raw, METH_O, "Send TLS records as they are (what the I/O thread encrypted)."},
+    {"close", (PyCFunction)tls_close, METH_NOARGS, "Send close_notify and close the socket (without waiting for the peer's)."},
+    {"abort", (PyCFunction)tls_abort, METH_NOARGS, "Close the socket now."},
+    {"is_closing", (PyCFunction)tls_is_closing, METH_NOARGS, "True once closing or lost."},
+    {"pause_reading", (PyCFunction)tls_pause_reading, METH_NOARGS, "Stop reading the socket."},
+    {"resume_reading", (PyCFunction)tls_resume_reading, METH_NOARGS, "Read the socket again."},
+    {"get_write_buffer_size", (PyCFunction)tls_get_write_buffer_size, METH_NOARGS, "Bytes waiting to be sent."},
+    {"get_extra_info", (PyCFunction)(void (*)(void))tls_get_extra_info, METH_VARARGS | METH_KEYWORDS,
+     "sslcontext, cipher and alpn_protocol from the session; anything else from the socket's transport."},
+    {NULL},
+};
+
+static PyMemberDef tls_members[] = {
+    {"ended", T_INT, offsetof(TlsTransport, ended), READONLY,
+     "the I/O thread read the session's end: 1 the peer's close_notify, -1 records that do not decrypt"},
+    {NULL},
+};
+
+static PyTypeObject TlsTransportType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "epp.wire._fast.TlsTransport",
+    .tp_basicsize = sizeof(TlsTransport),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "TlsTransport(context, factory, on_ready): TLS in C between uvloop's socket transport and a Connection.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)tls_init,
+    .tp_dealloc = (destructor)tls_dealloc,
+    .tp_traverse = (traverseproc)tls_traverse,
+    .tp_clear = (inquiry)tls_clear,
+    .tp_methods = tls_methods,
+    .tp_members = tls_members,
+};
+
+/* tls_usable(context): whether TlsTransport can serve this ssl.SSLContext (see above). */
+static PyObject *tls_usable(PyObject *module, PyObject *context) {
+    if (sslcontext_type == NULL) {
+        PyObject *ssl_module = PyImport_ImportModule("_ssl");
+        if (ssl_module == NULL) return NULL;
+        PyObject *type = PyObject_GetAttrString(ssl_module, "_SSLContext");
+        PyObject *version = PyObject_GetAttrString(ssl_module, "OPENSSL_VERSION_NUMBER");
+        Py_DECREF(ssl_module);
+        if (type == NULL || version == NULL) {
+            Py_XDECREF(type);
+            Py_XDECREF(version);
+            return NULL;
+        }
+        unsigned long theirs = PyLong_AsUnsignedLong(version);
+        Py_DECREF(version);
+        if (!PyType_Check(type) || theirs != OpenSSL_version_num()) { /* another OpenSSL: never */
+            Py_DECREF(type);
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        sslcontext_type = (PyTypeObject *)type; /* (kept for the process) */
+    }
+    if (!PyObject_TypeCheck(context, sslcontext_type)) Py_RETURN_FALSE;
+    PyObject *options = PyObject_GetAttrString(context, "options");
+    if (options == NULL) return NULL;
+    unsigned long long expected = PyLong_AsUnsignedLongLong(options);
+    Py_DECREF(options);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    SSL_CTX *ctx = ((SSLContextHead *)context)->ctx;
+    if (ctx == NULL || (unsigned long long)SSL_CTX_get_options(ctx) != expected) Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
 /* ---- The I/O thread ------------------------------------------------------------------------------
  *
  * One native thread per process, started at the first lend, with its own epoll and an eventfd to the
@@ -534,24 +1034,48 @@ static void give_back(ConnectionBase *c) {
 }
 
 /* Serve one readable lent connection; 1 if it was handed back (the loop must be woken). */
-static int io_serve(ConnectionBase *c, Buffer *out) {
-    if (buf_reserve(&c->in, 65536) < 0) {
-        give_back(c);
-        return 1;
-    }
+static Buffer io_records; /* the thread's: TLS records read, then TLS records to send */
+
+/* Read the socket of a lent connection onto c->in (decrypted, for TLS): 1 read, 0 nothing to read
+ * now, -1 the peer's end or an error (what was read before it is on c->in: answered, then handed back). */
+static int io_read(ConnectionBase *c) {
+    Buffer *to = c->tls == NULL ? &c->in : &io_records;
+    if (c->tls != NULL) io_records.len = 0;
+    if (buf_reserve(to, 65536) < 0) return -1;
     ssize_t got;
     do {
-        got = recv(c->fd, c->in.data + c->in.len, c->in.cap - c->in.len, MSG_DONTWAIT);
+        got = recv(c->fd, to->data + to->len, to->cap - to->len, MSG_DONTWAIT);
     } while (got < 0 && errno == EINTR);
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
-    if (got <= 0) { /* the peer's end, or an error: Python's transport sees it once it reads again */
+    if (got <= 0) return -1; /* the peer's end, or an error: Python's transport sees it once it reads again */
+    if (c->tls == NULL) {
+        c->in.len += (size_t)got;
+        return 1;
+    }
+    if (BIO_write(SSL_get_rbio(c->tls), io_records.data, (int)got) != (int)got) {
+        ERR_clear_error();
+        return -1;
+    }
+    int end = tls_decrypt(c->tls, &c->in);
+    if (end != 0) {
+        ERR_clear_error();
+        c->tls_end = end;
+        return -1;
+    }
+    return 1;
+}
+
+/* Serve one readable lent connection; 1 if it was handed back (the loop must be woken). */
+static int io_serve(ConnectionBase *c, Buffer *out) {
+    int got = io_read(c);
+    if (got == 0) return 0;
+    if (got < 0 && c->in.len == 0) {
         give_back(c);
         return 1;
     }
-    c->in.len += (size_t)got;
     out->len = 0;
     size_t position = 0;
-    int back = 0;
+    int back = got < 0;
     while (c->in.len - position >= 9) {
         const unsigned char *frame = c->in.data + position;
         size_t length = ((size_t)frame[0] << 16) | ((size_t)frame[1] << 8) | frame[2];
@@ -581,19 +1105,34 @@ static int io_serve(ConnectionBase *c, Buffer *out) {
         memmove(c->in.data, c->in.data + position, c->in.len - position);
         c->in.len -= position;
     }
+    const unsigned char *send_data = out->data;
+    size_t send_len = out->len;
+    if (c->tls != NULL) { /* the answers as TLS records (and whatever else the session has to send) */
+        if (out->len > 0 && SSL_write(c->tls, out->data, (int)out->len) != (int)out->len) {
+            ERR_clear_error();
+            back = 1; /* (a memory BIO takes any write: only a broken session fails here) */
+        }
+        io_records.len = 0;
+        size_t pending = BIO_ctrl_pending(SSL_get_wbio(c->tls));
+        if (pending > 0 && buf_reserve(&io_records, pending) == 0 &&
+            BIO_read(SSL_get_wbio(c->tls), io_records.data, (int)pending) == (int)pending)
+            io_records.len = pending;
+        send_data = io_records.data;
+        send_len = io_records.len;
+    }
     size_t written = 0;
-    while (written < out->len) {
-        ssize_t n = send(c->fd, out->data + written, out->len - written, MSG_DONTWAIT | MSG_NOSIGNAL);
+    while (written < send_len) {
+        ssize_t n = send(c->fd, send_data + written, send_len - written, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (n < 0) {
             if (errno == EINTR) continue;
             break;
         }
         written += (size_t)n;
     }
-    if (written < out->len) { /* the socket is full (or failed): Python's transport takes the rest */
-        if (buf_reserve(&c->unsent, out->len - written) == 0) {
-            memcpy(c->unsent.data + c->unsent.len, out->data + written, out->len - written);
-            c->unsent.len += out->len - written;
+    if (written < send_len) { /* the socket is full (or failed): Python's transport takes the rest */
+        if (buf_reserve(&c->unsent, send_len - written) == 0) {
+            memcpy(c->unsent.data + c->unsent.len, send_data + written, send_len - written);
+            c->unsent.len += send_len - written;
         }
         back = 1;
     }
@@ -667,6 +1206,7 @@ static int io_start(void) {
  * LEND_MAX_STREAMS streams open, each echoing and past lend_after chunks. */
 static int lendable(ConnectionBase *self) {
     if (self->lent || self->closed || !self->plain) return 0;
+    if (Py_TYPE(self->transport) == &TlsTransportType && ((TlsTransport *)self->transport)->state != 1) return 0;
     Py_ssize_t count = PyDict_GET_SIZE(self->streams);
     if (count == 0 || count > LEND_MAX_STREAMS) return 0;
     Py_ssize_t position = 0;
@@ -722,6 +1262,12 @@ static PyObject *conn_lend(ConnectionBase *self, PyObject *arg) {
         self->lent_streams[n++] = stream;
     }
     self->n_lent = n;
+    if (Py_TYPE(self->transport) == &TlsTransportType) { /* the session goes with the socket */
+        Py_INCREF(self->transport);
+        self->tls_owner = self->transport;
+        self->tls = ((TlsTransport *)self->transport)->ssl;
+        self->tls_end = 0;
+    }
     self->fd = (int)fd;
     self->slot = slot;
     self->in.len = 0;
@@ -736,8 +1282,12 @@ static PyObject *conn_lend(ConnectionBase *self, PyObject *arg) {
         io_slots[slot].conn = NULL;
         io_slots[slot].gen++;
         self->n_lent = 0;
+        PyObject *owner = self->tls_owner;
+        self->tls_owner = NULL;
+        self->tls = NULL;
         pthread_mutex_unlock(&io_mutex);
         for (int i = 0; i < n; i++) Py_DECREF(self->lent_streams[i]);
+        Py_XDECREF(owner);
         errno = error;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
@@ -770,8 +1320,14 @@ static PyObject *conn_reclaim(ConnectionBase *self, PyObject *unused) {
     PyObject *unread = PyBytes_FromStringAndSize((const char *)self->in.data, (Py_ssize_t)self->in.len);
     self->unsent.len = 0;
     self->in.len = 0;
+    PyObject *owner = self->tls_owner;
+    self->tls_owner = NULL;
+    self->tls = NULL;
+    if (owner != NULL && self->tls_end) ((TlsTransport *)owner)->ended = self->tls_end;
+    self->tls_end = 0;
     pthread_mutex_unlock(&io_mutex);
     for (int i = 0; i < n; i++) Py_DECREF(streams[i]);
+    Py_XDECREF(owner);
     PyObject *result = NULL;
     if (unsent != NULL && unread != NULL) result = PyTuple_Pack(2, unsent, unread);
     Py_XDECREF(unsent);
@@ -959,6 +1515,7 @@ static PyObject *echo_answer(PyObject *module, PyObject *chunk) {
 
 static PyMethodDef module_methods[] = {
     {"echo_answer", (PyCFunction)echo_answer, METH_O, "The serialized ProcessingResponse C answers a chunk with."},
+    {"tls_usable", (PyCFunction)tls_usable, METH_O, "Whether TlsTransport can serve this ssl.SSLContext (same OpenSSL)."},
     {"returned", (PyCFunction)io_take_returned, METH_NOARGS, "The connections the I/O thread handed back (to reclaim)."},
     {"event_fd", (PyCFunction)io_event_fd, METH_NOARGS, "The eventfd the I/O thread signals when it hands back."},
     {"set_lend_after", (PyCFunction)io_set_lend_after, METH_O,
@@ -972,7 +1529,8 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__fast(void) {
-    if (PyType_Ready(&StreamBaseType) < 0 || PyType_Ready(&ConnectionBaseType) < 0) return NULL;
+    if (PyType_Ready(&StreamBaseType) < 0 || PyType_Ready(&ConnectionBaseType) < 0 || PyType_Ready(&TlsTransportType) < 0)
+        return NULL;
     str_frame = PyUnicode_InternFromString("_frame");
     str_keep = PyUnicode_InternFromString("_keep");
     str_write = PyUnicode_InternFromString("write");
@@ -980,13 +1538,26 @@ PyMODINIT_FUNC PyInit__fast(void) {
     str_slow = PyUnicode_InternFromString("_slow");
     str_error = PyUnicode_InternFromString("_error");
     str_lend = PyUnicode_InternFromString("_lend");
-    if (!str_lend || !str_frame || !str_keep || !str_slow || !str_error || !str_write || !str_writelines) return NULL;
+    str_connection_made = PyUnicode_InternFromString("connection_made");
+    str_connection_lost = PyUnicode_InternFromString("connection_lost");
+    str_data_received = PyUnicode_InternFromString("data_received");
+    str_close = PyUnicode_InternFromString("close");
+    str_abort = PyUnicode_InternFromString("abort");
+    str_get_extra_info = PyUnicode_InternFromString("get_extra_info");
+    str_pause_writing = PyUnicode_InternFromString("pause_writing");
+    str_resume_writing = PyUnicode_InternFromString("resume_writing");
+    if (!str_lend || !str_frame || !str_keep || !str_slow || !str_error || !str_write || !str_writelines ||
+        !str_connection_made || !str_connection_lost || !str_data_received || !str_close || !str_abort ||
+        !str_get_extra_info || !str_pause_writing || !str_resume_writing)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&StreamBaseType);
     Py_INCREF(&ConnectionBaseType);
+    Py_INCREF(&TlsTransportType);
     if (PyModule_AddObject(m, "StreamBase", (PyObject *)&StreamBaseType) < 0 ||
-        PyModule_AddObject(m, "ConnectionBase", (PyObject *)&ConnectionBaseType) < 0) {
+        PyModule_AddObject(m, "ConnectionBase", (PyObject *)&ConnectionBaseType) < 0 ||
+        PyModule_AddObject(m, "TlsTransport", (PyObject *)&TlsTransportType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -66,7 +66,7 @@ from typing import Protocol
 
 import hpack
 
-from epp.wire._fast import ConnectionBase, StreamBase, event_fd, returned
+from epp.wire._fast import ConnectionBase, StreamBase, TlsTransport, event_fd, returned
 
 __all__ = [
     "Call",
@@ -356,7 +356,9 @@ class Connection(ConnectionBase, asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         sock = transport.get_extra_info("socket")
-        if self._io_thread and sock is not None and transport.get_extra_info("sslcontext") is None:
+        # (TLS: lent only where the session is C's, a TlsTransport's; uvloop's SSL records are Python's.)
+        plain = isinstance(transport, TlsTransport) or transport.get_extra_info("sslcontext") is None
+        if self._io_thread and sock is not None and plain:
             self._fd = sock.fileno()
             self._loop = asyncio.get_running_loop()
             self.lend_ok = 1
@@ -453,13 +455,15 @@ class Connection(ConnectionBase, asyncio.Protocol):
         transport = self.transport
         if transport is None or self.closed:
             return
-        if unsent:
-            transport.write(unsent)
+        if unsent:  # (on TLS: records the thread encrypted)
+            (transport.write_raw if isinstance(transport, TlsTransport) else transport.write)(unsent)
         if not unread:
             transport.resume_reading()
+            self._tls_ended()
         elif now:
             transport.resume_reading()
             self.data_received(unread)
+            self._tls_ended()
         else:
             self._unread = unread
             asyncio.get_running_loop().call_soon(self._read_unread)
@@ -470,6 +474,17 @@ class Connection(ConnectionBase, asyncio.Protocol):
             return
         self.transport.resume_reading()
         self.data_received(unread)
+        self._tls_ended()
+
+    def _tls_ended(self) -> None:
+        """The I/O thread read the end of the TLS session (the peer's close_notify, or records that do not
+        decrypt), once what it read before is handled: the connection closes (aborts on an error)."""
+        transport = self.transport
+        if isinstance(transport, TlsTransport) and transport.ended and not self.closed:
+            if transport.ended < 0:
+                self._abort()
+            else:
+                self.close()
 
     def _keep(self, data: bytes, position: int) -> None:
         """The start of a frame not yet whole: kept until the rest arrives."""

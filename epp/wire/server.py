@@ -12,8 +12,12 @@ a TLS port, the HTTP/2 preface (after the handshake on a TLS port) on either kin
 explained, once a minute at most: each connection's first byte says what the client speaks before
 anything is decoded. On a TLS port, a connection whose first bytes are not a TLS handshake (Envoy's
 cluster without a ``transport_socket`` sends the plaintext HTTP/2 preface) is logged with what to
-change on either side and closed; on a plaintext port, a TLS ClientHello is. TLS itself is the
-event loop's (uvloop's) ``connect_accepted_socket(ssl=...)`` with ALPN ``h2``.
+change on either side and closed; on a plaintext port, a TLS ClientHello is. TLS itself, with ALPN
+``h2``, is :class:`epp.wire._fast.TlsTransport`'s: OpenSSL in C between uvloop's socket transport and
+the connection, so that a TLS connection's streamed chunks are answered without Python code too, and
+lent to the I/O thread like a plaintext one's (``--io-thread``). Where that module's OpenSSL is not
+Python's (``tls_usable``) or ``native_tls`` is off, it is the event loop's
+``connect_accepted_socket(ssl=...)``. A handshake not done in 10 seconds is given up.
 
 Stopping (:meth:`GrpcServer.stop`): the listening sockets close, every connection gets a GOAWAY
 (the peer opens new streams elsewhere, the open ones go on; new ones are refused with
@@ -30,7 +34,9 @@ import socket
 import ssl
 import time
 from collections.abc import Mapping
+from typing import cast
 
+from epp.wire._fast import TlsTransport, tls_usable
 from epp.wire.http2 import PREFACE, Connection, Handler
 
 __all__ = ["GrpcServer", "bind_socket"]
@@ -41,6 +47,7 @@ _TLS_RECORD = 0x16  # the first byte of a TLS handshake record (a ClientHello)
 _FIRST_BYTES_TIMEOUT = 30.0  # a connection that says nothing for this long is closed
 _MISMATCH_INTERVAL = 60.0  # one log line per kind per minute at most
 _PEEK_AGAIN = 0.01  # seconds between looks at a connection's first bytes while they are a partial preface
+_HANDSHAKE_TIMEOUT = 10.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -71,13 +78,15 @@ class GrpcServer:
         max_concurrent_streams: int = 0,
         first_bytes_timeout: float = _FIRST_BYTES_TIMEOUT,
         io_thread: bool = True,
+        native_tls: bool = True,
     ) -> None:
         self._methods = methods
-        self._io_thread = io_thread and ssl_context is None
         self._max_streams = max_concurrent_streams  # announced per connection when given (see Connection)
         self._ssl = ssl_context
         if ssl_context is not None:
             ssl_context.set_alpn_protocols(["h2"])
+        self.native_tls = ssl_context is not None and native_tls and tls_usable(ssl_context)
+        self._io_thread = io_thread and (ssl_context is None or self.native_tls)
         self._max_message = max_message
         self._flag = flag  # how the operator names this port, for log lines ("--grpc-port 9002")
         self._first_bytes_timeout = first_bytes_timeout
@@ -178,12 +187,43 @@ class GrpcServer:
 
     async def _connect(self, sock: socket.socket, context: ssl.SSLContext | None) -> None:
         loop = asyncio.get_running_loop()
+        if context is not None and self.native_tls:
+            await self._connect_tls(sock, context)
+            return
         try:
-            timeout = 10.0 if context else None
+            timeout = _HANDSHAKE_TIMEOUT if context else None
             await loop.connect_accepted_socket(self._connection, sock, ssl=context, ssl_handshake_timeout=timeout)
         except (TimeoutError, OSError, ssl.SSLError) as exc:
             self._mismatch("handshake", f"{self._flag}: the TLS handshake with {_peer(sock)} failed: {exc}")
             sock.close()
+
+    async def _connect_tls(self, sock: socket.socket, context: ssl.SSLContext) -> None:
+        """TLS in C (:class:`TlsTransport`): the connection is made once the handshake is done."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[str | None] = loop.create_future()
+
+        def ready(_transport: TlsTransport, error: str | None) -> None:
+            if not ended.done():
+                ended.set_result(error)
+
+        tls = TlsTransport(context, self._connection, ready)
+        peer = _peer(sock)
+        try:
+            # (a protocol by its methods: a C type, not a subclass of asyncio.Protocol)
+            await loop.connect_accepted_socket(lambda: cast(asyncio.Protocol, tls), sock)
+        except OSError as exc:
+            sock.close()
+            self._mismatch("handshake", f"{self._flag}: the TLS handshake with {peer} failed: {exc}")
+            return
+        try:
+            error = await asyncio.wait_for(asyncio.shield(ended), _HANDSHAKE_TIMEOUT)
+        except TimeoutError:
+            error = f"no handshake in {_HANDSHAKE_TIMEOUT:g} s"
+        finally:
+            if not ended.done():  # timed out, or the server stops meanwhile: the transport closes the socket
+                tls.abort()
+        if error is not None:
+            self._mismatch("handshake", f"{self._flag}: the TLS handshake with {peer} failed: {error}")
 
     def _connection(self) -> Connection:
         connection = Connection(

@@ -13,7 +13,7 @@ LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, LoopFactory]:
     factories: dict[str, LoopFactory] = {"asyncio": asyncio.new_event_loop}
-    if item.path.name not in ("test_server.py", "test_io_thread.py"):
+    if item.path.name not in ("test_server.py", "test_io_thread.py", "test_tls.py"):
         return factories
     try:
         import uvloop

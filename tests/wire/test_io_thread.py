@@ -1,12 +1,14 @@
 """epp.wire's I/O thread (epp/wire/_fast.c, "The I/O thread").
 
-A plaintext connection whose open streams all echo (at most four) is lent to a native thread, which
-answers their middle response body chunks; any other frame, the peer's end, or an answer the socket
+A connection whose open streams all echo (at most four) is lent to a native thread, which answers
+their middle response body chunks (a TLS connection too: its session is C's, epp.wire._fast.TlsTransport,
+and the thread decrypts and encrypts its records); any other frame, the peer's end, or an answer the socket
 or the peer's windows cannot take hands it back, and the event loop takes it back before it touches
 the connection itself. What must hold: the client sees exactly what the event loop alone would have
 sent (byte for byte, in order, within its windows: the raw client's peer checks every frame), the
 calls see what they would have seen, and the thread did answer the middle chunks. Real sockets on
-127.0.0.1, on both event loops (tests/wire/conftest.py).
+127.0.0.1, on both event loops (tests/wire/conftest.py); the tests that take the ``lending`` fixture
+run over plaintext and over TLS.
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ import random
 import ssl
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from epp.server.tls import self_signed_certificate
-from epp.wire._fast import set_lend_after
+from epp.server.tls import self_signed_certificate, ssl_context_from_pem
+from epp.wire._fast import TlsTransport, set_lend_after
 from epp.wire.http2 import Connection, Stream
 from epp.wire.server import GrpcServer, bind_socket
 from tests.conftest import eventually
@@ -98,6 +99,14 @@ def lend_at_once() -> Iterator[None]:
     set_lend_after(previous)
 
 
+def _tls() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a fresh self-signed certificate, and a client context that trusts it."""
+    certificate, key = self_signed_certificate()
+    client_context = ssl.create_default_context(cadata=certificate.decode())
+    client_context.set_alpn_protocols(["h2"])
+    return ssl_context_from_pem(certificate, key), client_context
+
+
 @contextlib.asynccontextmanager
 async def _serving(*, client_ssl: ssl.SSLContext | None = None, **options: Any) -> AsyncIterator[Lending]:
     """A server of ext_proc-like streams (and a unary echo), and a raw client connected to it."""
@@ -118,10 +127,16 @@ async def _serving(*, client_ssl: ssl.SSLContext | None = None, **options: Any) 
         await server.stop(0)
 
 
-@pytest.fixture
-async def lending() -> AsyncIterator[Lending]:
-    async with _serving() as running:
-        yield running
+@pytest.fixture(params=["plaintext", "tls"])
+async def lending(request: pytest.FixtureRequest) -> AsyncIterator[Lending]:
+    if request.param == "plaintext":
+        async with _serving() as running:
+            yield running
+    else:
+        server_context, client_context = _tls()
+        async with _serving(ssl_context=server_context, client_ssl=client_context) as running:
+            assert running.server.native_tls
+            yield running
 
 
 def _middle(index: int) -> bytes:
@@ -352,15 +367,10 @@ async def test_random_interleavings_are_answered_as_the_event_loop_alone_would(l
     assert lending.connection.thread_chunks > 0
 
 
-async def test_a_tls_connection_is_never_lent(tmp_path: Path) -> None:
-    certificate, key = self_signed_certificate()
-    (tmp_path / "tls.crt").write_bytes(certificate)
-    (tmp_path / "tls.key").write_bytes(key)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
-    client_context = ssl.create_default_context(cadata=certificate.decode())
-    client_context.set_alpn_protocols(["h2"])
-    async with _serving(ssl_context=context, client_ssl=client_context) as lending:
+async def test_a_tls_connection_whose_records_are_uvloops_is_never_lent() -> None:
+    server_context, client_context = _tls()
+    async with _serving(ssl_context=server_context, client_ssl=client_context, native_tls=False) as lending:
+        assert not lending.server.native_tls
         await lending.start(1)
         for index in range(5):
             await lending.chunk(1, _middle(index))
@@ -377,10 +387,15 @@ async def test_without_the_io_thread_nothing_is_lent() -> None:
         assert lending.connection.lends == 0
 
 
-async def test_lent_streams_and_connections_are_freed_once_done() -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
+async def test_lent_streams_and_connections_are_freed_once_done(tls: bool) -> None:
     # The thread holds references while a connection is lent: every one must be let go at the reclaim.
+    server_context, client_context = _tls() if tls else (None, None)
+
     async def serve() -> None:
-        async with _serving(first_bytes_timeout=0.1) as lending:  # (its timer holds the connection till then)
+        async with _serving(  # (first_bytes_timeout: its timer holds the connection till then)
+            first_bytes_timeout=0.1, ssl_context=server_context, client_ssl=client_context
+        ) as lending:
             await asyncio.sleep(0.15)
             for stream_id in range(1, 41, 2):
                 await lending.start(stream_id)
@@ -393,4 +408,4 @@ async def test_lent_streams_and_connections_are_freed_once_done() -> None:
 
     await serve()
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, (Stream, Connection))]
+    assert not [o for o in gc.get_objects() if isinstance(o, (Stream, Connection, TlsTransport))]

@@ -92,9 +92,14 @@ def _server_context(certificate: tuple[bytes, bytes], tmp_path: object) -> ssl.S
     return context
 
 
-@pytest.fixture
-async def served_tls(certificate: tuple[bytes, bytes], tmp_path: object) -> AsyncIterator[Served]:
-    running = await _serve(ssl_context=_server_context(certificate, tmp_path), first_bytes_timeout=0.5)
+@pytest.fixture(params=[True, False], ids=["native-tls", "uvloop-tls"])
+async def served_tls(
+    certificate: tuple[bytes, bytes], tmp_path: object, request: pytest.FixtureRequest
+) -> AsyncIterator[Served]:
+    """A TLS port, its records C's (epp.wire._fast.TlsTransport) or the event loop's (``native_tls=False``)."""
+    context = _server_context(certificate, tmp_path)
+    running = await _serve(ssl_context=context, first_bytes_timeout=0.5, native_tls=request.param)
+    assert running.server.native_tls is request.param
     yield running
     await running.server.stop(0)
 
