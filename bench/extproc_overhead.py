@@ -7,7 +7,10 @@ Two Envoys run at once in front of the same echo backends (one worker thread eac
   FULL_DUPLEX_STREAMED both ways, trailers SEND) calling the picker, which parses each body,
   picks an endpoint and streams the request and response bodies back;
 * ``base``:   the same with another tree's picker (``--baseline-python``: that tree's virtualenv's
-  python), to compare two versions side by side in one run.
+  python), to compare two versions side by side in one run;
+* ``tls``, ``tls-uv`` (``--tls``): this tree's picker serving TLS (``--secure-serving=true``,
+  upstream's default) to an Envoy that uses it, its records in C and (``tls-uv``) the event loop's
+  (``--native-tls=false``).
 
 For each prompt size, wrk drives both at the same fixed concurrency, alternating direct/epp for
 several rounds so that machine noise lands on both alike; the table shows medians over rounds:
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also measure bench/passthrough_picker.py: the same ext_proc exchange with no work (the grpc.aio floor)",
     )
     parser.add_argument("--baseline-python", help="another tree's python: its picker runs beside this one (mode base)")
+    parser.add_argument("--tls", action="store_true", help="also modes tls and tls-uv: the picker serving TLS")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("wrk is needed: apt-get install wrk", file=sys.stderr)
@@ -131,12 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     picker = PickerProcess(pool)
     baseline = PickerProcess(pool, python=args.baseline_python) if args.baseline_python else None
     floor: subprocess.Popen[bytes] | None = None
+    tls_pickers: dict[str, PickerProcess] = {}
+    if args.tls:
+        tls_pickers["tls"] = PickerProcess(pool, tls=True)
+        tls_pickers["tls-uv"] = PickerProcess(pool, tls=True, extra_args=["--native-tls=false"])
     envoys: list[EnvoyProcess] = []
     runs: list[Run] = []
     try:
         picker.start()
         if baseline is not None:
             baseline.start()
+        for tls_picker in tls_pickers.values():
+            tls_picker.start()
         base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
         direct = EnvoyProcess(render_round_robin(base), concurrency=1)
         via_epp = EnvoyProcess(render(replace(base, picker_port=picker.grpc_port)), concurrency=1)
@@ -145,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         if baseline is not None:
             via_base = EnvoyProcess(render(replace(base, picker_port=baseline.grpc_port)), concurrency=1)
             targets["base"] = (via_base, baseline.pid)
+        for mode, tls_picker in tls_pickers.items():
+            options = replace(base, picker_port=tls_picker.grpc_port, picker_tls=True)
+            targets[mode] = (EnvoyProcess(render(options), concurrency=1), tls_picker.pid)
         if args.floor:
             floor_port = free_port()
             floor = subprocess.Popen(
@@ -191,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         picker.stop()
         if baseline is not None:
             baseline.stop()
+        for tls_picker in tls_pickers.values():
+            tls_picker.stop()
         if floor is not None:
             floor.terminate()
             floor.wait(10)
@@ -223,7 +238,7 @@ def _print_table(runs: list[Run], args: argparse.Namespace) -> None:
     for size in sorted({r.prompt_bytes for r in runs}):
         direct = [r for r in runs if r.prompt_bytes == size and r.mode == "direct"]
         rps_d, p50_d, p99_d = med(direct, "rps"), med(direct, "p50_ms"), med(direct, "p99_ms")
-        for mode in ("epp", "base", "floor"):
+        for mode in ("epp", "base", "tls", "tls-uv", "floor"):
             rows = [r for r in runs if r.prompt_bytes == size and r.mode == mode]
             if not rows:
                 continue

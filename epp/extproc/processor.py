@@ -64,7 +64,7 @@ response body chunks of a stream whose echo is on runs no bytecode, and costs wh
 costs; :meth:`_Stream.response_body` turns the echo on at the first chunk (the response-start signal
 stays here) and still sees the last (end_of_stream, the usage).
 
-Below uvloop's wake-up: the I/O thread (plaintext ports only; ``--io-thread``, on by default). A
+Below uvloop's wake-up: the I/O thread (``--io-thread``, on by default; on TLS ports too, below). A
 connection whose open streams all echo, at most 4 of them and each past its 32nd chunk, is lent to a
 native thread with its own epoll (:mod:`epp.wire._fast`, "The I/O thread"), which reads the socket
 and answers the middle chunks with neither the GIL nor the event loop, and hands the connection back
@@ -89,8 +89,24 @@ streams never reach. What is left at one stream is the kernel's: the thread spen
 user space (its /proc stat over a run: 3 ticks user, 53 system, 9,431 wake-ups), and so would any
 server: the wake-up of an idle core, the recv, and a send whose loopback TCP work for Envoy's side,
 waking Envoy included, is charged to the sender. 15 µs per chunk at one stream is below that floor
-on these machines; what would go lower is fewer messages (response body mode NONE, below). TLS
-connections are never lent: their records are the event loop's SSL object's to decrypt.
+on these machines; what would go lower is fewer messages (response body mode NONE, below).
+
+TLS (``--secure-serving=true``, upstream's default, so what most deployments run). Under uvloop's
+TLS every message went through its SSL protocol and Python's ssl objects, and a TLS connection could
+never be lent: its records were the event loop's SSL object's to decrypt. Now a TLS port's records
+are decrypted and encrypted in C (:class:`epp.wire._fast.TlsTransport`: OpenSSL on memory BIOs,
+the session made from the server's own ssl.SSLContext, used where ``tls_usable`` finds Python's own
+OpenSSL; ``--native-tls=false`` keeps uvloop's), so the C read path takes a TLS connection's chunks
+as it does a plaintext one's, and the I/O thread reads and writes a lent connection's records
+itself. ``python bench/streaming_cost.py --events 256,1024 --streams 1,4,16 --rounds 3 --requests 8
+--tls`` (at c7d5de2, all three pickers in one run), picker CPU per ext_proc message, plaintext / TLS
+in C / uvloop's TLS: 1,024 events at 1 stream 20.0 / 32.1 / 56.4 µs (20.6 / 33.0 / 58.0 ms a
+request), 4 streams 8.6 / 11.1 / 19.6, 16 streams 5.5 / 8.0 / 9.2; 256 events 29.2 / 38.8 / 48.4,
+8.5 / 13.3 / 22.9, 4.2 / 9.0 / 9.0. What TLS still adds at one stream is OpenSSL 3.0's per-record
+work (``perf``: libcrypto and libssl ~24% of the thread's CPU, spread over many small functions;
+AES-GCM itself ~2%). A non-streamed request is as cheap either way (``python
+bench/extproc_overhead.py --connections 1 --sizes 1024 --rounds 3 --tls``: 0.321 / 0.313 / 0.329
+ms of CPU, P50 added 0.63 / 0.68 / 0.68 ms).
 
 Processing modes, the other lever (measured, not adopted). With response body mode NONE Envoy sends
 the picker no chunk at all: ``python bench/streaming_cost.py --events 1024 --streams 1,16 --none``

@@ -30,6 +30,9 @@
  *
  * The I/O thread (below) gives the same answers to a connection lent to it: echo_core is the one
  * function both call, and it uses no Python API (the kept tail of chunks is plain memory for that).
+ *
+ * TLS (TlsTransport, below): a TLS port's records are decrypted and encrypted here too, so that a TLS
+ * connection's chunks take the same C path, and its session can go with it to the I/O thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
