@@ -1209,7 +1209,10 @@ static int io_start(void) {
  * LEND_MAX_STREAMS streams open, each echoing and past lend_after chunks. */
 static int lendable(ConnectionBase *self) {
     if (self->lent || self->closed || !self->plain) return 0;
-    if (Py_TYPE(self->transport) == &TlsTransportType && ((TlsTransport *)self->transport)->state != 1) return 0;
+    if (Py_TYPE(self->transport) == &TlsTransportType) { /* an open session whose end nobody read yet */
+        TlsTransport *tls = (TlsTransport *)self->transport;
+        if (tls->state != 1 || tls->ended) return 0;
+    }
     Py_ssize_t count = PyDict_GET_SIZE(self->streams);
     if (count == 0 || count > LEND_MAX_STREAMS) return 0;
     Py_ssize_t position = 0;
