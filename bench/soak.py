@@ -14,7 +14,9 @@ bytes per request, and the same for fds; the target is <= 1 byte per request ove
 PNG plot (``--plot``, default soak.png) shows RSS and fds against requests with the fitted line.
 
     python bench/soak.py [--minutes 30] [--workers 4] [--interval 5] [--plot soak.png]
-                         [--picker-arg=--flag=value ...]
+                         [--picker-arg=--flag=value ...] [--tls]
+
+(``--tls``: the picker serves TLS, upstream's default, to an Envoy that uses it.)
 
 Talks only to 127.0.0.1; stops by itself. Bounded: ``--workers`` requests in flight at a time.
 
@@ -180,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="Envoy half-closes ext_proc streams and waits for the picker's status instead of resetting them",
     )
+    parser.add_argument("--tls", action="store_true", help="the picker serves TLS (--secure-serving=true) to Envoy")
     args = parser.parse_args(argv)
 
     sim = subprocess.Popen(
@@ -189,12 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     assert sim.stdout is not None
     pool = [sim.stdout.readline().split()[1].removeprefix("http://") for _ in range(args.pods)]
-    picker = PickerProcess(pool, extra_args=args.picker_arg)
+    picker = PickerProcess(pool, tls=args.tls, extra_args=args.picker_arg)
     envoy: EnvoyProcess | None = None
     try:
         picker.start()
         base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
-        config = render(replace(base, picker_port=picker.grpc_port))
+        config = render(replace(base, picker_port=picker.grpc_port, picker_tls=args.tls))
         if args.envoy_graceful_close:
             config["layered_runtime"] = {"layers": [{"name": "soak", "static_layer": {_GRACEFUL_CLOSE: True}}]}
         envoy = EnvoyProcess(config, concurrency=1)
