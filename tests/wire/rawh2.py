@@ -556,6 +556,13 @@ class Client:
             await self.writer.wait_closed()
 
 
+def trusting(certificate: bytes) -> ssl.SSLContext:
+    """A client TLS context that trusts ``certificate`` (PEM) and offers ALPN h2, as a gRPC client does."""
+    context = ssl.create_default_context(cadata=certificate.decode())
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
 # -- calls for tests ----------------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from tests.wire.rawh2 import (
     grpc,
     ping,
     settings,
+    trusting,
     upb_answer,
     window_update,
 )
@@ -102,9 +103,7 @@ def lend_at_once() -> Iterator[None]:
 def _tls() -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """A server context with a fresh self-signed certificate, and a client context that trusts it."""
     certificate, key = self_signed_certificate()
-    client_context = ssl.create_default_context(cadata=certificate.decode())
-    client_context.set_alpn_protocols(["h2"])
-    return ssl_context_from_pem(certificate, key), client_context
+    return ssl_context_from_pem(certificate, key), trusting(certificate)
 
 
 @contextlib.asynccontextmanager

@@ -42,6 +42,7 @@ from tests.wire.rawh2 import (
     data,
     frame,
     rst_stream,
+    trusting,
     upb_answer,
     window_update,
 )
@@ -105,9 +106,7 @@ async def served_tls(
 
 
 def _client_context(certificate: tuple[bytes, bytes]) -> ssl.SSLContext:
-    context = ssl.create_default_context(cadata=certificate[0].decode())
-    context.set_alpn_protocols(["h2"])
-    return context
+    return trusting(certificate[0])
 
 
 async def _echo(client: Client, stream_id: int, message: bytes) -> None:

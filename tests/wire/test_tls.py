@@ -26,7 +26,7 @@ from epp.wire._fast import TlsTransport, set_lend_after, tls_usable
 from epp.wire.http2 import Stream
 from epp.wire.server import GrpcServer, bind_socket
 from tests.conftest import eventually
-from tests.wire.rawh2 import PATH, PREFACE, BodyEcho, Client, Recorder, chunk_message, data, settings
+from tests.wire.rawh2 import PATH, PREFACE, BodyEcho, Client, Recorder, chunk_message, data, settings, trusting
 from tests.wire.rawh2 import grpc as grpc_message
 
 ECHO = "/test.Echo/Echo"
@@ -57,9 +57,7 @@ async def served(certificate: tuple[bytes, bytes]) -> AsyncIterator[Served]:
 
 
 def _client_context(certificate: tuple[bytes, bytes]) -> ssl.SSLContext:
-    context = ssl.create_default_context(cadata=certificate[0].decode())
-    context.set_alpn_protocols(["h2"])
-    return context
+    return trusting(certificate[0])
 
 
 class RecordsInHand:
