@@ -537,8 +537,8 @@ typedef struct {
     PyObject *raw;      /* uvloop's transport of the socket; None before connection_made and after lost */
     PyObject *protocol; /* the Connection, once made */
     int state;          /* 0 handshaking, 1 open, 2 closing or closed by this side, 3 lost */
-    int ended;          /* the I/O thread read the session's end (1 close_notify, -1 an error): the
-                         * Connection acts on it once what the thread read before is handled */
+    int ended;          /* the session's end was read (1 close_notify, -1 an error); when the I/O thread
+                         * read it, the Connection acts on it once what the thread read before is handled */
 } TlsTransport;
 
 static PyTypeObject TlsTransportType, ConnectionBaseType;
@@ -734,7 +734,10 @@ static PyObject *tls_data_received(TlsTransport *self, PyObject *data) {
     }
     tls_plain.len = 0;
     int end = tls_decrypt(self->ssl, &tls_plain);
-    if (end != 0) ERR_clear_error();
+    if (end != 0) {
+        ERR_clear_error();
+        self->ended = end; /* so that reading what came before cannot lend the session to the thread */
+    }
     if (tls_flush(self) < 0) return NULL; /* what reading asked to send (a KeyUpdate's answer, say) */
     if (tls_plain.len > 0 && self->protocol != NULL) {
         PyObject *plain = PyBytes_FromStringAndSize((const char *)tls_plain.data, (Py_ssize_t)tls_plain.len);

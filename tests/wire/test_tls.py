@@ -316,3 +316,40 @@ async def test_records_that_do_not_decrypt_on_a_lent_connection_end_it_and_cance
     finally:
         set_lend_after(previous)
         await server.stop(0)
+
+
+async def test_a_close_notify_read_with_frames_that_would_lend_the_connection_keeps_it(
+    certificate: tuple[bytes, bytes],
+) -> None:
+    # One read holds a stream's first chunk (after which the connection may be lent) and the peer's
+    # close_notify: the loop, which read the end, closes the connection; the session is not lent first.
+    calls: list[BodyEcho] = []
+
+    def handler(stream: Stream) -> BodyEcho:
+        calls.append(BodyEcho(stream))
+        return calls[-1]
+
+    server = GrpcServer({PATH: handler}, ssl_context=ssl_context_from_pem(*certificate), flag="--grpc-port 1234")
+    port = server.serve_socket(bind_socket("127.0.0.1", 0))
+    previous = set_lend_after(1)
+    try:
+        pipe = await RecordsInHand.connect(port, _client_context(certificate))
+        client = Client(pipe, pipe)  # type: ignore[arg-type]
+        await client.send(PREFACE + settings())
+        await client.until(lambda peer: peer.settings_acks >= 1)
+        (connection,) = server._connections
+        request = client.requests.open(1, PATH) + data(1, grpc_message(chunk_message(b"data: first\n\n")))
+        client.peer.sent(request)
+        pipe.tls.write(request)
+        with contextlib.suppress(ssl.SSLWantReadError):
+            pipe.tls.unwrap()  # the close_notify, in the same write as the frames
+        pipe.write_records(pipe.outgoing.read())
+        while await asyncio.wait_for(pipe.read(1 << 16), 10):
+            pass
+        assert pipe.close_notify_received
+        assert connection.lends == 0
+        await eventually(lambda: server.connections == 0, "the connection forgotten")
+        pipe.close()
+    finally:
+        set_lend_after(previous)
+        await server.stop(0)
