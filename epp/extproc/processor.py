@@ -103,8 +103,8 @@ itself. ``python bench/streaming_cost.py --events 256,1024 --streams 1,4,16 --ro
 in C / uvloop's TLS: 1,024 events at 1 stream 20.0 / 32.1 / 56.4 µs (20.6 / 33.0 / 58.0 ms a
 request), 4 streams 8.6 / 11.1 / 19.6, 16 streams 5.5 / 8.0 / 9.2; 256 events 29.2 / 38.8 / 48.4,
 8.5 / 13.3 / 22.9, 4.2 / 9.0 / 9.0. What TLS still adds at one stream is OpenSSL 3.0's per-record
-work (``perf``: libcrypto and libssl ~24% of the thread's CPU, spread over many small functions;
-AES-GCM itself ~2%). A non-streamed request is as cheap either way (``python
+work (``perf`` of the picker streaming: libcrypto and libssl ~24% of its CPU, spread over many
+small functions; AES-GCM itself ~2%; the kernel ~60%). A non-streamed request is as cheap either way (``python
 bench/extproc_overhead.py --connections 1 --sizes 1024 --rounds 3 --tls``: 0.321 / 0.313 / 0.329
 ms of CPU, P50 added 0.63 / 0.68 / 0.68 ms).
 
