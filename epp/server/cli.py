@@ -71,8 +71,14 @@ SERVE_FLAGS = FlagSet(
             "io-thread",
             True,
             "this project's, not upstream's: a native thread answers the middle chunks of streamed responses "
-            "while a connection has at most 4 streams open, each past its 32nd chunk (less CPU per chunk); "
-            "false: the event loop answers every message",
+            "while a connection has at most 4 streams open, each past its --io-thread-after-chunks chunks "
+            "(less CPU per chunk); false: the event loop answers every message",
+        ),
+        make_flag(
+            "io-thread-after-chunks",
+            32,
+            "this project's: a connection is lent to the I/O thread once each of its open streams has had this "
+            "many response chunks (a lend and its hand-back cost the event loop a wake-up or two)",
         ),
         make_flag(
             "native-tls",
@@ -187,6 +193,8 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         raise FlagError(f"--zap-encoder must be console or json, got {values['zap-encoder']!r}")
     if values["max-request-body-bytes"] < 1:
         raise FlagError("--max-request-body-bytes must be positive")
+    if values["io-thread-after-chunks"] < 1:
+        raise FlagError("--io-thread-after-chunks must be at least 1")
     if not 0 <= values["workers"] <= _MAX_WORKERS:
         raise FlagError(f"--workers must be between 0 and {_MAX_WORKERS}, got {values['workers']}")
     if values["refresh-metrics-interval"] <= 0:
@@ -212,6 +220,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         secure_serving=values["secure-serving"],
         cert_path=values["cert-path"],
         io_thread=values["io-thread"],
+        io_thread_after_chunks=values["io-thread-after-chunks"],
         native_tls=values["native-tls"],
         config_text=config_text,
         disabled_plugins=tuple(sorted({*values["disable-plugin"], *disabled_from_env()})),

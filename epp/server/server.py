@@ -273,6 +273,7 @@ class EndpointPicker:
                 max_message=settings.max_request_body_bytes + _MESSAGE_HEADROOM,
                 flag=f"--grpc-port {self.grpc_port}",
                 io_thread=settings.io_thread,
+                io_thread_after_chunks=settings.io_thread_after_chunks,
                 native_tls=settings.native_tls,
             )
         self._health_server = GrpcServer(
@@ -339,6 +340,7 @@ class EndpointPicker:
             flag=f"--grpc-port {self.grpc_port}",
             tls=settings.secure_serving,
             io_thread=settings.io_thread,
+            io_thread_after_chunks=settings.io_thread_after_chunks,
             native_tls=settings.native_tls,
             cert_path=settings.cert_path,
             cert_pem=cert,

@@ -28,6 +28,7 @@ class Settings:
     secure_serving: bool = True
     cert_path: str = ""  # a directory holding tls.crt and tls.key; empty: self-signed at start
     io_thread: bool = True  # streamed chunks answered by a native thread (epp.wire._fast)
+    io_thread_after_chunks: int = 32  # lent once each open stream has had this many response chunks
     native_tls: bool = True  # TLS records in C (epp.wire._fast.TlsTransport), not the event loop's
     config_text: str | None = None
     disabled_plugins: tuple[str, ...] = ()  # plugin types turned off (--disable-plugin, $EPP_DISABLE_PLUGINS)

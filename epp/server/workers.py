@@ -162,6 +162,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     key_pem: bytes = b""
     tls: bool = False
     io_thread: bool = True
+    io_thread_after_chunks: int = 32
     native_tls: bool = True
     tracing: bool = False
     verbosity: int = 1
@@ -669,6 +670,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
         flag=spec.flag,
         max_concurrent_streams=spec.max_concurrent_streams,
         io_thread=spec.io_thread,
+        io_thread_after_chunks=spec.io_thread_after_chunks,
         native_tls=spec.native_tls,
     )
     reported = [0]

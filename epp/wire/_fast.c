@@ -1228,10 +1228,12 @@ static int lendable(ConnectionBase *self) {
     return 1;
 }
 
-/* lend(fd): give the connection to the I/O thread if every open stream echoes; True if lent. */
-static PyObject *conn_lend(ConnectionBase *self, PyObject *arg) {
-    long fd = PyLong_AsLong(arg);
-    if (fd == -1 && PyErr_Occurred()) return NULL;
+/* lend(fd, loop_epoll=-1): give the connection to the I/O thread if every open stream echoes; True if
+ * lent. loop_epoll: the event loop's own epoll (uvloop's libuv backend), in which the socket's
+ * registration is then disabled (see below). */
+static PyObject *conn_lend(ConnectionBase *self, PyObject *args) {
+    long fd, loop_epoll = -1;
+    if (!PyArg_ParseTuple(args, "l|l", &fd, &loop_epoll)) return NULL;
     if (!lendable(self) || PyList_GET_SIZE(self->out) > 0) Py_RETURN_FALSE;
     if (io_start() < 0) return PyErr_SetFromErrno(PyExc_OSError);
     pthread_mutex_lock(&io_mutex);
@@ -1303,6 +1305,15 @@ static PyObject *conn_lend(ConnectionBase *self, PyObject *arg) {
     Py_INCREF(self); /* the thread's reference, until reclaimed */
     self->lends++;
     pthread_mutex_unlock(&io_mutex);
+    if (loop_epoll >= 0) {
+        /* libuv's pause_reading leaves the socket in its epoll until it next fires there (it removes
+         * the registration then): the event loop would wake once for the thread's first read, for
+         * nothing. Registered for no event, it is not woken; libuv's resume_reading re-adds the socket
+         * either way (ADD, or MOD where the ADD finds it registered), so its state stays its own. */
+        struct epoll_event quiet = {.events = 0};
+        quiet.data.fd = (int)fd;
+        epoll_ctl((int)loop_epoll, EPOLL_CTL_MOD, (int)fd, &quiet); /* (not registered: nothing to quiet) */
+    }
     Py_RETURN_TRUE;
 }
 
@@ -1462,8 +1473,8 @@ static PyMethodDef conn_methods[] = {
     {"data_received", (PyCFunction)conn_data_received, METH_O,
      "asyncio.Protocol.data_received: read the frames, answering response body chunks of echoing streams in C."},
     {"_flush", (PyCFunction)conn_flush, METH_NOARGS, "Write what is in out, then empty it."},
-    {"lend", (PyCFunction)conn_lend, METH_O,
-     "lend(fd) -> True if the connection is now the I/O thread's (every open stream echoes); see _fast.c."},
+    {"lend", (PyCFunction)conn_lend, METH_VARARGS,
+     "lend(fd, loop_epoll=-1) -> True if the connection is now the I/O thread's (every open stream echoes); see _fast.c."},
     {"reclaim", (PyCFunction)conn_reclaim, METH_NOARGS,
      "Take a lent connection back: None if it was not lent, else (unsent answers, unread bytes)."},
     {"_check_lend", (PyCFunction)conn_check_lend, METH_NOARGS, "Lend the connection if it may be (calls _lend)."},

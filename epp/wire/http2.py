@@ -343,6 +343,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self._io_thread = io_thread  # lend the socket to the I/O thread while every stream echoes
         self._fd = -1
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_epoll = -1  # the loop's own epoll (uvloop's), where a lent socket is kept quiet
         self._unread: bytes | None = None  # what the I/O thread handed back, read soon (see _reclaim)
 
     @property
@@ -362,6 +363,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         if self._io_thread and sock is not None and plain:
             self._fd = sock.fileno()
             self._loop = asyncio.get_running_loop()
+            self._loop_epoll = _backend_fd(self._loop)
             self.lend_ok = 1
         # Our SETTINGS, then open the connection's receive window to the maximum.
         self.write_frame(_SETTINGS, 0, 0, self._our_settings)
@@ -437,7 +439,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         try:
             _watch_returns(loop)
             transport.pause_reading()
-            lent = self.lend(self._fd)
+            lent = self.lend(self._fd, self._loop_epoll)
         except Exception as exc:  # (an OSError from epoll, say): this connection's chunks stay the loop's
             log.warning("cannot lend the connection from %s to the I/O thread (%s); not trying again", self.peer, exc)
             self.lend_ok = 0
@@ -944,6 +946,15 @@ class Connection(ConnectionBase, asyncio.Protocol):
 
 
 _watched: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def _backend_fd(loop: asyncio.AbstractEventLoop) -> int:
+    """uvloop's epoll (libuv's backend fd), or -1 for a loop that does not say (asyncio's)."""
+    backend = getattr(loop, "_get_backend_id", None)
+    try:
+        return int(backend()) if backend is not None else -1
+    except Exception:  # (an older uvloop without it, say)
+        return -1
 
 
 def _watch_returns(loop: asyncio.AbstractEventLoop) -> None:

@@ -36,7 +36,7 @@ import time
 from collections.abc import Mapping
 from typing import cast
 
-from epp.wire._fast import TlsTransport, tls_usable
+from epp.wire._fast import TlsTransport, set_lend_after, tls_usable
 from epp.wire.http2 import PREFACE, Connection, Handler
 
 __all__ = ["GrpcServer", "bind_socket"]
@@ -78,6 +78,7 @@ class GrpcServer:
         max_concurrent_streams: int = 0,
         first_bytes_timeout: float = _FIRST_BYTES_TIMEOUT,
         io_thread: bool = True,
+        io_thread_after_chunks: int | None = None,
         native_tls: bool = True,
     ) -> None:
         self._methods = methods
@@ -87,6 +88,8 @@ class GrpcServer:
             ssl_context.set_alpn_protocols(["h2"])
         self.native_tls = ssl_context is not None and native_tls and tls_usable(ssl_context)
         self._io_thread = io_thread and (ssl_context is None or self.native_tls)
+        if self._io_thread and io_thread_after_chunks is not None:
+            set_lend_after(io_thread_after_chunks)  # (process-wide: one ext_proc server per process)
         self._max_message = max_message
         self._flag = flag  # how the operator names this port, for log lines ("--grpc-port 9002")
         self._first_bytes_timeout = first_bytes_timeout

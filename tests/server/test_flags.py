@@ -231,6 +231,7 @@ def test_flag_reaches_settings(argv: list[str], field: str, expected: Any) -> No
         (["-config-file", "a", "-config-text", "b"], "give --config-file or --config-text, not both"),
         (["-zap-encoder", "text"], "--zap-encoder must be console or json, got 'text'"),
         (["-max-request-body-bytes", "0"], "--max-request-body-bytes must be positive"),
+        (["-io-thread-after-chunks", "0"], "--io-thread-after-chunks must be at least 1"),
         (
             ["-refresh-metrics-idle-interval=-1s"],
             "--refresh-metrics-idle-interval cannot be negative (0 turns the backoff off)",

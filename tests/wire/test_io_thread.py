@@ -17,9 +17,11 @@ import asyncio
 import contextlib
 import gc
 import random
+import select
 import ssl
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -366,6 +368,34 @@ async def test_random_interleavings_are_answered_as_the_event_loop_alone_would(l
     assert lending.connection.thread_chunks > 0
 
 
+def _registration(epoll: int, fd: int) -> int | None:
+    """The events ``fd`` is registered for in the epoll ``epoll`` (from /proc, in hex; the kernel adds
+    EPOLLERR and EPOLLHUP to any), None if it is not in it."""
+    for line in Path(f"/proc/self/fdinfo/{epoll}").read_text().splitlines():
+        fields = line.split()
+        if fields[:1] == ["tfd:"] and int(fields[1]) == fd:
+            return int(fields[3], 16)
+    return None
+
+
+async def test_a_lent_socket_is_quiet_in_uvloops_epoll_and_watched_again_once_taken_back(lending: Lending) -> None:
+    # libuv leaves a paused socket in its epoll until it fires there: the loop would wake for the
+    # thread's reads. Lent, the socket is registered for no event; taken back, libuv reads it again.
+    epoll = lending.connection._loop_epoll
+    if epoll < 0:
+        pytest.skip("asyncio's loop: no epoll of its own to quiet")
+    fd = lending.connection._fd
+    await lending.start(1)
+    await lending.chunk(1, _middle(0))
+    assert lending.connection.lent == 1
+    assert not (_registration(epoll, fd) or 0) & select.EPOLLIN
+    await lending.end(1)  # its last chunk: handed back, and with no stream open not lent again
+    assert lending.connection.lent == 0
+    await eventually(lambda: (_registration(epoll, fd) or 0) & select.EPOLLIN, "the socket watched for reading again")
+    await lending.start(3)  # and read by the loop: served
+    await lending.end(3)
+
+
 async def test_a_tls_connection_whose_records_are_uvloops_is_never_lent() -> None:
     server_context, client_context = _tls()
     async with _serving(ssl_context=server_context, client_ssl=client_context, native_tls=False) as lending:
@@ -408,3 +438,14 @@ async def test_lent_streams_and_connections_are_freed_once_done(tls: bool) -> No
     await serve()
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, (Stream, Connection, TlsTransport))]
+
+
+async def test_the_server_sets_when_connections_are_lent() -> None:
+    set_lend_after(1)
+    async with _serving(io_thread_after_chunks=3) as lending:
+        await lending.start(1)  # its first chunk
+        await lending.chunk(1, _middle(0))
+        assert lending.connection.lends == 0  # 2 chunks
+        await lending.chunk(1, _middle(1))
+        assert lending.connection.lent == 1  # the 3rd read ends with the connection lent
+        await lending.end(1)
