@@ -80,12 +80,16 @@ stream 33.7 / 51.9 µs (34.7 / 53.4 ms a request), at 4 streams 11.0 / 20.0, at 
 below). Lending with up to 64 streams open, at a stream's first chunk, made 16 streams dearer (6.8
 against 3.0 µs): a busy connection is handed back and forth for every new stream and last chunk, and
 its reads carry several chunks each, which the loop answers as cheaply; hence the limit of 4. A lend
-and its hand-back cost about two wake-ups of the loop (uvloop keeps the socket in its own epoll
-until it next fires), which short streams do not repay: lending at a stream's first chunk made
-``python bench/routing_quality.py --cpu-comparison --idle-pods 100 --policies
+and its hand-back cost wake-ups of the loop, which short streams do not repay: lending at a stream's
+first chunk made ``python bench/routing_quality.py --cpu-comparison --idle-pods 100 --policies
 rr,default,default+io-thread=false,sglang-router --rounds 2`` (16-token streams) cost the picker
-2.94 CPU-s per 1,000 requests against 2.77 without the thread; hence the 32 chunks, which such
-streams never reach. What is left at one stream is the kernel's: the thread spends ~5% of its CPU in
+2.94 CPU-s per 1,000 requests against 2.77 without the thread; hence the 32 chunks
+(``--io-thread-after-chunks``), which such streams never reach. uvloop kept a lent socket in its own
+epoll until it next fired there, one more wake-up per lend; the lend now registers it for no event
+(0c816f6). Measured again after that, ``--policies
+rr,default,default+io-thread-after-chunks=1,sglang-router --rounds 2``: picker above idle 1.90 CPU-s
+per 1,000 requests at 32 chunks, 2.07 at 1 (request path 1.54 / 1.65): lending at the first chunk
+still does not pay, so 32 stays. What is left at one stream is the kernel's: the thread spends ~5% of its CPU in
 user space (its /proc stat over a run: 3 ticks user, 53 system, 9,431 wake-ups), and so would any
 server: the wake-up of an idle core, the recv, and a send whose loopback TCP work for Envoy's side,
 waking Envoy included, is charged to the sender. 15 µs per chunk at one stream is below that floor
