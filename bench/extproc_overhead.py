@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--floor",
         action="store_true",
-        help="also measure bench/passthrough_picker.py: the same ext_proc exchange with no work (the grpc.aio floor)",
+        help="also measure bench/passthrough_picker.py: the same ext_proc exchange on epp's transport, with no work (the floor)",
     )
     parser.add_argument("--baseline-python", help="another tree's python: its picker runs beside this one (mode base)")
     parser.add_argument("--tls", action="store_true", help="also modes tls and tls-uv: the picker serving TLS")

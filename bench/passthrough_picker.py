@@ -1,10 +1,15 @@
-"""The floor under any Python ext_proc: the same protocol answers as epp, with no work at all.
+"""The floor under epp's request path: the same ext_proc exchange on the same transport, with no work.
 
 No parsing, no scheduling, no metrics: request bodies are held and echoed as epp does, every
-request goes round robin over ``--endpoints``, response headers and chunks are echoed. Its CPU per
-request is what grpc.aio + protobuf cost for the message pattern Envoy's reference configuration
-produces, which tells how much of epp's cost is epp's own. Used by ``extproc_overhead.py --floor``;
-not part of the product.
+request goes round robin over ``--endpoints``, response headers are continued and response body
+chunks echoed (in C from the first chunk on, as epp's streams are: ``Stream.echo_response_bodies``),
+and the stream is ended once the response's last answer is sent, as epp ends it. It is served by
+:mod:`epp.wire` (epp's own gRPC server, the I/O thread off), so its CPU per request and the latency
+it adds are what the protocol's message pattern costs on this transport, which tells how much of
+epp's cost is epp's own. Used by ``extproc_overhead.py --floor``; not part of the product.
+
+(Until epp served ext_proc itself this floor was a grpc.aio servicer; what grpc.aio cost is in
+``epp/extproc/processor.py``, "Transport".)
 """
 
 from __future__ import annotations
@@ -14,61 +19,97 @@ import asyncio
 import itertools
 import signal
 
-import grpc
 import uvloop
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epp.extproc.answers import CONTINUE_RESPONSE_HEADERS, CONTINUE_RESPONSE_TRAILERS, streamed_body
+from epp.extproc.processor import METHOD
+from epp.wire.health import SERVING, Health
+from epp.wire.http2 import Stream
+from epp.wire.server import GrpcServer, bind_socket
+
+_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_CHUNK = 62_000  # epp's largest streamed body mutation
 
 
-def _destination_reply(hostport: str) -> pb.ProcessingResponse:
+def _destination_reply(hostport: str) -> bytes:
     reply = pb.ProcessingResponse()
     option = reply.request_headers.response.header_mutation.set_headers.add()
     option.header.key = "x-gateway-destination-endpoint"
     option.header.raw_value = hostport.encode()
     reply.request_headers.response.clear_route_cache = True
-    return reply
+    return reply.SerializeToString()
 
 
-class Passthrough(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, endpoints: list[str]) -> None:
-        self._replies = itertools.cycle([_destination_reply(e) for e in endpoints])
+_CONTINUE_HEADERS = CONTINUE_RESPONSE_HEADERS.SerializeToString()
+_CONTINUE_TRAILERS = CONTINUE_RESPONSE_TRAILERS.SerializeToString()
 
-    async def Process(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        chunks: list[bytes] = []
-        async for message in request_iterator:
-            kind = message.WhichOneof("request")
-            if kind == "request_body":
-                chunks.append(message.request_body.body)
-                if message.request_body.end_of_stream:
-                    yield next(self._replies)
-                    body = b"".join(chunks)
-                    for start in range(0, max(len(body), 1), 62_000):
-                        yield streamed_body("request_body", body[start : start + 62_000], start + 62_000 >= len(body))
-            elif kind == "request_headers" and message.request_headers.end_of_stream:
-                yield next(self._replies)
-            elif kind == "response_headers":
-                yield CONTINUE_RESPONSE_HEADERS
-            elif kind == "response_body":
-                yield streamed_body("response_body", message.response_body.body, message.response_body.end_of_stream)
-            elif kind == "response_trailers":
-                yield CONTINUE_RESPONSE_TRAILERS
+
+class _Passthrough:
+    """One ext_proc stream: every message answered at once, in the connection's read."""
+
+    __slots__ = ("_chunks", "_replies", "_wire")
+
+    def __init__(self, wire: Stream, replies: itertools.cycle[bytes]) -> None:
+        self._wire = wire
+        self._replies = replies
+        self._chunks: list[bytes] = []
+
+    def message(self, data: bytes) -> None:
+        message = pb.ProcessingRequest.FromString(data)
+        kind = message.WhichOneof("request")
+        send = self._wire.send
+        if kind == "response_body":
+            body = message.response_body
+            wire = self._wire
+            if body.body:
+                if not wire.response_bytes:  # the first chunk: the rest up to the last are echoed in C
+                    wire.echo_response_bodies()
+                wire.tally(body.body)
+            send(streamed_body("response_body", body.body, body.end_of_stream).SerializeToString())
+            if body.end_of_stream:
+                wire.finish()
+        elif kind == "request_body":
+            self._chunks.append(message.request_body.body)
+            if message.request_body.end_of_stream:
+                send(next(self._replies))
+                body = b"".join(self._chunks)
+                for start in range(0, max(len(body), 1), _CHUNK):
+                    last = start + _CHUNK >= len(body)
+                    send(streamed_body("request_body", body[start : start + _CHUNK], last).SerializeToString())
+                self._wire.flush()
+        elif kind == "request_headers":
+            if message.request_headers.end_of_stream:
+                send(next(self._replies))
+        elif kind == "response_headers":
+            send(_CONTINUE_HEADERS)
+            if message.response_headers.end_of_stream:
+                self._wire.finish()
+        elif kind == "response_trailers":
+            send(_CONTINUE_TRAILERS)
+            self._wire.finish()
+
+    def half_close(self) -> None:
+        self._wire.finish()
+
+    def cancel(self) -> None:
+        pass
 
 
 async def _serve(port: int, endpoints: list[str]) -> None:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(Passthrough(endpoints), server)
-    checker = health.aio.HealthServicer()
-    await checker.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    replies = itertools.cycle([_destination_reply(e) for e in endpoints])
+    health = Health()
+    health.set(_SERVICE, SERVING)
+    health.set("", SERVING)
+    server = GrpcServer(
+        {METHOD: lambda wire: _Passthrough(wire, replies), **health.methods()}, io_thread=False, flag="--port"
+    )
+    server.serve_socket(bind_socket("127.0.0.1", port))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    health.stop()
     await server.stop(0)
 
 
