@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -59,6 +59,12 @@ class WireStream(StreamBase):
     def finish(self, status: int = 0, message: str = "") -> None:
         if self.status is None:
             self.status = (status, message)
+
+    def send_all(self, messages: Iterable[bytes], *, end: bool = False) -> None:
+        for message in messages:
+            self.send(message)
+        if end:
+            self.finish()
 
     def echo_response_bodies(self) -> None:
         pass

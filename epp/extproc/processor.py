@@ -529,11 +529,11 @@ class _Call:
         except Exception as error:
             self._failed(error)
             return
-        self._send(answers)
-        if self._stream.outcome == "complete":
-            self._end()
-        else:
-            self._wire.flush()  # the routing answer goes now, not after what else this loop turn runs
+        # The routing answer goes now, not after what else this loop turn runs; one write (send_all).
+        complete = self._stream.outcome == "complete"
+        self._wire.send_all([answer.SerializeToString() for answer in answers], end=complete)
+        if complete:
+            self._finish()
 
     def _send(self, answers: _Answers) -> None:
         send = self._wire.send
@@ -567,12 +567,10 @@ class _Call:
         elif stream.trace is not None:
             stream.trace.failed(error)
         self._metrics.refused(error, stream.model)
-        self._wire.send(immediate(error).SerializeToString())
-        self._end()
+        self._end(immediate(error).SerializeToString())
 
-    def _end(self) -> None:
-        self._wire.finish()
-        self._wire.flush()  # the last answers go out before the request's accounting runs
+    def _end(self, *last: bytes) -> None:
+        self._wire.send_all(last, end=True)  # the last answers go out before the request's accounting runs
         self._finish()
 
     def _finish(self) -> None:

@@ -8,6 +8,7 @@ frame size, or writes on a stream it has ended.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 from collections.abc import Iterator
@@ -787,6 +788,23 @@ async def test_a_call_that_answers_outside_a_read_is_written_soon_in_one_write()
     assert loop.pump() == []  # nothing yet: the write happens on the loop's next turn
     await loop.settle()
     assert loop.transport.writes == writes + 1
+    assert loop.response(1).messages == [b"one", b"two"] and loop.response(1).status == OK
+
+
+async def test_send_all_outside_a_read_writes_at_once_and_leaves_the_loop_nothing_to_do() -> None:
+    # The routing task's answers: sent one by one, each would schedule a flush for the loop's next
+    # turn, which the explicit flush after them did not take back (a turn of the loop for nothing).
+    loop, recorder = echo_loop()
+    loop.open(1, ECHO)
+    stream = recorder.by_id(1).stream
+    await loop.settle()  # (what opening it scheduled)
+    writes = loop.transport.writes
+    stream.send_all([b"one", b"two"], end=True)
+    assert loop.transport.writes == writes + 1  # one write, now
+    assert not stream._connection.flush_scheduled
+    ready = asyncio.get_running_loop()._ready  # type: ignore[attr-defined]  # (asyncio's loop: these tests')
+    assert not ready, f"scheduled for the loop's next turn: {list(ready)}"
+    loop.pump()
     assert loop.response(1).messages == [b"one", b"two"] and loop.response(1).status == OK
 
 
