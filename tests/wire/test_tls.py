@@ -284,20 +284,30 @@ async def test_a_context_tls_usable_refuses_is_served_by_the_event_loop(
     await running.server.stop(0)
 
 
-async def test_records_that_do_not_decrypt_on_a_lent_connection_end_it_and_cancel_its_call(
-    certificate: tuple[bytes, bytes],
-) -> None:
+@contextlib.asynccontextmanager
+async def _lending_after_one_chunk(certificate: tuple[bytes, bytes]) -> AsyncIterator[tuple[GrpcServer, int, list[BodyEcho]]]:
+    """A TLS server of body-echoing calls whose connections may be lent after a stream's first chunk:
+    the server, its port, and the calls it made."""
     calls: list[BodyEcho] = []
 
     def handler(stream: Stream) -> BodyEcho:
         calls.append(BodyEcho(stream))
         return calls[-1]
 
-    context = ssl_context_from_pem(*certificate)
-    server = GrpcServer({PATH: handler}, ssl_context=context, flag="--grpc-port 1234")
+    server = GrpcServer({PATH: handler}, ssl_context=ssl_context_from_pem(*certificate), flag="--grpc-port 1234")
     port = server.serve_socket(bind_socket("127.0.0.1", 0))
     previous = set_lend_after(1)
     try:
+        yield server, port, calls
+    finally:
+        set_lend_after(previous)
+        await server.stop(0)
+
+
+async def test_records_that_do_not_decrypt_on_a_lent_connection_end_it_and_cancel_its_call(
+    certificate: tuple[bytes, bytes],
+) -> None:
+    async with _lending_after_one_chunk(certificate) as (server, port, calls):
         pipe = await RecordsInHand.connect(port, _client_context(certificate))
         client = Client(pipe, pipe)  # type: ignore[arg-type]
         await client.send(PREFACE + settings() + client.requests.open(1, PATH))
@@ -313,9 +323,6 @@ async def test_records_that_do_not_decrypt_on_a_lent_connection_end_it_and_cance
         await eventually(lambda: calls[0].cancelled, "the call cancelled")
         await eventually(lambda: server.connections == 0, "the connection forgotten")
         pipe.close()
-    finally:
-        set_lend_after(previous)
-        await server.stop(0)
 
 
 async def test_a_close_notify_read_with_frames_that_would_lend_the_connection_keeps_it(
@@ -323,16 +330,7 @@ async def test_a_close_notify_read_with_frames_that_would_lend_the_connection_ke
 ) -> None:
     # One read holds a stream's first chunk (after which the connection may be lent) and the peer's
     # close_notify: the loop, which read the end, closes the connection; the session is not lent first.
-    calls: list[BodyEcho] = []
-
-    def handler(stream: Stream) -> BodyEcho:
-        calls.append(BodyEcho(stream))
-        return calls[-1]
-
-    server = GrpcServer({PATH: handler}, ssl_context=ssl_context_from_pem(*certificate), flag="--grpc-port 1234")
-    port = server.serve_socket(bind_socket("127.0.0.1", 0))
-    previous = set_lend_after(1)
-    try:
+    async with _lending_after_one_chunk(certificate) as (server, port, _):
         pipe = await RecordsInHand.connect(port, _client_context(certificate))
         client = Client(pipe, pipe)  # type: ignore[arg-type]
         await client.send(PREFACE + settings())
@@ -350,6 +348,3 @@ async def test_a_close_notify_read_with_frames_that_would_lend_the_connection_ke
         assert connection.lends == 0
         await eventually(lambda: server.connections == 0, "the connection forgotten")
         pipe.close()
-    finally:
-        set_lend_after(previous)
-        await server.stop(0)
