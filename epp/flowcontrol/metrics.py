@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from epp.flowcontrol.outcomes import Outcome
+from epp.framework.histogram import Histogram
 
 __all__ = ["FlowControlMetrics"]
 

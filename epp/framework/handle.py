@@ -32,11 +32,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from epp.framework.endpoint import Endpoint
+from epp.framework.histogram import Histogram
 
 __all__ = ["Handle", "PluginMetrics", "Pool", "PoolListener", "endpoint_in_flight"]
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from epp.errors import EppError
+from epp.framework.histogram import Histogram
 from epp.scheduling.metrics import SCHEDULER_BUCKETS
 
 __all__ = [

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 
+from epp.framework.histogram import Histogram
 from epp.scheduling.runner import Instrument
 
 __all__ = ["SCHEDULER_BUCKETS", "PluginCallMetrics"]
