@@ -24,11 +24,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp.extproc.answers import CONTINUE_RESPONSE_HEADERS, CONTINUE_RESPONSE_TRAILERS, streamed_body
 from epp.extproc.processor import METHOD
+from epp.server.server import EXT_PROC_SERVICE
 from epp.wire.health import SERVING, Health
 from epp.wire.http2 import Stream
 from epp.wire.server import GrpcServer, bind_socket
 
-_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _CHUNK = 62_000  # epp's largest streamed body mutation
 
 
@@ -58,10 +58,10 @@ class _Passthrough:
     def message(self, data: bytes) -> None:
         message = pb.ProcessingRequest.FromString(data)
         kind = message.WhichOneof("request")
-        send = self._wire.send
+        wire = self._wire
+        send = wire.send
         if kind == "response_body":
             body = message.response_body
-            wire = self._wire
             if body.body:
                 if not wire.response_bytes:  # the first chunk: the rest up to the last are echoed in C
                     wire.echo_response_bodies()
@@ -77,17 +77,16 @@ class _Passthrough:
                 for start in range(0, max(len(body), 1), _CHUNK):
                     last = start + _CHUNK >= len(body)
                     send(streamed_body("request_body", body[start : start + _CHUNK], last).SerializeToString())
-                self._wire.flush()
         elif kind == "request_headers":
             if message.request_headers.end_of_stream:
                 send(next(self._replies))
         elif kind == "response_headers":
             send(_CONTINUE_HEADERS)
             if message.response_headers.end_of_stream:
-                self._wire.finish()
+                wire.finish()
         elif kind == "response_trailers":
             send(_CONTINUE_TRAILERS)
-            self._wire.finish()
+            wire.finish()
 
     def half_close(self) -> None:
         self._wire.finish()
@@ -99,7 +98,7 @@ class _Passthrough:
 async def _serve(port: int, endpoints: list[str]) -> None:
     replies = itertools.cycle([_destination_reply(e) for e in endpoints])
     health = Health()
-    health.set(_SERVICE, SERVING)
+    health.set(EXT_PROC_SERVICE, SERVING)
     health.set("", SERVING)
     server = GrpcServer(
         {METHOD: lambda wire: _Passthrough(wire, replies), **health.methods()}, io_thread=False, flag="--port"

@@ -62,9 +62,6 @@ class _Wire(StreamBase):
     def echo_response_bodies(self) -> None:
         pass
 
-    def flush(self) -> None:
-        pass
-
 
 def _headers(pairs: list[tuple[str, str]], into: object) -> None:
     for key, value in pairs:

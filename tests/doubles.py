@@ -68,6 +68,3 @@ class WireStream(StreamBase):
 
     def echo_response_bodies(self) -> None:
         pass
-
-    def flush(self) -> None:
-        pass

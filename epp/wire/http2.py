@@ -280,7 +280,7 @@ class Stream(StreamBase):
         """Send ``messages`` (and end the call with OK if ``end``), and write them now.
 
         For a call that answers outside a read (a task): each send there would schedule a flush for
-        the loop's next turn, which an explicit :meth:`flush` does not take back, so the loop turned
+        the loop's next turn, which an explicit flush did not take back, so the loop turned
         once more for nothing (a poll and a no-op callback a routed request, seen with strace).
         """
         connection = self._connection
@@ -294,10 +294,6 @@ class Stream(StreamBase):
         finally:
             connection.reading = reading
         connection._flush()
-
-    def flush(self) -> None:
-        """Write what this connection has to send now (it is written at the end of a read anyway)."""
-        self._connection._flush()  # (while lent, nothing is: whatever writes takes the connection back first)
 
     def finish(self, status: int = Status.OK, message: str = "") -> None:
         """End the call with ``status`` (trailers); later sends and finishes do nothing."""
