@@ -176,6 +176,7 @@ from epp.extproc.models import is_models_request, models_answer
 from epp.extproc.parsing import parse_request
 from epp.extproc.usage import TAIL_CHUNKS, Usage, usage_of
 from epp.framework import Outcome
+from epp.requestcontrol import stepping
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
 from epp.requestcontrol.metrics import RequestMetrics
@@ -442,8 +443,11 @@ class _Call:
 
     Messages are handled in order as they arrive. The response phase's (headers, each body chunk,
     trailers) are answered at once, in the connection's read, with no task and no await. A request
-    message that completes the request starts one task, which routes (admission may wait) and sends
-    the routing answers; messages arriving meanwhile wait in a queue that the task then works off.
+    message that completes the request starts the route (:func:`epp.requestcontrol.stepping.start`):
+    it runs at once, in the read, and when nothing makes it wait (admission lets it through, no
+    plugin prepares data on a thread) its answers are sent there and leave in the read's own write;
+    a route that waits goes on in a task, and the messages arriving meanwhile wait in a queue that
+    it then works off.
     """
 
     __slots__ = ("_finished", "_metrics", "_queue", "_stream", "_task", "_wire")
@@ -463,7 +467,7 @@ class _Call:
             self._queue.append(data)
         elif self._handle(data):
             self._queue = deque()
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = stepping.start(self._run())  # None: routed already, in this read (see the class docstring)
 
     def half_close(self) -> None:
         if self._queue is not None:
@@ -481,7 +485,7 @@ class _Call:
     # -- handling -----------------------------------------------------------------------------
 
     def _handle(self, data: bytes) -> bool:
-        """Answer one message; True when the request is to be routed now (by a task: see :meth:`_run`)."""
+        """Answer one message; True when the request is to be routed now (see :meth:`message`)."""
         stream = self._stream
         try:
             message = pb.ProcessingRequest.FromString(data)
@@ -500,7 +504,7 @@ class _Call:
                 self._send(answers)
             elif kind == "response_headers":
                 answer = stream.response_headers(message.response_headers)
-                if answer is None:  # hook: answered by a task once another process decides (see _Stream)
+                if answer is None:  # hook: answered once another process decides, by the route (see _Stream)
                     return True
                 self._wire.send(answer.SerializeToString())
             elif kind == "request_trailers":

@@ -14,10 +14,11 @@ worker's events call its methods: ``response_headers`` (answered with the hooks'
 the worker waits for them; else the headers come with the next event), ``response_body_started``,
 and ``response_ended`` + ``finish`` (one :class:`~epp.requestcontrol.ipc.Finish`).
 
-A route runs at once, in the read of its message: the director's coroutine is stepped by hand,
-and when admission lets it through (flow control off, or nothing queued) it finishes in that step,
-with no task, and its answer leaves in the frame written at the end of the turn. Only a route that
-waits in admission continues in a task (as in one process, where every route is one); a
+A route runs at once, in the read of its message: the director's coroutine is stepped by hand
+(:mod:`epp.requestcontrol.stepping`, as one process does with its own routes), and when admission
+lets it through (flow control off, or nothing queued) it finishes in that step, with no task, and
+its answer leaves in the frame written at the end of the turn. Only a route that waits in
+admission continues in a task; a
 :class:`~epp.requestcontrol.ipc.Cancel` cancels that task (the request leaves the queue), or
 finishes the pick ``cancelled`` if it was already routed. When the worker dies (:meth:`WorkerRequests.lost`) its
 waiting routes are cancelled and every pick it held is finished as ``error``: in-flight accounting
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Coroutine, Generator
+from collections.abc import Callable, Collection
 from typing import Any
 
 import msgspec
@@ -38,6 +39,7 @@ from epp.framework import Api, InferenceRequest
 from epp.requestcontrol import ipc
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
+from epp.requestcontrol.stepping import start
 from epp.requestcontrol.tracing import RequestTrace, Tracing
 
 __all__ = ["WorkerRequests", "continued_trace"]
@@ -105,12 +107,9 @@ class WorkerRequests:
         if message.traceparent is not None and self._tracing is not None:
             trace = continued_trace(self._tracing, message.traceparent)
         # Step the route by hand: it usually ends in this first step (see the module docstring).
-        routing = self._run(message.id, request, message.subset, trace)
-        try:
-            waiting_on = routing.send(None)
-        except StopIteration:
-            return
-        self._routing[message.id] = asyncio.get_running_loop().create_task(_resumed(routing, waiting_on))
+        task = start(self._run(message.id, request, message.subset, trace))
+        if task is not None:
+            self._routing[message.id] = task
 
     async def _run(
         self, request_id: int, request: InferenceRequest, subset: Collection[str] | None, trace: RequestTrace | None
@@ -184,39 +183,6 @@ class WorkerRequests:
         routed, self._routed = self._routed, {}
         for request in routed.values():
             request.finish("error")
-
-
-class _Resume:
-    """Carries on a coroutine stepped by hand that yielded ``waiting_on`` (a future), as a task's own would."""
-
-    __slots__ = ("_coroutine", "_waiting_on")
-
-    def __init__(self, coroutine: Coroutine[Any, Any, None], waiting_on: Any) -> None:
-        self._coroutine = coroutine
-        self._waiting_on = waiting_on
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        coroutine, value = self._coroutine, self._waiting_on
-        while True:
-            try:
-                sent = yield value  # the task waits on it, then sends (or throws) its outcome in
-            except GeneratorExit:
-                coroutine.close()
-                raise
-            except BaseException as exc:  # a cancellation: thrown into the coroutine
-                try:
-                    value = coroutine.throw(exc)
-                except StopIteration:
-                    return
-            else:
-                try:
-                    value = coroutine.send(sent)
-                except StopIteration:
-                    return
-
-
-async def _resumed(coroutine: Coroutine[Any, Any, None], waiting_on: Any) -> None:
-    await _Resume(coroutine, waiting_on)
 
 
 def continued_trace(tracing: Tracing, traceparent: str) -> RequestTrace | None:

@@ -277,7 +277,8 @@ class Stream(StreamBase):
         connection.flush_stream(self)
 
     def send_all(self, messages: Iterable[bytes], *, end: bool = False) -> None:
-        """Send ``messages`` (and end the call with OK if ``end``), and write them now.
+        """Send ``messages`` (and end the call with OK if ``end``), and write them now, or at the end
+        of the read when called in one (a route that did not wait: epp.requestcontrol.stepping).
 
         For a call that answers outside a read (a task): each send there would schedule a flush for
         the loop's next turn, which an explicit flush did not take back, so the loop turned
@@ -293,7 +294,8 @@ class Stream(StreamBase):
                 self.finish()
         finally:
             connection.reading = reading
-        connection._flush()
+        if not reading:
+            connection._flush()
 
     def finish(self, status: int = Status.OK, message: str = "") -> None:
         """End the call with ``status`` (trailers); later sends and finishes do nothing."""

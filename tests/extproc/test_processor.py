@@ -467,7 +467,8 @@ schedulingProfiles:
 class _SpyDirector:
     """A real director over a static pool, recording every request it routes."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, yields: bool = False) -> None:
+        self.yields = yields  # each route waits a turn of the loop (goes on in a task)
         self.datastore = Datastore(_FUZZ_POOL)
         built = load_config(_RANDOM_PICKER, default_registry(), Handle(self.datastore, metrics=PluginMetrics(CollectorRegistry())))
         self._director = Director(self.datastore, built.scheduler, RequestMetrics())
@@ -475,6 +476,8 @@ class _SpyDirector:
         self.routed: list[RoutedRequest] = []
 
     async def route(self, request: InferenceRequest, subset: object = None) -> RoutedRequest:
+        if self.yields:
+            await asyncio.sleep(0)
         routed = await self._director.route(request, subset)  # type: ignore[arg-type]
         self.routed.append(routed)
         return routed
@@ -533,16 +536,25 @@ async def _settle() -> None:
 
 
 async def _drive(
-    processor: ExternalProcessor, sequence: list[pb.ProcessingRequest], cancel_after: int | None = None
+    processor: ExternalProcessor,
+    sequence: list[pb.ProcessingRequest],
+    cancel_after: int | None = None,
+    *,
+    settle: bool = True,
 ) -> WireStream:
-    """Deliver ``sequence`` as the wire does (nothing after the stream ended), then half-close, or cancel."""
+    """Deliver ``sequence`` as the wire does (nothing after the stream ended), then half-close, or cancel.
+
+    ``settle``: the loop turns between messages (a route that waits is done before the next); without,
+    they come at once, as in one read.
+    """
     wire = WireStream()
     call = processor.open(wire)  # type: ignore[arg-type]
     for message in sequence:
         if wire.status is not None:
             return wire
         call.message(message.SerializeToString())
-        await _settle()
+        if settle:
+            await _settle()
         if cancel_after is not None and len(wire.sent) > cancel_after and wire.status is None:
             call.cancel()  # Envoy (or the client) goes away mid-stream
             await _settle()
@@ -554,11 +566,16 @@ async def _drive(
 
 
 @_FUZZ
-@given(sequence=st.lists(_message(), max_size=8), cancel_after=st.none() | st.integers(0, 6))
+@given(
+    sequence=st.lists(_message(), max_size=8),
+    cancel_after=st.none() | st.integers(0, 6),
+    waits=st.booleans(),
+    settle=st.booleans(),
+)
 async def test_fuzz_any_message_sequence_gets_well_formed_answers_and_finishes_each_request_once(
-    sequence: list[pb.ProcessingRequest], cancel_after: int | None
+    sequence: list[pb.ProcessingRequest], cancel_after: int | None, waits: bool, settle: bool
 ) -> None:
-    director = _SpyDirector()
+    director = _SpyDirector(yields=waits)
     processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
     finishes: list[RoutedRequest] = []
     real_finish = RoutedRequest.finish
@@ -568,7 +585,8 @@ async def test_fuzz_any_message_sequence_gets_well_formed_answers_and_finishes_e
         real_finish(routed, outcome)
 
     with unittest.mock.patch.object(RoutedRequest, "finish", counted):
-        wire = await _drive(processor, sequence, cancel_after)
+        wire = await _drive(processor, sequence, cancel_after, settle=settle)
+        await _settle()  # (a route still waiting when the sequence ended)
     answers = wire.sent
     if wire.status is not None and wire.status[0] != 0:
         # the documented stream failure: only once the request was routed, too late for an answer
@@ -598,3 +616,79 @@ async def test_request_headers_again_after_the_pick_fail_the_stream_and_the_pick
     assert wire.status[0] != 0 and "request headers after the request was routed" in wire.status[1]
     assert len(director.routed) == 1
     assert all(e.inflight.requests == 0 for e in director.datastore.endpoints())
+
+
+# -- when the route runs: in the read, or in a task when it waits --------------------------------
+
+
+class _WaitingDirector(_SpyDirector):
+    """Routes once ``go`` is set: a route that waits (admission's queue, a tokenizer on a thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.cancelled = 0
+
+    async def route(self, request: InferenceRequest, subset: object = None) -> RoutedRequest:
+        try:
+            await self.go
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return await super().route(request, subset)
+
+
+async def test_a_route_that_does_not_wait_is_answered_in_the_call_of_its_message() -> None:
+    # No task and no turn of the loop: the answers are sent before message() returns, so on the wire
+    # they leave in the write at the end of the read that brought the request.
+    director = _SpyDirector()
+    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
+    wire = WireStream()
+    call = processor.open(wire)  # type: ignore[arg-type]
+    tasks = len(asyncio.all_tasks())
+    call.message(headers(POST).SerializeToString())
+    call.message(body(COMPLETION, end_of_stream=True).SerializeToString())
+    assert len(asyncio.all_tasks()) == tasks
+    assert [destination(answer) for answer in wire.sent[:1]] == [director.routed[0].destination]
+    assert streamed(wire.sent[1], "request_body") == (COMPLETION, True)
+
+
+async def test_a_route_that_waits_goes_on_in_a_task_and_what_came_meanwhile_follows_it() -> None:
+    director = _WaitingDirector()
+    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
+    wire = WireStream()
+    call = processor.open(wire)  # type: ignore[arg-type]
+    call.message(headers(POST).SerializeToString())
+    call.message(body(COMPLETION, end_of_stream=False).SerializeToString())
+    call.message(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()).SerializeToString())  # ends the body: routes
+    call.message(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()).SerializeToString())  # arrives while it waits
+    await _settle()
+    assert wire.sent == [] and not director.routed
+    director.go.set_result(None)
+    await _settle()
+    assert len(director.routed) == 1
+    assert destination(wire.sent[0]) == director.routed[0].destination
+    assert streamed(wire.sent[1], "request_body") == (COMPLETION, False)  # (the trailers end it)
+    # the trailers' answer, then the trailers that waited in the queue: answered in order, after the pick
+    assert [answer.WhichOneof("response") for answer in wire.sent[2:]] == ["request_trailers", "request_trailers"]
+
+
+@pytest.mark.parametrize("settle", [True, False], ids=["waiting", "at-once"])
+async def test_a_stream_that_goes_away_while_its_route_waits_cancels_it(settle: bool) -> None:
+    # "at-once": the cancel comes before the route's task first ran (the same read as the request).
+    director = _WaitingDirector()
+    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
+    wire = WireStream()
+    call = processor.open(wire)  # type: ignore[arg-type]
+    call.message(headers(POST).SerializeToString())
+    call.message(body(COMPLETION, end_of_stream=True).SerializeToString())
+    if settle:
+        await _settle()
+    call.cancel()
+    await _settle()
+    assert director.cancelled == 1
+    assert not director.routed and wire.sent == []
+    if not director.go.done():  # (a task that waited on it cancelled it too)
+        director.go.set_result(None)
+    await _settle()
+    assert not director.routed  # the route ended with its stream: it never routes later

@@ -808,6 +808,24 @@ async def test_send_all_outside_a_read_writes_at_once_and_leaves_the_loop_nothin
     assert loop.response(1).messages == [b"one", b"two"] and loop.response(1).status == OK
 
 
+async def test_send_all_inside_a_read_waits_for_the_end_of_the_read() -> None:
+    # A route that did not wait answers in the read of its request (epp.requestcontrol.stepping): two
+    # such calls in one read are written together, once, when the read ends, not once each.
+    def answer_now(call: RecordingCall, data: bytes) -> bool:
+        call.stream.send_all([b"routed " + data], end=True)
+        return True
+
+    loop = Loopback({ECHO: Recorder(answer_now)})
+    requests = loop.requests
+    both = requests.open(1, ECHO) + data(1, grpc(b"a")) + requests.open(3, ECHO) + data(3, grpc(b"b"))
+    writes = loop.transport.writes
+    loop.send(both)
+    assert loop.transport.writes == writes + 1
+    assert not loop.connection.flush_scheduled
+    assert loop.response(1).messages == [b"routed a"] and loop.response(1).status == OK
+    assert loop.response(3).messages == [b"routed b"] and loop.response(3).status == OK
+
+
 # -- fuzzing ----------------------------------------------------------------------------------------------
 
 
