@@ -12,9 +12,9 @@ list append, no copy, no parsing per chunk), for a stream and a JSON body alike:
 the end of both (vLLM writes it as the last fields of a JSON body, and as the last event before
 ``[DONE]``), so memory per response stays a few chunks whatever the body's size. When the response
 ends, :func:`usage_of` looks for it in what was kept: the last ``data:`` event carrying ``"usage"``
-for a stream, the last ``"usage": {...}`` object of a JSON body (found with ``bytes.rfind`` and a
-brace count, then decoded alone by msgspec). What is not there, or not well formed, is simply no
-usage: this never fails or alters a response.
+for a stream, the last ``"usage": {...}`` object of a JSON body (found with ``bytes.rfind``, then
+decoded alone by msgspec, up to the first closing brace that ends it). What is not there, or not well
+formed, is simply no usage: this never fails or alters a response.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class _Body(msgspec.Struct):
 
 _decode_usage = msgspec.json.Decoder(_Body).decode  # an SSE event: a whole JSON object
 _decode_object = msgspec.json.Decoder(_Usage).decode  # the usage object alone
+_MAX_TRIES = 64
 
 
 def usage_of(chunks: Sequence[bytes], *, stream: bool) -> Usage | None:
@@ -63,30 +64,30 @@ def usage_of(chunks: Sequence[bytes], *, stream: bool) -> Usage | None:
 
 
 def _last_usage_object(data: bytes) -> _Usage | None:
-    """The last ``"usage": {...}`` object in a JSON body's tail, decoded alone."""
+    """The last ``"usage": {...}`` object in a JSON body's tail, decoded alone.
+
+    The object ends at one of the closing braces after its opening one: the first at which msgspec
+    decodes a whole object is its own (a JSON object's text ends where parsing it ends, so no shorter
+    piece ending at a brace is one), and a piece that ends early fails at its end, in C. A nested
+    object (``prompt_tokens_details``) costs one try more; more than :data:`_MAX_TRIES` braces is no
+    usage, so that a hostile tail cannot make this quadratic.
+    """
     at = data.rfind(b'"usage"')
     if at < 0:
         return None
     start = data.find(b"{", at)
     if start < 0 or data[at + 7 : start].strip() != b":":
         return None  # "usage": null, or the key inside a string
-    depth, i, inside = 0, start, False
-    while i < len(data):
-        byte = data[i]
-        if inside:
-            if byte == 0x5C:  # backslash: skip the escaped byte
-                i += 1
-            elif byte == 0x22:
-                inside = False
-        elif byte == 0x22:
-            inside = True
-        elif byte == 0x7B:
-            depth += 1
-        elif byte == 0x7D:
-            depth -= 1
-            if depth == 0:
-                return _decode_object(data[start : i + 1])
-        i += 1
+    view = memoryview(data)
+    end = start
+    for _ in range(_MAX_TRIES):
+        end = data.find(b"}", end + 1)
+        if end < 0:
+            return None
+        try:
+            return _decode_object(view[start : end + 1])
+        except msgspec.DecodeError:
+            continue  # not whole yet (a ValidationError is a whole object of the wrong shape: raised)
     return None
 
 
