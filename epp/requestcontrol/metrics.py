@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from epp.errors import EppError
 from epp.framework.histogram import Histogram
+from epp.framework.loopmetrics import LoopCounter, LoopGauge, LoopHistogram
 from epp.scheduling.metrics import SCHEDULER_BUCKETS
 
 __all__ = [
@@ -80,93 +81,93 @@ class ModelMetrics:
 class RequestMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self.request_total = Counter(
+        self.request_total = LoopCounter(
             "inference_objective_request_total",
             "Requests the picker handled, by requested and target model.",
             ["model_name", "target_model_name"],
             registry=r,
         )
-        self.request_error_total = Counter(
+        self.request_error_total = LoopCounter(
             "inference_objective_request_error_total",
             "Requests the picker answered with an error, by model and error code.",
             ["model_name", "target_model_name", "error_code"],
             registry=r,
         )
-        self.request_outcome_total = Counter(
+        self.request_outcome_total = LoopCounter(
             "epp_requests_total",
             "ext_proc request streams by outcome: routed, or the reason they were refused.",
             ["outcome"],
             registry=r,
         )
-        self.request_sizes = Histogram(
+        self.request_sizes = LoopHistogram(
             "inference_objective_request_sizes",
             "Request body size in bytes.",
             ["model_name", "target_model_name"],
             buckets=_SIZE_BUCKETS,
             registry=r,
         )
-        self.running_requests = Gauge(
+        self.running_requests = LoopGauge(
             "inference_objective_running_requests",
             "Requests routed whose response has not finished, by model.",
             ["model_name"],
             registry=r,
         )
-        self.scheduler_e2e = Histogram(
+        self.scheduler_e2e = LoopHistogram(
             "inference_extension_scheduler_e2e_duration_seconds",
             "End-to-end scheduling latency: from a complete request to a pick.",
             buckets=SCHEDULER_BUCKETS,
             registry=r,
         )
-        self.scheduler_attempts = Counter(
+        self.scheduler_attempts = LoopCounter(
             "inference_extension_scheduler_attempts_total",
             "Scheduling attempts by result: success (an endpoint was picked) or failure.",
             ["status"],
             registry=r,
         )
         model_labels = ["model_name", "target_model_name"]
-        self.request_duration = Histogram(
+        self.request_duration = LoopHistogram(
             "inference_objective_request_duration_seconds",
             "Response latency: from the pick to the end of the response.",
             model_labels,
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
-        self.first_byte = Histogram(
+        self.first_byte = LoopHistogram(
             "epp_request_time_to_first_byte_seconds",
             "From the pick to the first response body bytes, as the picker sees them (TTFT for streamed answers).",
             model_labels,
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
-        self.ntpot = Histogram(
+        self.ntpot = LoopHistogram(
             "inference_objective_normalized_time_per_output_token_seconds",
             "Response latency divided by the output tokens the model server reported.",
             model_labels,
             buckets=_NTPOT_BUCKETS,
             registry=r,
         )
-        self.response_sizes = Histogram(
+        self.response_sizes = LoopHistogram(
             "inference_objective_response_sizes",
             "Response body size in bytes.",
             model_labels,
             buckets=_SIZE_BUCKETS,
             registry=r,
         )
-        self.input_tokens = Histogram(
+        self.input_tokens = LoopHistogram(
             "inference_objective_input_tokens",
             "Prompt tokens, as the model server reported them in the response's usage.",
             model_labels,
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
-        self.output_tokens = Histogram(
+        self.output_tokens = LoopHistogram(
             "inference_objective_output_tokens",
             "Output tokens, as the model server reported them in the response's usage.",
             model_labels,
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
-        self.picks = Counter(
+        self.picks = LoopCounter(
             "epp_endpoint_picks_total",
             "Requests routed to each endpoint (the primary of the pick).",
             ["endpoint"],

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
-from epp.framework.histogram import Histogram
+from epp.framework.loopmetrics import LoopCounter, LoopHistogram
 from epp.scheduling.runner import Instrument
 
 __all__ = ["SCHEDULER_BUCKETS", "PluginCallMetrics"]
@@ -26,14 +26,14 @@ SCHEDULER_BUCKETS = (
 class PluginCallMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self.plugin_duration = Histogram(
+        self.plugin_duration = LoopHistogram(
             "inference_extension_plugin_duration_seconds",
             "Time spent in each plugin call, by extension point, plugin type and plugin name.",
             ["extension_point", "plugin_type", "plugin_name"],
             buckets=SCHEDULER_BUCKETS,
             registry=r,
         )
-        self.plugin_errors = Counter(
+        self.plugin_errors = LoopCounter(
             "epp_plugin_errors_total",
             "Plugin calls that raised (kind=exception) or returned something unusable (kind=malformed); "
             "the request went on without that plugin.",
