@@ -1533,8 +1533,144 @@ static PyObject *echo_answer(PyObject *module, PyObject *chunk) {
     return result;
 }
 
+/* ---- Header maps -------------------------------------------------------------------------------
+ *
+ * header_map(message, field): the headers of a serialized ProcessingRequest's HttpHeaders at `field`
+ * (request_headers 2, response_headers 3) as a dict, as epp.extproc.answers.headers_of makes it from
+ * the parsed message: {key: raw_value decoded as UTF-8 with replacement, or value when raw_value is
+ * empty}, a later key winning. upb's attribute access cost ~0.3 µs a header. None for what this
+ * reads plainly only (each message and field once, as Envoy writes them): anything else (a field
+ * repeated, a wire type that is not protobuf's, bad UTF-8 where protobuf wants a string) is left to
+ * the parsed message (the caller falls back to headers_of). */
+
+/* The next field of [*p, end): its number, wire type, and for a length-delimited one its bytes;
+ * 0 at the end, -1 if malformed. */
+static int next_field(const unsigned char **p, const unsigned char *end, uint64_t *number, int *type,
+                      const unsigned char **data, size_t *size) {
+    if (*p >= end) return 0;
+    uint64_t tag, n;
+    int k = varint(*p, end, &tag);
+    if (!k) return -1;
+    *p += k;
+    *number = tag >> 3;
+    *type = (int)(tag & 7);
+    switch (*type) {
+    case 0:
+        k = 0;
+        while (*p + k < end && k < 10 && ((*p)[k] & 0x80)) k++;
+        if (*p + k >= end || k == 10) return -1;
+        *p += k + 1;
+        return 1;
+    case 1:
+        if (end - *p < 8) return -1;
+        *p += 8;
+        return 1;
+    case 5:
+        if (end - *p < 4) return -1;
+        *p += 4;
+        return 1;
+    case 2:
+        k = varint(*p, end, &n);
+        if (!k || (size_t)(end - (*p + k)) < n) return -1;
+        *data = *p + k;
+        *size = (size_t)n;
+        *p += k + n;
+        return 1;
+    default:
+        return -1;
+    }
+}
+
+/* The one length-delimited field `wanted` of [p, end): 1 found, 0 absent, -1 repeated or malformed. */
+static int only_field(const unsigned char *p, const unsigned char *end, uint64_t wanted, const unsigned char **data,
+                      size_t *size) {
+    uint64_t number;
+    int type, found = 0, r;
+    const unsigned char *d = NULL;
+    size_t n = 0;
+    while ((r = next_field(&p, end, &number, &type, &d, &n)) > 0) {
+        if (number != wanted) continue;
+        if (type != 2 || found) return -1;
+        *data = d;
+        *size = n;
+        found = 1;
+    }
+    return r < 0 ? -1 : found;
+}
+
+static PyObject *header_map(PyObject *module, PyObject *args) {
+    Py_buffer view;
+    int field;
+    if (!PyArg_ParseTuple(args, "y*i", &view, &field)) return NULL;
+    const unsigned char *msg = view.buf, *headers = NULL, *map = NULL;
+    size_t headers_size = 0, map_size = 0;
+    PyObject *out = PyDict_New();
+    if (out == NULL) goto fail;
+    int r = only_field(msg, msg + view.len, (uint64_t)field, &headers, &headers_size);
+    if (r < 0) goto fallback;
+    if (r == 0) goto done;
+    r = only_field(headers, headers + headers_size, 1, &map, &map_size); /* HttpHeaders.headers */
+    if (r < 0) goto fallback;
+    if (r == 0) goto done;
+    const unsigned char *p = map, *end = map + map_size, *entry;
+    size_t entry_size;
+    uint64_t number;
+    int type;
+    while ((r = next_field(&p, end, &number, &type, &entry, &entry_size)) > 0) {
+        if (number != 1) continue; /* HeaderMap.headers: HeaderValue{key 1, value 2, raw_value 3} */
+        if (type != 2) goto fallback;
+        const unsigned char *q = entry, *q_end = entry + entry_size, *part[4] = {NULL};
+        size_t part_size[4] = {0};
+        const unsigned char *d;
+        size_t n;
+        int seen = 0;
+        while ((r = next_field(&q, q_end, &number, &type, &d, &n)) > 0) {
+            if (number < 1 || number > 3) continue;
+            if (type != 2 || (seen & (1 << number))) goto fallback;
+            seen |= 1 << number;
+            part[number] = d;
+            part_size[number] = n;
+        }
+        if (r < 0) goto fallback;
+        PyObject *key = PyUnicode_DecodeUTF8((const char *)(part[1] ? part[1] : (const unsigned char *)""),
+                                             (Py_ssize_t)part_size[1], NULL);
+        if (key == NULL) goto fallback_error;
+        PyObject *value;
+        if (part_size[3] > 0)
+            value = PyUnicode_DecodeUTF8((const char *)part[3], (Py_ssize_t)part_size[3], "replace");
+        else
+            value = PyUnicode_DecodeUTF8((const char *)(part[2] ? part[2] : (const unsigned char *)""),
+                                         (Py_ssize_t)part_size[2], NULL);
+        if (value == NULL) {
+            Py_DECREF(key);
+            goto fallback_error;
+        }
+        int set = PyDict_SetItem(out, key, value);
+        Py_DECREF(key);
+        Py_DECREF(value);
+        if (set < 0) goto fail;
+    }
+    if (r < 0) goto fallback;
+done:
+    PyBuffer_Release(&view);
+    return out;
+fallback_error:
+    if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) goto fail;
+    PyErr_Clear();
+fallback:
+    Py_DECREF(out);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(out);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"echo_answer", (PyCFunction)echo_answer, METH_O, "The serialized ProcessingResponse C answers a chunk with."},
+    {"header_map", (PyCFunction)header_map, METH_VARARGS,
+     "A serialized ProcessingRequest's headers at a field (2 request, 3 response) as a dict; None: parse it."},
     {"tls_usable", (PyCFunction)tls_usable, METH_O, "Whether TlsTransport can serve this ssl.SSLContext (same OpenSSL)."},
     {"returned", (PyCFunction)io_take_returned, METH_NOARGS, "The connections the I/O thread handed back (to reclaim)."},
     {"event_fd", (PyCFunction)io_event_fd, METH_NOARGS, "The eventfd the I/O thread signals when it hands back."},
