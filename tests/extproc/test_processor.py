@@ -6,6 +6,7 @@ import asyncio
 import json
 import unittest.mock
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -638,15 +639,21 @@ class _WaitingDirector(_SpyDirector):
         return await super().route(request, subset)
 
 
+def _requested(director: _SpyDirector) -> tuple[WireStream, Any]:
+    """A stream of a processor over ``director``, and its call, given a request's headers."""
+    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
+    wire = WireStream()
+    call = processor.open(wire)  # type: ignore[arg-type]
+    call.message(headers(POST).SerializeToString())
+    return wire, call
+
+
 async def test_a_route_that_does_not_wait_is_answered_in_the_call_of_its_message() -> None:
     # No task and no turn of the loop: the answers are sent before message() returns, so on the wire
     # they leave in the write at the end of the read that brought the request.
     director = _SpyDirector()
-    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
-    wire = WireStream()
-    call = processor.open(wire)  # type: ignore[arg-type]
     tasks = len(asyncio.all_tasks())
-    call.message(headers(POST).SerializeToString())
+    wire, call = _requested(director)
     call.message(body(COMPLETION, end_of_stream=True).SerializeToString())
     assert len(asyncio.all_tasks()) == tasks
     assert [destination(answer) for answer in wire.sent[:1]] == [director.routed[0].destination]
@@ -655,10 +662,7 @@ async def test_a_route_that_does_not_wait_is_answered_in_the_call_of_its_message
 
 async def test_a_route_that_waits_goes_on_in_a_task_and_what_came_meanwhile_follows_it() -> None:
     director = _WaitingDirector()
-    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
-    wire = WireStream()
-    call = processor.open(wire)  # type: ignore[arg-type]
-    call.message(headers(POST).SerializeToString())
+    wire, call = _requested(director)
     call.message(body(COMPLETION, end_of_stream=False).SerializeToString())
     call.message(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()).SerializeToString())  # ends the body: routes
     call.message(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()).SerializeToString())  # arrives while it waits
@@ -677,10 +681,7 @@ async def test_a_route_that_waits_goes_on_in_a_task_and_what_came_meanwhile_foll
 async def test_a_stream_that_goes_away_while_its_route_waits_cancels_it(settle: bool) -> None:
     # "at-once": the cancel comes before the route's task first ran (the same read as the request).
     director = _WaitingDirector()
-    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)  # type: ignore[arg-type]
-    wire = WireStream()
-    call = processor.open(wire)  # type: ignore[arg-type]
-    call.message(headers(POST).SerializeToString())
+    wire, call = _requested(director)
     call.message(body(COMPLETION, end_of_stream=True).SerializeToString())
     if settle:
         await _settle()

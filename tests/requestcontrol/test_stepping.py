@@ -72,8 +72,12 @@ async def test_an_exception_from_what_it_waited_for_is_raised_in_the_coroutine()
     assert [type(exc) for exc in caught] == [KeyError]
 
 
-async def test_cancelling_the_task_is_a_cancellation_inside_the_coroutine() -> None:
-    # What an admission wait relies on: the request leaves the queue when its stream goes away.
+@pytest.mark.parametrize("at_once", [False, True], ids=["waiting", "before-the-first-step"])
+async def test_cancelling_the_task_is_a_cancellation_inside_the_coroutine(at_once: bool) -> None:
+    # What an admission wait relies on: the request leaves the queue when its stream goes away. The
+    # owner cancels a worker's route as soon as its Cancel is read, which may be in the same read as
+    # its Route: before the task has run at all; the route must see that too, not be left suspended
+    # until it is garbage.
     future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     seen: list[str] = []
 
@@ -88,12 +92,14 @@ async def test_cancelling_the_task_is_a_cancellation_inside_the_coroutine() -> N
 
     task = start(route())
     assert task is not None
-    await asyncio.sleep(0)
+    if not at_once:
+        await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert seen == ["cancelled", "cleaned up"]
-    assert future.cancelled()  # the task's cancel reached what the coroutine waited on, as a task's own
+    # a task that waited on the future cancels it too, as a task's own coroutine's
+    assert future.cancelled() is not at_once
 
 
 async def test_a_coroutine_that_handles_its_cancellation_ends_its_task_normally() -> None:
@@ -139,26 +145,6 @@ async def test_closing_what_carries_it_on_closes_the_coroutine() -> None:
     assert carrier.send(None) is future  # what the task would wait on
     carrier.close()
     assert closed == ["closed"]
-
-
-async def test_a_cancel_before_the_task_first_ran_reaches_the_coroutine() -> None:
-    # The owner cancels a worker's route as soon as its Cancel is read, which may be in the same read
-    # as its Route: before the task has run at all. The route must see it (an admission wait leaves
-    # its queue there), not be left suspended until it is garbage.
-    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    seen: list[str] = []
-
-    async def route() -> None:
-        try:
-            await future
-        except asyncio.CancelledError:
-            seen.append("cancelled")
-
-    task = start(route())
-    assert task is not None
-    task.cancel()  # at once
-    await task
-    assert seen == ["cancelled"]
 
 
 async def test_a_bare_yield_to_the_loop_goes_on_in_the_task() -> None:
