@@ -57,6 +57,15 @@ microseconds (epoll, the loop's turn, a cold cache). The channel itself is ~20-3
 all at once (h2load) there is no such extra wake-up and the workers cost what one process does; the
 more requests each process has in flight, the more each wake-up is shared (1.38x at 16 connections,
 1.27x at 64). Not met here: "within 10% through Envoy" (1.27x-1.38x on this machine).
+
+Again after one process's request path lost a fifth of its Python work (the route stepped in the read,
+as the owner's already was; lock-free request-path series; headers read in C: at 5a55bb9,
+``--parts direct,load --variants 0,2 --rounds 2``, a quiet machine): direct, one process 109 µs per
+request, ``--workers 2`` 134 (1.22x), 9,158 / 10,157 req/s; through Envoy, 16 connections 0.144 /
+0.224 ms (1.56x), 4,689 / 3,791 req/s; 64 connections 0.130 / 0.159 ms (1.23x), 5,708 / 5,382 req/s.
+The workers gained less than one process did (the owner's routes were stepped already), so the
+ratio grew: what a request costs in the channel (~15-25 µs, ``--parts ipc``: 26.1 / 16.8 / 14.3 µs
+at 1 / 8 / 64 in flight) and the extra wake-ups are now a larger share of a cheaper request.
 """
 
 from __future__ import annotations
