@@ -235,12 +235,14 @@ class _Stream:
         "size",
         "sse",
         "subset",
+        "subset_filter",
         "trace",
     )  # fmt: skip
 
-    def __init__(self, director: Director, max_body: int, tally: Stream) -> None:
+    def __init__(self, director: Director, max_body: int, tally: Stream, subset_filter: bool = True) -> None:
         self._director = director
         self._max_body = max_body
+        self.subset_filter = subset_filter  # honour the gateway's subset hint (--disable-endpoint-subset-filter)
         # The response body's size and last chunks, kept on the wire stream, whose C read path
         # answers and tallies the chunks between the first and the last (see response_body).
         self._tally = tally
@@ -275,7 +277,7 @@ class _Stream:
             self.request_mode = message.protocol_config.request_body_mode
             self.response_mode = message.protocol_config.response_body_mode
         self.headers = _headers(data, _REQUEST_HEADERS, message.request_headers)
-        self.subset = subset_hint(message)
+        self.subset = subset_hint(message) if self.subset_filter else None
         tracing = getattr(self._director, "tracing", None)  # a director stand-in (tests) may have none
         if tracing is not None:
             self.trace = tracing.start(self.headers)
@@ -453,17 +455,20 @@ class ExternalProcessor:
     stream Envoy opens becomes a :class:`_Call`.
     """
 
-    def __init__(self, director: Director, metrics: RequestMetrics, *, max_request_body_bytes: int) -> None:
+    def __init__(
+        self, director: Director, metrics: RequestMetrics, *, max_request_body_bytes: int, subset_filter: bool = True
+    ) -> None:
         self._director = director
         self._metrics = metrics
         self._max_body = max_request_body_bytes
+        self._subset_filter = subset_filter  # False: every pool endpoint is a candidate, whatever the hint
 
     def methods(self) -> dict[str, Handler]:
         return {METHOD: self.open}
 
     def open(self, wire: Stream) -> _Call:
         """A call for the new ext_proc stream ``wire``."""
-        return _Call(_Stream(self._director, self._max_body, wire), wire, self._metrics)
+        return _Call(_Stream(self._director, self._max_body, wire, self._subset_filter), wire, self._metrics)
 
 
 class _Call:

@@ -68,6 +68,11 @@ SERVE_FLAGS = FlagSet(
         make_flag("secure-serving", True, "serve ext_proc over TLS"),
         make_flag("cert-path", "", "directory with tls.crt and tls.key; empty: a self-signed certificate"),
         make_flag(
+            "enable-cert-reload",
+            False,
+            "serve --cert-path's tls.crt and tls.key anew (to new connections) when they change",
+        ),
+        make_flag(
             "io-thread",
             True,
             "this project's, not upstream's: a native thread answers the middle chunks of streamed responses "
@@ -107,6 +112,12 @@ SERVE_FLAGS = FlagSet(
         make_flag(
             "kubeconfig", "", "kubeconfig file (default: $KUBECONFIG, else in-cluster config, else ~/.kube/config)"
         ),
+        make_flag(
+            "disable-endpoint-subset-filter",
+            False,
+            "ignore the gateway's destination endpoint subset hint (envoy.lb.subset_hint): every pool endpoint "
+            "is a candidate",
+        ),
         make_flag("endpoints", "", "static pool: comma-separated ip:port list (no Kubernetes needed)"),
         make_flag("endpoints-file", "", "static pool from a file: ip:port per line, # comments"),
         make_flag("max-request-body-bytes", DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413"),
@@ -134,6 +145,45 @@ SERVE_FLAGS = FlagSet(
             "upstream: flush interval of its own metrics (ours are live)",
             implemented=False,
         ),
+        # Newer upstream (llm-d's) flags, accepted so that a chart or operator passing them starts this
+        # picker; each one given is named at startup as having no effect yet.
+        make_flag(
+            "drain-timeout",
+            Duration(30.0),
+            "upstream: keep serving new streams this long after SIGTERM (here: --shutdown-grace-period drains)",
+            implemented=False,
+        ),
+        make_flag(
+            "grpc-max-recv-msg-size",
+            "",
+            "upstream: largest gRPC message (here: --max-request-body-bytes)",
+            implemented=False,
+        ),
+        make_flag("grpc-max-send-msg-size", "", "upstream: largest gRPC message sent", implemented=False),
+        make_flag(
+            "emit-endpoint-scores", False, "upstream: the scores in envoy.lb dynamic metadata", implemented=False
+        ),
+        make_flag(
+            "plugin-state-staleness-threshold",
+            Duration(0.0),
+            "upstream: when a request's plugin state is reaped (0: its default)",
+            implemented=False,
+        ),
+        make_flag(
+            "enable-grpc-stream-metrics", False, "upstream: ext_proc stream gauges and histograms", implemented=False
+        ),
+        make_flag("fairness-id-metric-label-limit", 1000, "upstream: fairness_id label values kept", implemented=False),
+        make_flag("tls-min-version", "", "upstream: the lowest TLS version served (here: TLS 1.2)", implemented=False),
+        make_flag("tls-cipher-suites", [], "upstream: TLS 1.2 cipher suites (Go names)", implemented=False),
+        make_flag("metrics-client-ca-file", "", "upstream: mTLS on the metrics port", implemented=False),
+        make_flag("metrics-cert-dir", "", "upstream: TLS on the metrics port", implemented=False),
+        make_flag("feature-gates", [], "upstream: feature gates (name=true,...)", implemented=False),
+        make_flag("allow-experimental-plugins", False, "upstream: allow alpha plugins", implemented=False),
+        # controller-runtime's zap flags, which upstream binds beside -v and --zap-encoder.
+        make_flag("zap-devel", False, "upstream: development logging", implemented=False),
+        make_flag("zap-log-level", "", "upstream: zap's level (here: -v)", implemented=False),
+        make_flag("zap-stacktrace-level", "", "upstream: zap's stack trace level", implemented=False),
+        make_flag("zap-time-encoding", "", "upstream: zap's time format", implemented=False),
         # Model-server telemetry.
         make_flag("refresh-metrics-interval", Duration(0.05), "interval between scrapes of each endpoint's metrics"),
         make_flag(
@@ -219,6 +269,8 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         bind_address=values["bind-address"],
         secure_serving=values["secure-serving"],
         cert_path=values["cert-path"],
+        cert_reload=values["enable-cert-reload"],
+        subset_filter=not values["disable-endpoint-subset-filter"],
         io_thread=values["io-thread"],
         io_thread_after_chunks=values["io-thread-after-chunks"],
         native_tls=values["native-tls"],

@@ -67,7 +67,7 @@ from epp.server.debug import DebugViews
 from epp.server.metrics import Metrics, start_metrics_server
 from epp.server.metrics_auth import MetricsAuth
 from epp.server.settings import Settings
-from epp.server.tls import self_signed_certificate, server_ssl_context, ssl_context_from_pem
+from epp.server.tls import CertificateReloader, self_signed_certificate, server_ssl_context, ssl_context_from_pem
 from epp.server.workers import WorkerPool, WorkerSpec
 from epp.wire.health import NOT_SERVING, SERVING, Health
 from epp.wire.server import GrpcServer, bind_socket
@@ -204,7 +204,10 @@ class EndpointPicker:
             tracing=self.tracing,
         )
         self.processor = ExternalProcessor(
-            self.director, self.metrics.requests, max_request_body_bytes=settings.max_request_body_bytes
+            self.director,
+            self.metrics.requests,
+            max_request_body_bytes=settings.max_request_body_bytes,
+            subset_filter=settings.subset_filter,
         )
         # The scrape series are served whether scraping is on or not (a counter at 0 when it is off).
         scrape_metrics = ScrapeMetrics(self.metrics.registry)
@@ -236,6 +239,7 @@ class EndpointPicker:
         self._pem: tuple[bytes, bytes] = (b"", b"")  # a self-signed pair the workers serve too
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._reloading: asyncio.Task[None] | None = None  # --enable-cert-reload's watch
         self._server: GrpcServer | None = None
         self._health_server: GrpcServer | None = None
         self._sockets: tuple[socket.socket, ...] = ()
@@ -257,6 +261,10 @@ class EndpointPicker:
                     context = server_ssl_context(settings.cert_path)
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
+            if settings.cert_reload and settings.cert_path and self.workers is None:  # (workers watch their own)
+                self._reloading = asyncio.get_running_loop().create_task(
+                    CertificateReloader(context, settings.cert_path).run()
+                )
         main = _listen("--grpc-port", settings.bind_address, settings.grpc_port)
         try:
             health_socket = _listen("--grpc-health-port", settings.bind_address, settings.grpc_health_port)
@@ -343,6 +351,8 @@ class EndpointPicker:
             io_thread_after_chunks=settings.io_thread_after_chunks,
             native_tls=settings.native_tls,
             cert_path=settings.cert_path,
+            cert_reload=settings.cert_reload,
+            subset_filter=settings.subset_filter,
             cert_pem=cert,
             key_pem=key,
             tracing=settings.tracing,
@@ -379,6 +389,8 @@ class EndpointPicker:
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
         self._stopping = True
         await self._update_readiness()  # 1. NOT_SERVING
+        if self._reloading is not None:
+            self._reloading.cancel()
         self.admission.close()  # 2. queued requests: 503 rejected-shutting-down
         self.health.stop()  # health Watches end now (UNAVAILABLE): they would hold the drain for its grace
         if self._server is not None:

@@ -27,6 +27,8 @@ class Settings:
     bind_address: str = "0.0.0.0"
     secure_serving: bool = True
     cert_path: str = ""  # a directory holding tls.crt and tls.key; empty: self-signed at start
+    cert_reload: bool = False  # serve cert_path's pair anew when it changes (epp.server.tls.CertificateReloader)
+    subset_filter: bool = True  # honour the gateway's endpoint subset hint (--disable-endpoint-subset-filter)
     io_thread: bool = True  # streamed chunks answered by a native thread (epp.wire._fast)
     io_thread_after_chunks: int = 32  # lent once each open stream has had this many response chunks
     native_tls: bool = True  # TLS records in C (epp.wire._fast.TlsTransport), not the event loop's

@@ -121,7 +121,7 @@ from epp.requestcontrol.owner import WorkerRequests
 from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics
 from epp.requestcontrol.tracing import Tracing
 from epp.server.logs import configure_logging
-from epp.server.tls import server_ssl_context, ssl_context_from_pem
+from epp.server.tls import CertificateReloader, server_ssl_context, ssl_context_from_pem
 from epp.wire.health import Health
 from epp.wire.server import GrpcServer
 
@@ -158,6 +158,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     flag: str  # how log lines name the port ("--grpc-port 9002")
     max_concurrent_streams: int = STREAMS_PER_CONNECTION
     cert_path: str = ""  # TLS from these files
+    cert_reload: bool = False  # served anew when they change (--enable-cert-reload)
+    subset_filter: bool = True  # honour the gateway's subset hint (--disable-endpoint-subset-filter)
     cert_pem: bytes = b""  # or from this certificate and key (the owner's self-signed pair)
     key_pem: bytes = b""
     tls: bool = False
@@ -653,15 +655,19 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
     await loop.create_unix_connection(lambda: channel, sock=sock)
     director.send, director.post, metrics.post = channel.send, channel.post, channel.post
     context = None
+    reloading: asyncio.Task[None] | None = None
     if spec.tls:
         if spec.cert_path:
             context = server_ssl_context(spec.cert_path)
+            if spec.cert_reload:  # each worker serves from its own context: each watches (epp.server.tls)
+                reloading = loop.create_task(CertificateReloader(context, spec.cert_path).run())
         else:
             context = ssl_context_from_pem(spec.cert_pem, spec.key_pem)
     processor = ExternalProcessor(
         cast(Director, director),  # the edge uses a director's route/tracing/base_models/datastore: see remote.py
         cast(RequestMetrics, metrics),  # and only refused() of the metrics
         max_request_body_bytes=spec.max_request_body_bytes,
+        subset_filter=spec.subset_filter,
     )
     server = GrpcServer(
         {**processor.methods(), **health.methods()},
@@ -706,6 +712,8 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
     channel.send(ipc.Ready(os.getpid()))
     grace = await stop
     watcher.cancel()
+    if reloading is not None:
+        reloading.cancel()
     loop.remove_reader(handoff.fileno())
     if grace is None:
         log.error("worker %d: the owner process went away; exiting", spec.index)

@@ -274,6 +274,20 @@ async def test_subset_hint_limits_the_candidates(stub: pb_grpc.ExternalProcessor
         await talk.finish()
 
 
+async def test_with_the_subset_filter_off_every_endpoint_is_a_candidate() -> None:
+    # --disable-endpoint-subset-filter: a hint naming no pool endpoint (503 above) is not read at all.
+    director = _SpyDirector()
+    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000, subset_filter=False)  # type: ignore[arg-type]
+    picked = set()
+    for _ in range(40):
+        wire = WireStream()
+        call = processor.open(wire)  # type: ignore[arg-type]
+        call.message(headers(POST, subset=["10.9.9.9:8000"]).SerializeToString())
+        call.message(body(COMPLETION, end_of_stream=True).SerializeToString())
+        picked.add(destination(wire.sent[0]))
+    assert picked == {endpoint.hostport for endpoint in _FUZZ_POOL}  # (random-picker over all three)
+
+
 @pytest.mark.parametrize("subset", [[], ["10.9.9.9:8000"], ""])
 async def test_empty_or_foreign_subset_is_503(stub: pb_grpc.ExternalProcessorStub, subset: object) -> None:
     talk = Conversation(stub)

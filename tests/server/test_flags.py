@@ -196,6 +196,9 @@ def test_upstream_helm_chart_arguments_are_accepted(tmp_path: Path) -> None:
         (["--metrics-port", "3"], "metrics_port", 3),
         (["-bind-address", "127.0.0.1"], "bind_address", "127.0.0.1"),
         (["-cert-path", "/certs"], "cert_path", "/certs"),
+        (["-enable-cert-reload"], "cert_reload", True),
+        (["-disable-endpoint-subset-filter"], "subset_filter", False),
+        ([], "subset_filter", True),
         (["-io-thread=false"], "io_thread", False),
         (["-config-text", "kind: x"], "config_text", "kind: x"),
         (["-max-request-body-bytes", "1024"], "max_request_body_bytes", 1024),
@@ -336,6 +339,32 @@ def test_every_unimplemented_flag_is_reported_when_given() -> None:
     assert not_yet == unimplemented
     assert {"pool-group", "ha-enable-leader-election"} <= set(not_yet)
     assert "tracing" not in not_yet
+
+
+# Every flag of upstream's EPP (llm-d's, which GIE's moved to; its options.go of 2026 and controller-runtime's
+# zap flags), with a value of the form its chart or an operator writes. KServe passes --enable-cert-reload,
+# which stopped this picker at startup ("flag provided but not defined") before it knew the flag.
+_UPSTREAM_ARGS = [
+    "--grpc-port=9002", "--ha-enable-leader-election=false", "--drain-timeout=30s", "--grpc-max-recv-msg-size=10MiB",
+    "--grpc-max-send-msg-size=25MB", "--pool-group=inference.networking.k8s.io", "--pool-namespace=ns",
+    "--pool-name=pool", "--disable-endpoint-subset-filter=false", "--emit-endpoint-scores=false",
+    "--refresh-metrics-interval=50ms", "--refresh-prometheus-metrics-interval=5s", "--metrics-staleness-threshold=2s",
+    "--plugin-state-staleness-threshold=10m", "--v=2", "--zap-encoder=json", "--zap-devel=false",
+    "--zap-log-level=info", "--zap-stacktrace-level=error", "--zap-time-encoding=iso8601", "--tracing=false",
+    "--health-checking=false", "--metrics-port=9090", "--grpc-health-port=9003", "--enable-pprof=true",
+    "--cert-path=/certs", "--enable-cert-reload", "--enable-grpc-stream-metrics=true",
+    "--fairness-id-metric-label-limit=1000", "--secure-serving=true", "--tls-min-version=VersionTLS12",
+    "--tls-cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256", "--metrics-endpoint-auth=true",
+    "--metrics-client-ca-file=/ca.pem", "--metrics-cert-dir=/metrics-certs", "--config-text=kind: x",
+    "--feature-gates=flowControl=true", "--allow-experimental-plugins=false",
+]  # fmt: skip
+
+
+def test_every_upstream_flag_is_accepted() -> None:
+    settings, not_yet = settings_from_args(_UPSTREAM_ARGS)
+    assert settings.cert_reload and settings.subset_filter and settings.cert_path == "/certs"
+    assert "enable-cert-reload" not in not_yet and "disable-endpoint-subset-filter" not in not_yet
+    assert {"drain-timeout", "feature-gates", "zap-log-level", "tls-cipher-suites"} <= set(not_yet)
 
 
 # -- epp.server.cli.main -------------------------------------------------------------------------------
