@@ -28,6 +28,7 @@ from epp.server.flags import FlagError, FlagSet, HelpRequested, make_flag, print
 from epp.server.logs import configure_logging
 from epp.server.pool_flags import ENDPOINTS_FILE_HELP, static_endpoints
 from epp.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
+from epp.server.tls import tls_policy
 
 __all__ = ["SERVE_FLAGS", "main", "settings_from_args", "version"]
 
@@ -67,6 +68,17 @@ SERVE_FLAGS = FlagSet(
         ),
         make_flag("secure-serving", True, "serve ext_proc over TLS"),
         make_flag("cert-path", "", "directory with tls.crt and tls.key; empty: a self-signed certificate"),
+        make_flag(
+            "tls-min-version",
+            "",
+            "lowest TLS version served: VersionTLS12 (also for 10, 11: HTTP/2 needs 1.2) or VersionTLS13; empty: 1.2",
+        ),
+        make_flag(
+            "tls-cipher-suites",
+            [],
+            "TLS 1.2 cipher suites, Go's names (TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,...; TLS 1.3's are accepted, "
+            "not configurable); empty: OpenSSL's defaults",
+        ),
         make_flag(
             "enable-cert-reload",
             False,
@@ -173,8 +185,6 @@ SERVE_FLAGS = FlagSet(
             "enable-grpc-stream-metrics", False, "upstream: ext_proc stream gauges and histograms", implemented=False
         ),
         make_flag("fairness-id-metric-label-limit", 1000, "upstream: fairness_id label values kept", implemented=False),
-        make_flag("tls-min-version", "", "upstream: the lowest TLS version served (here: TLS 1.2)", implemented=False),
-        make_flag("tls-cipher-suites", [], "upstream: TLS 1.2 cipher suites (Go names)", implemented=False),
         make_flag("metrics-client-ca-file", "", "upstream: mTLS on the metrics port", implemented=False),
         make_flag("metrics-cert-dir", "", "upstream: TLS on the metrics port", implemented=False),
         make_flag("feature-gates", [], "upstream: feature gates (name=true,...)", implemented=False),
@@ -259,6 +269,10 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         )
     if not values["model-server-metrics-path"].startswith("/"):
         raise FlagError("--model-server-metrics-path must start with /")
+    try:
+        tls_policy(values["tls-min-version"], values["tls-cipher-suites"])
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
     settings = Settings(
         endpoints=tuple(endpoints),
         grpc_port=values["grpc-port"],
@@ -270,6 +284,8 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         secure_serving=values["secure-serving"],
         cert_path=values["cert-path"],
         cert_reload=values["enable-cert-reload"],
+        tls_min_version=values["tls-min-version"],
+        tls_cipher_suites=tuple(values["tls-cipher-suites"]),
         subset_filter=not values["disable-endpoint-subset-filter"],
         io_thread=values["io-thread"],
         io_thread_after_chunks=values["io-thread-after-chunks"],

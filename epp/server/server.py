@@ -67,7 +67,14 @@ from epp.server.debug import DebugViews
 from epp.server.metrics import Metrics, start_metrics_server
 from epp.server.metrics_auth import MetricsAuth
 from epp.server.settings import Settings
-from epp.server.tls import CertificateReloader, self_signed_certificate, server_ssl_context, ssl_context_from_pem
+from epp.server.tls import (
+    CertificateReloader,
+    apply_policy,
+    self_signed_certificate,
+    server_ssl_context,
+    ssl_context_from_pem,
+    tls_policy,
+)
 from epp.server.workers import WorkerPool, WorkerSpec
 from epp.wire.health import NOT_SERVING, SERVING, Health
 from epp.wire.server import GrpcServer, bind_socket
@@ -259,6 +266,7 @@ class EndpointPicker:
                     context = ssl_context_from_pem(*self._pem)
                 else:
                     context = server_ssl_context(settings.cert_path)
+                apply_policy(context, tls_policy(settings.tls_min_version, settings.tls_cipher_suites))
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
             if settings.cert_reload and settings.cert_path and self.workers is None:  # (workers watch their own)
@@ -352,6 +360,8 @@ class EndpointPicker:
             native_tls=settings.native_tls,
             cert_path=settings.cert_path,
             cert_reload=settings.cert_reload,
+            tls_min_version=settings.tls_min_version,
+            tls_cipher_suites=list(settings.tls_cipher_suites),
             subset_filter=settings.subset_filter,
             cert_pem=cert,
             key_pem=key,

@@ -28,6 +28,8 @@ class Settings:
     secure_serving: bool = True
     cert_path: str = ""  # a directory holding tls.crt and tls.key; empty: self-signed at start
     cert_reload: bool = False  # serve cert_path's pair anew when it changes (epp.server.tls.CertificateReloader)
+    tls_min_version: str = ""  # upstream's --tls-min-version (Go's name; epp.server.tls.tls_policy)
+    tls_cipher_suites: tuple[str, ...] = ()  # upstream's --tls-cipher-suites (Go's names)
     subset_filter: bool = True  # honour the gateway's endpoint subset hint (--disable-endpoint-subset-filter)
     io_thread: bool = True  # streamed chunks answered by a native thread (epp.wire._fast)
     io_thread_after_chunks: int = 32  # lent once each open stream has had this many response chunks

@@ -12,6 +12,14 @@ as with upstream's certificate watcher. The pair is first loaded into a fresh co
 certificate written before its key (or a key that does not match) is refused there, logged, and tried
 again at the next change, while the server goes on with the pair it has. In ``--workers`` mode each
 worker process watches for its own context.
+
+``--tls-min-version`` and ``--tls-cipher-suites`` (upstream's, with Go's names): :func:`tls_policy`
+checks them as upstream does (an unknown version or suite name stops startup, naming it) and
+:func:`apply_policy` sets them on a serving context: the lowest version (``VersionTLS12`` or
+``VersionTLS13``; HTTP/2 needs 1.2 at least, RFC 9113 section 9.2, so ``VersionTLS10`` and
+``VersionTLS11`` serve 1.2 and up, as any h2 client negotiates anyway), and the TLS 1.2 suites, by
+their OpenSSL names. TLS 1.3's suites are accepted and not configured, as in Go. Suites this OpenSSL
+does not offer (RC4, 3DES) are named in a warning; if none is left, startup stops.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import os
 import socket
 import ssl
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
@@ -33,9 +43,12 @@ from cryptography.x509.oid import NameOID
 __all__ = [
     "RELOAD_INTERVAL",
     "CertificateReloader",
+    "TlsPolicy",
+    "apply_policy",
     "self_signed_certificate",
     "server_ssl_context",
     "ssl_context_from_pem",
+    "tls_policy",
 ]
 
 log = logging.getLogger(__name__)
@@ -143,3 +156,94 @@ class CertificateReloader:
         while True:
             await asyncio.sleep(interval)
             self.check()
+
+
+# Go's crypto/tls version names (upstream's --tls-min-version values).
+_GO_VERSIONS = {
+    "VersionTLS10": ssl.TLSVersion.TLSv1_2,  # (HTTP/2: 1.2 at least; see the module docstring)
+    "VersionTLS11": ssl.TLSVersion.TLSv1_2,
+    "VersionTLS12": ssl.TLSVersion.TLSv1_2,
+    "VersionTLS13": ssl.TLSVersion.TLSv1_3,
+}
+
+# Go's crypto/tls cipher suite names (CipherSuites() and InsecureCipherSuites()) -> OpenSSL's; None: a
+# TLS 1.3 suite, which neither Go nor Python's ssl lets one choose.
+_GO_SUITES: dict[str, str | None] = {
+    "TLS_RSA_WITH_RC4_128_SHA": "RC4-SHA",
+    "TLS_RSA_WITH_3DES_EDE_CBC_SHA": "DES-CBC3-SHA",
+    "TLS_RSA_WITH_AES_128_CBC_SHA": "AES128-SHA",
+    "TLS_RSA_WITH_AES_256_CBC_SHA": "AES256-SHA",
+    "TLS_RSA_WITH_AES_128_CBC_SHA256": "AES128-SHA256",
+    "TLS_RSA_WITH_AES_128_GCM_SHA256": "AES128-GCM-SHA256",
+    "TLS_RSA_WITH_AES_256_GCM_SHA384": "AES256-GCM-SHA384",
+    "TLS_ECDHE_ECDSA_WITH_RC4_128_SHA": "ECDHE-ECDSA-RC4-SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA": "ECDHE-ECDSA-AES128-SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA": "ECDHE-ECDSA-AES256-SHA",
+    "TLS_ECDHE_RSA_WITH_RC4_128_SHA": "ECDHE-RSA-RC4-SHA",
+    "TLS_ECDHE_RSA_WITH_3DES_EDE_CBC_SHA": "ECDHE-RSA-DES-CBC3-SHA",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA": "ECDHE-RSA-AES128-SHA",
+    "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA": "ECDHE-RSA-AES256-SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA256": "ECDHE-ECDSA-AES128-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA256": "ECDHE-RSA-AES128-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256": "ECDHE-RSA-AES128-GCM-SHA256",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256": "ECDHE-ECDSA-AES128-GCM-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384": "ECDHE-RSA-AES256-GCM-SHA384",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384": "ECDHE-ECDSA-AES256-GCM-SHA384",
+    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-RSA-CHACHA20-POLY1305",
+    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-ECDSA-CHACHA20-POLY1305",
+    "TLS_AES_128_GCM_SHA256": None,
+    "TLS_AES_256_GCM_SHA384": None,
+    "TLS_CHACHA20_POLY1305_SHA256": None,
+}
+
+
+@dataclass(frozen=True)
+class TlsPolicy:
+    """What --tls-min-version and --tls-cipher-suites ask of a serving context (OpenSSL's terms)."""
+
+    minimum: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2
+    ciphers: tuple[str, ...] = ()  # OpenSSL names of the TLS 1.2 suites; empty: OpenSSL's defaults
+
+
+def tls_policy(min_version: str, suites: Sequence[str]) -> TlsPolicy:
+    """The policy of upstream's flags (Go's names); ValueError naming what is unknown, as upstream says it."""
+    minimum = ssl.TLSVersion.TLSv1_2
+    if min_version:
+        if min_version not in _GO_VERSIONS:
+            raise ValueError(
+                f"invalid tls-min-version {min_version!r}: unknown TLS version; "
+                f"supported values: {', '.join(_GO_VERSIONS)}"
+            )
+        minimum = _GO_VERSIONS[min_version]
+    ciphers = []
+    for name in (name.strip() for name in suites):
+        if not name:
+            continue
+        if name not in _GO_SUITES:
+            raise ValueError(f"invalid tls-cipher-suites: unknown cipher suite {name!r}")
+        openssl = _GO_SUITES[name]
+        if openssl is not None and openssl not in ciphers:
+            ciphers.append(openssl)
+    return TlsPolicy(minimum, tuple(ciphers))
+
+
+def apply_policy(context: ssl.SSLContext, policy: TlsPolicy) -> None:
+    """Set ``policy`` on a serving context; ValueError if none of its suites is offered by this OpenSSL."""
+    context.minimum_version = policy.minimum
+    if not policy.ciphers:
+        return
+    offered = []
+    for name in policy.ciphers:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).set_ciphers(name)
+        except ssl.SSLError:
+            continue
+        offered.append(name)
+    missing = [name for name in policy.ciphers if name not in offered]
+    if not offered:
+        version = ssl.OPENSSL_VERSION
+        raise ValueError(f"--tls-cipher-suites: this OpenSSL ({version}) offers none of: {', '.join(missing)}")
+    if missing:
+        log.warning("--tls-cipher-suites: this OpenSSL (%s) does not offer %s; serving with the others",
+                    ssl.OPENSSL_VERSION, ", ".join(missing))  # fmt: skip
+    context.set_ciphers(":".join(offered))

@@ -121,7 +121,7 @@ from epp.requestcontrol.owner import WorkerRequests
 from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics
 from epp.requestcontrol.tracing import Tracing
 from epp.server.logs import configure_logging
-from epp.server.tls import CertificateReloader, server_ssl_context, ssl_context_from_pem
+from epp.server.tls import CertificateReloader, apply_policy, server_ssl_context, ssl_context_from_pem, tls_policy
 from epp.wire.health import Health
 from epp.wire.server import GrpcServer
 
@@ -159,6 +159,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     max_concurrent_streams: int = STREAMS_PER_CONNECTION
     cert_path: str = ""  # TLS from these files
     cert_reload: bool = False  # served anew when they change (--enable-cert-reload)
+    tls_min_version: str = ""  # --tls-min-version, --tls-cipher-suites (Go's names: epp.server.tls.tls_policy)
+    tls_cipher_suites: list[str] = msgspec.field(default_factory=list)
     subset_filter: bool = True  # honour the gateway's subset hint (--disable-endpoint-subset-filter)
     cert_pem: bytes = b""  # or from this certificate and key (the owner's self-signed pair)
     key_pem: bytes = b""
@@ -663,6 +665,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
                 reloading = loop.create_task(CertificateReloader(context, spec.cert_path).run())
         else:
             context = ssl_context_from_pem(spec.cert_pem, spec.key_pem)
+        apply_policy(context, tls_policy(spec.tls_min_version, spec.tls_cipher_suites))  # (checked by the owner)
     processor = ExternalProcessor(
         cast(Director, director),  # the edge uses a director's route/tracing/base_models/datastore: see remote.py
         cast(RequestMetrics, metrics),  # and only refused() of the metrics

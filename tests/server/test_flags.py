@@ -363,8 +363,11 @@ _UPSTREAM_ARGS = [
 def test_every_upstream_flag_is_accepted() -> None:
     settings, not_yet = settings_from_args(_UPSTREAM_ARGS)
     assert settings.cert_reload and settings.subset_filter and settings.cert_path == "/certs"
-    assert "enable-cert-reload" not in not_yet and "disable-endpoint-subset-filter" not in not_yet
-    assert {"drain-timeout", "feature-gates", "zap-log-level", "tls-cipher-suites"} <= set(not_yet)
+    assert settings.tls_min_version == "VersionTLS12"
+    assert settings.tls_cipher_suites == ("TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",)
+    implemented = {"enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites"}
+    assert not implemented & set(not_yet)
+    assert {"drain-timeout", "feature-gates", "zap-log-level", "grpc-max-recv-msg-size"} <= set(not_yet)
 
 
 # -- epp.server.cli.main -------------------------------------------------------------------------------
