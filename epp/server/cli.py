@@ -136,6 +136,12 @@ SERVE_FLAGS = FlagSet(
         make_flag("bind-address", "0.0.0.0", "address the gRPC, health and metrics servers listen on"),
         make_flag("shutdown-grace-period", Duration(20.0), "how long in-flight streams get to finish after SIGTERM"),
         make_flag(
+            "drain-timeout",
+            Duration(0.0),
+            "after SIGTERM, report NOT_SERVING but go on serving new streams this long, then drain for "
+            "--shutdown-grace-period (upstream's default is 30s; 0: drain at once)",
+        ),
+        make_flag(
             "workers",
             0,
             "this project's, not upstream's: ext_proc worker processes that share the --grpc-port socket while "
@@ -159,12 +165,6 @@ SERVE_FLAGS = FlagSet(
         ),
         # Newer upstream (llm-d's) flags, accepted so that a chart or operator passing them starts this
         # picker; each one given is named at startup as having no effect yet.
-        make_flag(
-            "drain-timeout",
-            Duration(30.0),
-            "upstream: keep serving new streams this long after SIGTERM (here: --shutdown-grace-period drains)",
-            implemented=False,
-        ),
         make_flag(
             "grpc-max-recv-msg-size",
             "",
@@ -261,6 +261,8 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         raise FlagError("--refresh-metrics-interval must be positive (use --scrape-metrics=false to turn scraping off)")
     if values["refresh-metrics-idle-interval"] < 0:
         raise FlagError("--refresh-metrics-idle-interval cannot be negative (0 turns the backoff off)")
+    if values["drain-timeout"] < 0:
+        raise FlagError("--drain-timeout cannot be negative")
     if values["metrics-staleness-threshold"] <= 0:
         raise FlagError("--metrics-staleness-threshold must be positive")
     if values["model-server-metrics-scheme"] not in ("http", "https"):
@@ -302,6 +304,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         tracing=values["tracing"],
         log_format=values["zap-encoder"],
         shutdown_grace_seconds=float(values["shutdown-grace-period"]),
+        drain_seconds=float(values["drain-timeout"]),
         workers=values["workers"],
         scrape_metrics=values["scrape-metrics"],
         metrics_scraper_process=values["metrics-scraper-process"],

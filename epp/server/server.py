@@ -395,10 +395,25 @@ class EndpointPicker:
         )
         return auth.wsgi_guard
 
+    async def shut_down(self) -> None:
+        """What SIGTERM does: the --drain-timeout window (if any), then :meth:`stop` with the grace period."""
+        drain = self.settings.drain_seconds
+        if drain > 0:
+            await self.not_serving()
+            log.info("--drain-timeout: not ready, still serving new streams for %.0fs", drain)
+            await asyncio.sleep(drain)
+        log.info("draining in-flight streams for up to %.0fs", self.settings.shutdown_grace_seconds)
+        await self.stop()
+
+    async def not_serving(self) -> None:
+        """Readiness NOT_SERVING from now on (so that the gateway and Kubernetes send elsewhere), while
+        every port goes on serving: upstream's --drain-timeout window, before :meth:`stop`."""
+        self._stopping = True
+        await self._update_readiness()
+
     async def stop(self, grace: float | None = None) -> None:
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
-        self._stopping = True
-        await self._update_readiness()  # 1. NOT_SERVING
+        await self.not_serving()  # 1. NOT_SERVING
         if self._reloading is not None:
             self._reloading.cancel()
         self.admission.close()  # 2. queued requests: 503 rejected-shutting-down
@@ -468,7 +483,7 @@ async def serve(settings: Settings, *, shutdown_trigger: Callable[[], Awaitable[
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        log.info("signal received: draining for up to %.0fs", settings.shutdown_grace_seconds)
+        log.info("signal received")
     else:
         await shutdown_trigger()
-    await picker.stop()
+    await picker.shut_down()

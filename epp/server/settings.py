@@ -49,6 +49,8 @@ class Settings:
     tracing: bool = False
     log_format: str = "console"  # or json (--zap-encoder)
     shutdown_grace_seconds: float = 20.0
+    # --drain-timeout: after SIGTERM, NOT_SERVING while new streams are still served this long (0: none)
+    drain_seconds: float = 0.0
     # ext_proc worker processes (epp.server.workers; ours, not upstream's): 0 is one process.
     workers: int = 0
     # Model-server telemetry (epp.datalayer.scraper).

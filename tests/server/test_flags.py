@@ -203,6 +203,8 @@ def test_upstream_helm_chart_arguments_are_accepted(tmp_path: Path) -> None:
         (["-config-text", "kind: x"], "config_text", "kind: x"),
         (["-max-request-body-bytes", "1024"], "max_request_body_bytes", 1024),
         (["-shutdown-grace-period", "2.5s"], "shutdown_grace_seconds", 2.5),
+        (["-drain-timeout", "30s"], "drain_seconds", 30.0),
+        ([], "drain_seconds", 0.0),
         (["-refresh-metrics-interval=100ms"], "refresh_metrics_interval", 0.1),
         (["-refresh-metrics-idle-interval=500ms"], "refresh_metrics_idle_interval", 0.5),
         (["-refresh-metrics-idle-interval=0"], "refresh_metrics_idle_interval", 0.0),
@@ -365,9 +367,12 @@ def test_every_upstream_flag_is_accepted() -> None:
     assert settings.cert_reload and settings.subset_filter and settings.cert_path == "/certs"
     assert settings.tls_min_version == "VersionTLS12"
     assert settings.tls_cipher_suites == ("TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",)
-    implemented = {"enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites"}
+    assert settings.drain_seconds == 30.0
+    implemented = {
+        "enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites", "drain-timeout"
+    }  # fmt: skip
     assert not implemented & set(not_yet)
-    assert {"drain-timeout", "feature-gates", "zap-log-level", "grpc-max-recv-msg-size"} <= set(not_yet)
+    assert {"feature-gates", "zap-log-level", "grpc-max-recv-msg-size"} <= set(not_yet)
 
 
 # -- epp.server.cli.main -------------------------------------------------------------------------------

@@ -93,3 +93,33 @@ async def test_with_scraping_off_every_endpoint_counts() -> None:
         assert _ready_pods(picker) == 2
     finally:
         await picker.stop(grace=0)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "workers"])
+async def test_drain_timeout_keeps_serving_new_streams_while_not_ready(workers: int) -> None:
+    # Upstream's --drain-timeout: after SIGTERM the picker says NOT_SERVING at once (the gateway and
+    # Kubernetes send elsewhere) and goes on answering the streams that still come, then drains.
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from tests.extproc.test_processor import Conversation, destination, headers
+
+    picker = EndpointPicker(
+        loopback_settings(
+            endpoints=tuple(parse_endpoints("127.0.0.1:9")), scrape_metrics=False, drain_seconds=1.5, workers=workers
+        )
+    )
+    await picker.start()
+    assert await _readiness(picker) == _SERVING
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    shutting = asyncio.create_task(picker.shut_down())
+    await asyncio.sleep(0.3)
+    assert await _readiness(picker) == _NOT_SERVING
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:  # a new connection too
+        talk = Conversation(pb_grpc.ExternalProcessorStub(channel))
+        await talk.send(headers({":method": "GET", ":path": "/v1/models"}, end_of_stream=True))
+        assert destination(await talk.read()) == "127.0.0.1:9"
+        await talk.finish()
+    assert not shutting.done()
+    await shutting
+    assert loop.time() - started >= 1.5
