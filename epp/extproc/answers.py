@@ -46,6 +46,7 @@ __all__ = [
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"
+SCORES_KEY = "x-gateway-destination-endpoint-scores"  # (--emit-endpoint-scores: ip:port -> score, a struct)
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 # The upstream picker streams bodies back in pieces of at most this size; Envoy's default buffer
@@ -126,14 +127,17 @@ def routing_answer(
     """The answer (to ``phase``: request_headers, or request_body in BUFFERED mode) that sends the
     request to ``routed``'s pick: the destination header, the same value as ``envoy.lb`` metadata,
     clear_route_cache, and the removal of forged control headers. ``propagate``: headers to set on
-    the request too (a traced request's ``traceparent``); such an answer is never cached.
+    the request too (a traced request's ``traceparent``); such an answer is never cached, nor one
+    that carries the pick's scores (``--emit-endpoint-scores``: under :data:`SCORES_KEY` beside the
+    destination, every endpoint the primary profile scored, as upstream emits them).
 
     Without forged headers the answer depends only on the destination, and a pool has few of those:
     such answers are built once and reused.
     """
     forged = [name for name in client_headers if name.startswith(DESTINATION_HEADER) and name != DESTINATION_HEADER]
     destination = routed.destination
-    cacheable = not forged and not propagate
+    scores = routed.scores
+    cacheable = not forged and not propagate and not scores
     if cacheable:
         cached = _ANSWERS.get((phase, destination))
         if cached is not None:
@@ -151,9 +155,10 @@ def routing_answer(
     )
     answer = pb.ProcessingResponse()
     getattr(answer, phase).response.CopyFrom(pb.CommonResponse(header_mutation=mutation, clear_route_cache=True))
-    answer.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[
-        DESTINATION_HEADER
-    ].string_value = destination
+    lb = answer.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value.fields
+    lb[DESTINATION_HEADER].string_value = destination
+    if scores:
+        lb[SCORES_KEY].struct_value.update(scores)
     if cacheable:
         if len(_ANSWERS) >= _MAX_CACHED_ANSWERS:
             _ANSWERS.clear()

@@ -92,6 +92,7 @@ class Director:
         admission: Admission | None = None,
         objectives: Objectives | None = None,
         tracing: Tracing | None = None,
+        emit_scores: bool = False,
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
@@ -101,6 +102,7 @@ class Director:
         self.objectives = objectives if objectives is not None else Objectives()
         self._wake = admission.wake if admission is not None else _nothing
         self.tracing = tracing  # None (--tracing=false): no request is traced
+        self.emit_scores = emit_scores  # --emit-endpoint-scores: each pick carries its profile's scores
 
     @property
     def base_models(self) -> frozenset[str]:
@@ -162,7 +164,9 @@ class Director:
             raise EppError(Reason.NO_ENDPOINT, "the inference pool has no ready endpoint")
         candidates = place_by_free_kv(tokens, candidates)
         scheduler = self.scheduler
-        records: list[DecisionRecord] | None = [] if trace is not None and trace.recording else None
+        records: list[DecisionRecord] | None = (
+            [] if self.emit_scores or (trace is not None and trace.recording) else None
+        )
         scheduling = time.time_ns() if records is not None else 0
         try:
             # The records only for a traced request: a scheduler stand-in (tests) may take two arguments.
@@ -173,7 +177,7 @@ class Director:
         except Exception:  # plugins are isolated by the runner: this is a bug in the runner itself
             metrics.unscheduled.inc()
             raise
-        if trace is not None and records is not None:
+        if trace is not None and records is not None and trace.recording:
             trace.scheduled(scheduling, request, result, records)
         endpoints = result.endpoints
         in_flight = self.datastore.in_flight(endpoints[0].name) if endpoints else None
@@ -195,12 +199,23 @@ class Director:
             request, result, scheduler, in_flight, per_model,
             wake=self._wake, not_found=self.datastore.not_found, unreachable=self.datastore.mark_unreachable,
         )  # fmt: skip
+        if self.emit_scores and records:
+            routed.scores = _scores(records, result.primary_profile)
         scheduler.pre_request(request, result)
         return routed
 
 
 def _nothing() -> None:
     pass
+
+
+def _scores(records: Sequence[DecisionRecord], profile: str) -> dict[str, float]:
+    """Every endpoint the primary profile's scorers saw (``ip:port``), with its weighted total
+    (upstream's ``x-gateway-destination-endpoint-scores``)."""
+    for record in records:
+        if record.profile == profile:
+            return {e.hostport: float(total) for e, total in zip(record.scored_candidates, record.totals, strict=False)}
+    return {}
 
 
 def _adapter_of(model: str, endpoints: Sequence[Endpoint]) -> bool:

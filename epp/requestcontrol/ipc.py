@@ -158,12 +158,14 @@ WorkerMessage = Route | Cancel | Headers | Started | Finish | Refused | Ready | 
 
 
 class Routed(msgspec.Struct, array_like=True, gc=False, tag=21, frozen=True):
-    """``id`` is routed: the destination header's value, the primary's name, the request's priority."""
+    """``id`` is routed: the destination header's value, the primary's name, the request's priority,
+    and with ``--emit-endpoint-scores`` the primary profile's scores (``ip:port`` -> total)."""
 
     id: int
     destination: str
     primary: str
     priority: int = 0
+    scores: dict[str, float] | None = None
 
 
 class Refusal(msgspec.Struct, array_like=True, gc=False, tag=22, frozen=True):

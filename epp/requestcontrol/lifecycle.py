@@ -66,7 +66,7 @@ class RoutedRequest:
     __slots__ = (
         "_answering", "_finished", "_first_byte", "_in_flight", "_metrics", "_not_found", "_response_bytes",
         "_scheduler", "_sent", "_ticket", "_unreachable", "_usage", "_wake", "endpoints", "request", "result",
-        "status",
+        "scores", "status",
     )  # fmt: skip
 
     def __init__(
@@ -84,6 +84,7 @@ class RoutedRequest:
         self.request = request
         self.result = result
         self.endpoints: list[Endpoint] = result.endpoints
+        self.scores: dict[str, float] | None = None  # with --emit-endpoint-scores: ip:port -> its total score
         self.status = 0
         self._scheduler = scheduler
         self._in_flight = in_flight

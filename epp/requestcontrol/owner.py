@@ -128,7 +128,9 @@ class WorkerRequests:
         finally:
             self._routing.pop(request_id, None)
         self._routed[request_id] = routed
-        self.send(ipc.Routed(request_id, routed.destination, routed.primary.name, routed.request.priority))
+        self.send(
+            ipc.Routed(request_id, routed.destination, routed.primary.name, routed.request.priority, routed.scores)
+        )
 
     def _cancel(self, message: ipc.Cancel) -> None:
         task = self._routing.pop(message.id, None)

@@ -245,7 +245,7 @@ class RemoteRouted:
 
     __slots__ = (
         "_director", "_ended", "_finished", "_first_byte", "_headers", "_id", "_sent", "_started", "destination",
-        "primary", "request", "status",
+        "primary", "request", "scores", "status",
     )  # fmt: skip
 
     def __init__(
@@ -255,6 +255,7 @@ class RemoteRouted:
         self._id = request_id
         self.request = request
         self.destination = answer.destination
+        self.scores = answer.scores  # (--emit-endpoint-scores)
         hostport = answer.destination.partition(",")[0]
         self.primary = _Primary(answer.primary, hostport)
         self.status = 0

@@ -130,6 +130,12 @@ SERVE_FLAGS = FlagSet(
             "ignore the gateway's destination endpoint subset hint (envoy.lb.subset_hint): every pool endpoint "
             "is a candidate",
         ),
+        make_flag(
+            "emit-endpoint-scores",
+            False,
+            "put the primary profile's score of every endpoint it scored (ip:port -> weighted total) in the routing "
+            "answer's envoy.lb dynamic metadata, key x-gateway-destination-endpoint-scores",
+        ),
         make_flag("endpoints", "", "static pool: comma-separated ip:port list (no Kubernetes needed)"),
         make_flag("endpoints-file", "", "static pool from a file: ip:port per line, # comments"),
         make_flag("max-request-body-bytes", DEFAULT_MAX_REQUEST_BODY_BYTES, "larger request bodies get 413"),
@@ -172,9 +178,6 @@ SERVE_FLAGS = FlagSet(
             implemented=False,
         ),
         make_flag("grpc-max-send-msg-size", "", "upstream: largest gRPC message sent", implemented=False),
-        make_flag(
-            "emit-endpoint-scores", False, "upstream: the scores in envoy.lb dynamic metadata", implemented=False
-        ),
         make_flag(
             "plugin-state-staleness-threshold",
             Duration(0.0),
@@ -289,6 +292,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         tls_min_version=values["tls-min-version"],
         tls_cipher_suites=tuple(values["tls-cipher-suites"]),
         subset_filter=not values["disable-endpoint-subset-filter"],
+        emit_endpoint_scores=values["emit-endpoint-scores"],
         io_thread=values["io-thread"],
         io_thread_after_chunks=values["io-thread-after-chunks"],
         native_tls=values["native-tls"],

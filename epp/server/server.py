@@ -209,6 +209,7 @@ class EndpointPicker:
             admission=self.admission,
             objectives=self.objectives,
             tracing=self.tracing,
+            emit_scores=settings.emit_endpoint_scores,
         )
         self.processor = ExternalProcessor(
             self.director,

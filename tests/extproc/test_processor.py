@@ -707,3 +707,34 @@ async def test_a_stream_that_goes_away_while_its_route_waits_cancels_it(settle: 
         director.go.set_result(None)
     await _settle()
     assert not director.routed  # the route ended with its stream: it never routes later
+
+
+# -- --emit-endpoint-scores --------------------------------------------------------------------
+
+
+def _scores_of(answer: pb.ProcessingResponse) -> dict[str, float] | None:
+    lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    if "x-gateway-destination-endpoint-scores" not in lb:
+        return None
+    return {k: v.number_value for k, v in lb["x-gateway-destination-endpoint-scores"].struct_value.fields.items()}
+
+
+@pytest.mark.parametrize("emit", [True, False])
+async def test_the_pick_s_scores_ride_beside_the_destination_when_asked(emit: bool) -> None:
+    datastore = Datastore(_FUZZ_POOL)
+    built = load_config(None, default_registry(), Handle(datastore, metrics=PluginMetrics(CollectorRegistry())))
+    director = Director(datastore, built.scheduler, RequestMetrics(), emit_scores=emit)
+    processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=100_000)
+    for _ in range(2):  # (the second: an answer is cached per destination only without scores)
+        wire = WireStream()
+        call = processor.open(wire)  # type: ignore[arg-type]
+        call.message(headers(POST).SerializeToString())
+        call.message(body(COMPLETION, end_of_stream=True).SerializeToString())
+        answer = wire.sent[0]
+        scores = _scores_of(answer)
+        if not emit:
+            assert scores is None
+            continue
+        assert scores is not None and set(scores) == {endpoint.hostport for endpoint in _FUZZ_POOL}
+        assert scores[destination(answer)] == max(scores.values())  # the max-score picker's pick
+        assert all(score >= 0.0 for score in scores.values())

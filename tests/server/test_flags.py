@@ -369,7 +369,8 @@ def test_every_upstream_flag_is_accepted() -> None:
     assert settings.tls_cipher_suites == ("TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",)
     assert settings.drain_seconds == 30.0
     implemented = {
-        "enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites", "drain-timeout"
+        "enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites", "drain-timeout",
+        "emit-endpoint-scores",
     }  # fmt: skip
     assert not implemented & set(not_yet)
     assert {"feature-gates", "zap-log-level", "grpc-max-recv-msg-size"} <= set(not_yet)
