@@ -141,7 +141,9 @@ def parse_duration(text: str) -> Duration:
 
 
 def format_duration(seconds: float) -> str:
-    """A short Go-style spelling: 50ms, 2s, 1.5s, 300us."""
+    """A short Go-style spelling: 50ms, 2s, 1.5s, 300us; 0s for zero, as Go writes it."""
+    if seconds == 0:
+        return "0s"
     for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if abs(seconds) >= size or unit == "us":
             value = seconds / size

@@ -38,3 +38,12 @@ def test_strings_and_booleans() -> None:
     assert bool_parameter("p", {"k": False}, "k", True) is False
     with pytest.raises(ValueError, match="p: k must be true or false, got 'yes'"):
         bool_parameter("p", {"k": "yes"}, "k", True)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "spelled"), [(0.0, "0s"), (0.05, "50ms"), (2.0, "2s"), (1.5, "1.5s"), (0.0003, "300us")]
+)
+def test_durations_are_spelled_as_go_spells_them(seconds: float, spelled: str) -> None:
+    from epp.framework.parameters import format_duration
+
+    assert format_duration(seconds) == spelled
