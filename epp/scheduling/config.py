@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, cast
@@ -51,7 +51,13 @@ from typing import Any, cast
 import yaml
 
 from epp.datalayer.plugins import MetricsExtractor, MetricsSource
-from epp.flowcontrol.config import FLOW_CONTROL_GATE, KNOWN_FEATURE_GATES, AdmissionConfig, decode_admission
+from epp.flowcontrol.config import (
+    FLOW_CONTROL_GATE,
+    KNOWN_FEATURE_GATES,
+    AdmissionConfig,
+    decode_admission,
+    decode_feature_gates,
+)
 from epp.flowcontrol.objectives import decode_objectives
 from epp.flowcontrol.saturation import SaturationDetector
 from epp.framework import (
@@ -159,14 +165,29 @@ def load_scheduler(text: str | None, registry: Registry, handle: Handle) -> Sche
 
 
 def load_config(
-    text: str | None, registry: Registry, handle: Handle, *, metrics: PluginCallMetrics | None = None
+    text: str | None,
+    registry: Registry,
+    handle: Handle,
+    *,
+    metrics: PluginCallMetrics | None = None,
+    feature_gates: Sequence[str] = (),
 ) -> PickerConfig:
     """Decode ``text`` (None: the default config) strictly and build what it describes.
 
     ``metrics``: where every plugin call's duration and failures are recorded (none: not recorded).
+    ``feature_gates``: upstream's ``--feature-gates`` entries (``name``, ``name=true|false``), applied
+    after the config's ``featureGates`` list, so that they override it.
     """
     doc = _load_yaml(default_config(registry) if text is None else text)
     _check_keys(doc, _TOP_KEYS, "the config")
+    if feature_gates:
+        try:
+            decode_feature_gates(list(feature_gates), _FEATURE_GATES)
+        except ValueError as exc:
+            raise ConfigError(f"--feature-gates: {exc}") from None
+        listed = doc.get("featureGates")
+        if listed is None or isinstance(listed, list):  # (anything else: the config's own error below)
+            doc = {**doc, "featureGates": [*(listed or ()), *feature_gates]}
     if doc.get("apiVersion") not in API_VERSIONS:
         raise ConfigError(f"apiVersion must be one of {list(API_VERSIONS)}, got {doc.get('apiVersion')!r}")
     if doc.get("kind") != "EndpointPickerConfig":

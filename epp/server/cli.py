@@ -107,6 +107,12 @@ SERVE_FLAGS = FlagSet(
         make_flag("config-file", "", "EndpointPickerConfig YAML file"),
         make_flag("config-text", "", "EndpointPickerConfig YAML, inline (instead of --config-file)"),
         make_flag(
+            "feature-gates",
+            [],
+            "feature gates, kubelet style (flowControl=true; a bare name enables), after the config's "
+            "featureGates: these win",
+        ),
+        make_flag(
             "disable-plugin", [], "plugin type to turn off (repeatable, or comma-separated; also $EPP_DISABLE_PLUGINS)"
         ),
         make_flag("v", 1, "log verbosity: 0-2 info, 3 debug, 4 a decision record per request, 5 libraries' debug too"),
@@ -190,7 +196,6 @@ SERVE_FLAGS = FlagSet(
         make_flag("fairness-id-metric-label-limit", 1000, "upstream: fairness_id label values kept", implemented=False),
         make_flag("metrics-client-ca-file", "", "upstream: mTLS on the metrics port", implemented=False),
         make_flag("metrics-cert-dir", "", "upstream: TLS on the metrics port", implemented=False),
-        make_flag("feature-gates", [], "upstream: feature gates (name=true,...)", implemented=False),
         make_flag("allow-experimental-plugins", False, "upstream: allow alpha plugins", implemented=False),
         # controller-runtime's zap flags, which upstream binds beside -v and --zap-encoder.
         make_flag("zap-devel", False, "upstream: development logging", implemented=False),
@@ -293,6 +298,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         tls_cipher_suites=tuple(values["tls-cipher-suites"]),
         subset_filter=not values["disable-endpoint-subset-filter"],
         emit_endpoint_scores=values["emit-endpoint-scores"],
+        feature_gates=tuple(values["feature-gates"]),
         io_thread=values["io-thread"],
         io_thread_after_chunks=values["io-thread-after-chunks"],
         native_tls=values["native-tls"],

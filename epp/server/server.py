@@ -182,6 +182,7 @@ class EndpointPicker:
             registry,
             Handle(self.datastore, metrics=PluginMetrics(self.metrics.registry)),
             metrics=self.metrics.plugins,
+            feature_gates=settings.feature_gates,
         )
         for name, (type_name, _) in config.plugins.items():
             log.info("plugin %s: type %s from %s", name, type_name, registry.source(type_name))

@@ -36,6 +36,7 @@ class Settings:
     io_thread_after_chunks: int = 32  # lent once each open stream has had this many response chunks
     native_tls: bool = True  # TLS records in C (epp.wire._fast.TlsTransport), not the event loop's
     config_text: str | None = None
+    feature_gates: tuple[str, ...] = ()  # --feature-gates: after the config's featureGates (name, name=bool)
     disabled_plugins: tuple[str, ...] = ()  # plugin types turned off (--disable-plugin, $EPP_DISABLE_PLUGINS)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     pool_name: str = ""

@@ -670,6 +670,33 @@ def test_a_flow_control_section_without_its_gate_is_decoded_and_ignored(caplog: 
     assert "flowControl: the section is ignored while the flowControl feature gate is off" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("listed", "flag", "enabled"),
+    [
+        ("", ["flowControl"], True),  # a bare name enables (kubelet style)
+        ("featureGates: [flowControl]\n", ["flowControl=false"], False),  # the flag wins over the config
+        ("featureGates: [flowControl]\n", ["dataLayer"], True),  # and leaves the config's others
+        ("featureGates: [flowControl=false]\n", ["flowControl=true"], True),
+    ],
+)
+def test_the_feature_gates_flag_applies_after_the_config(listed: str, flag: list[str], enabled: bool) -> None:
+    built = load_config(_config(_PICKER, _ONE_PROFILE) + listed, default_registry(), HANDLE, feature_gates=flag)
+    assert built.admission.flow_control_enabled is enabled
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (["bogus"], "--feature-gates: featureGates[0]: unknown feature gate 'bogus'; known: dataLayer, flowControl"),
+        (["flowControl=maybe"], "--feature-gates: featureGates[0]: 'flowControl=maybe' must be NAME, NAME=true or NAME=false"),
+    ],
+)  # fmt: skip
+def test_a_bad_feature_gates_flag_is_named(flag: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(_config(_PICKER, _ONE_PROFILE), default_registry(), HANDLE, feature_gates=flag)
+    assert str(info.value) == message
+
+
 # -- plugin roles, producers, profiles and defaults as the config wires them ---------------------
 
 

@@ -370,10 +370,11 @@ def test_every_upstream_flag_is_accepted() -> None:
     assert settings.drain_seconds == 30.0
     implemented = {
         "enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites", "drain-timeout",
-        "emit-endpoint-scores",
+        "emit-endpoint-scores", "feature-gates",
     }  # fmt: skip
     assert not implemented & set(not_yet)
-    assert {"feature-gates", "zap-log-level", "grpc-max-recv-msg-size"} <= set(not_yet)
+    assert settings.feature_gates == ("flowControl=true",)
+    assert {"zap-log-level", "grpc-max-recv-msg-size"} <= set(not_yet)
 
 
 # -- epp.server.cli.main -------------------------------------------------------------------------------
