@@ -66,6 +66,17 @@ SERVE_FLAGS = FlagSet(
             "metrics port (/metrics, /debug/*) needs a bearer token the API server accepts (TokenReview) and "
             "whose user may get the path (SubjectAccessReview); off in static mode (--endpoints)",
         ),
+        make_flag(
+            "metrics-cert-dir",
+            "",
+            "serve the metrics port over HTTPS with this directory's tls.crt and tls.key (needs "
+            "--metrics-endpoint-auth or --metrics-client-ca-file)",
+        ),
+        make_flag(
+            "metrics-client-ca-file",
+            "",
+            "with --metrics-cert-dir: require a client certificate signed by this PEM CA on the metrics port",
+        ),
         make_flag("secure-serving", True, "serve ext_proc over TLS"),
         make_flag("cert-path", "", "directory with tls.crt and tls.key; empty: a self-signed certificate"),
         make_flag(
@@ -194,8 +205,6 @@ SERVE_FLAGS = FlagSet(
             "enable-grpc-stream-metrics", False, "upstream: ext_proc stream gauges and histograms", implemented=False
         ),
         make_flag("fairness-id-metric-label-limit", 1000, "upstream: fairness_id label values kept", implemented=False),
-        make_flag("metrics-client-ca-file", "", "upstream: mTLS on the metrics port", implemented=False),
-        make_flag("metrics-cert-dir", "", "upstream: TLS on the metrics port", implemented=False),
         make_flag("allow-experimental-plugins", False, "upstream: allow alpha plugins", implemented=False),
         # controller-runtime's zap flags, which upstream binds beside -v and --zap-encoder.
         make_flag("zap-devel", False, "upstream: development logging", implemented=False),
@@ -269,6 +278,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         raise FlagError("--refresh-metrics-interval must be positive (use --scrape-metrics=false to turn scraping off)")
     if values["refresh-metrics-idle-interval"] < 0:
         raise FlagError("--refresh-metrics-idle-interval cannot be negative (0 turns the backoff off)")
+    _metrics_tls_flags(values)
     if values["drain-timeout"] < 0:
         raise FlagError("--drain-timeout cannot be negative")
     if values["metrics-staleness-threshold"] <= 0:
@@ -290,6 +300,8 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         metrics_port=values["metrics-port"],
         enable_debug_endpoints=values["enable-debug-endpoints"],
         metrics_endpoint_auth=values["metrics-endpoint-auth"],
+        metrics_cert_dir=values["metrics-cert-dir"],
+        metrics_client_ca_file=values["metrics-client-ca-file"],
         bind_address=values["bind-address"],
         secure_serving=values["secure-serving"],
         cert_path=values["cert-path"],
@@ -331,6 +343,23 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
     )
     not_yet = sorted(name for name in given if not SERVE_FLAGS.flags[name].implemented)
     return settings, not_yet
+
+
+def _metrics_tls_flags(values: dict[str, Any]) -> None:
+    """Upstream's checks of the metrics port's TLS flags (its messages), and that the files are there."""
+    cert_dir, client_ca = values["metrics-cert-dir"], values["metrics-client-ca-file"]
+    if client_ca and not cert_dir:
+        raise FlagError('"metrics-client-ca-file" requires "metrics-cert-dir"')
+    if cert_dir and not client_ca and not values["metrics-endpoint-auth"]:
+        raise FlagError(
+            '"metrics-cert-dir" enables metrics TLS without authentication; set "metrics-client-ca-file" or '
+            '"metrics-endpoint-auth"'
+        )
+    for path in ([os.path.join(cert_dir, "tls.crt"), os.path.join(cert_dir, "tls.key")] if cert_dir else []) + (
+        [client_ca] if client_ca else []
+    ):
+        if not os.path.isfile(path):
+            raise FlagError(f"metrics TLS cert file unreadable: {path}: no such file")
 
 
 def _discovery_flags(values: dict[str, Any], *, static: bool) -> tuple[tuple[tuple[str, str], ...], tuple[int, ...]]:

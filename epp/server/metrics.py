@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -99,6 +101,9 @@ def _only_metrics(
     return serve
 
 
+_HANDSHAKE_TIMEOUT = 10.0  # seconds a metrics client gets for its TLS handshake and each read
+
+
 def start_metrics_server(
     metrics: Metrics,
     port: int,
@@ -106,16 +111,32 @@ def start_metrics_server(
     *,
     routes: Mapping[str, Callable[[], bytes]] | None = None,
     guard: Guard | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> int:
     """Serve ``/metrics`` on a background thread (scrapes never touch the event loop); the port bound.
 
     ``guard`` (:mod:`epp.server.metrics_auth`) is asked first for ``/metrics`` and the ``routes``,
-    on the server's thread. OSError when the port cannot be bound.
+    on the server's thread. ``tls``: serve HTTPS with this context (``--metrics-cert-dir``, and a
+    client CA that it requires with ``--metrics-client-ca-file``); each connection's handshake runs
+    on its own request thread, bounded by :data:`_HANDSHAKE_TIMEOUT`, never on the accepting one.
+    OSError when the port cannot be bound.
     """
     family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
 
     class _Server(ThreadingWSGIServer):
         address_family = family  # IPv6 bind addresses need AF_INET6
+
+        def get_request(self) -> tuple[socket.socket, Any]:
+            conn, peer = super().get_request()
+            if tls is not None:  # (the handshake: in the request's thread, at its first read)
+                conn.settimeout(_HANDSHAKE_TIMEOUT)
+                conn = tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            return conn, peer
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            if isinstance(sys.exc_info()[1], (ssl.SSLError, TimeoutError, ConnectionError)):
+                return  # a client that does not speak TLS, or went away: its connection only
+            super().handle_error(request, client_address)
 
     app = _only_metrics(make_wsgi_app(metrics.registry), routes or {}, guard)
     httpd = make_server(str(sockaddr[0]), port, app, _Server, _QuietHandler)

@@ -70,6 +70,7 @@ from epp.server.settings import Settings
 from epp.server.tls import (
     CertificateReloader,
     apply_policy,
+    metrics_ssl_context,
     self_signed_certificate,
     server_ssl_context,
     ssl_context_from_pem,
@@ -304,12 +305,21 @@ class EndpointPicker:
                 routes = DebugViews(self.datastore.endpoints, self.config, settings.config_text).routes()
                 if self.workers is not None:
                     routes["/debug/workers"] = self._workers_view
+                tls = None
+                if settings.metrics_cert_dir:
+                    try:
+                        tls = metrics_ssl_context(settings.metrics_cert_dir, settings.metrics_client_ca_file)
+                    except ValueError as exc:
+                        for sock in self._sockets:
+                            sock.close()
+                        raise StartupError(str(exc)) from None
                 self.metrics_port = start_metrics_server(
                     self.metrics,
                     settings.metrics_port,
                     settings.bind_address,
                     routes=routes if settings.enable_debug_endpoints else None,
                     guard=self._metrics_guard(),
+                    tls=tls,
                 )
             except OSError as exc:
                 for sock in self._sockets:

@@ -24,6 +24,8 @@ class Settings:
     enable_debug_endpoints: bool = False  # /debug/pool and /debug/config on the metrics port
     # TokenReview + SubjectAccessReview for the metrics port (epp.server.metrics_auth); only with discovery.
     metrics_endpoint_auth: bool = True
+    metrics_cert_dir: str = ""  # HTTPS on the metrics port from tls.crt/tls.key here (--metrics-cert-dir)
+    metrics_client_ca_file: str = ""  # and client certificates this CA signed required (--metrics-client-ca-file)
     bind_address: str = "0.0.0.0"
     secure_serving: bool = True
     cert_path: str = ""  # a directory holding tls.crt and tls.key; empty: self-signed at start

@@ -45,6 +45,7 @@ __all__ = [
     "CertificateReloader",
     "TlsPolicy",
     "apply_policy",
+    "metrics_ssl_context",
     "self_signed_certificate",
     "server_ssl_context",
     "ssl_context_from_pem",
@@ -96,6 +97,27 @@ def server_ssl_context(cert_path: str) -> ssl.SSLContext:
             raise ValueError(f"--cert-path {cert_path}: cannot load tls.crt and tls.key: {exc}") from exc
         return context
     return ssl_context_from_pem(*self_signed_certificate())
+
+
+def metrics_ssl_context(cert_dir: str, client_ca: str = "") -> ssl.SSLContext:
+    """HTTPS for the metrics port (``--metrics-cert-dir``: tls.crt and tls.key), requiring a client
+    certificate ``client_ca`` signed when given (``--metrics-client-ca-file``), TLS 1.2 at least, as upstream."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    directory = Path(cert_dir)
+    try:
+        context.load_cert_chain(directory / "tls.crt", directory / "tls.key")
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--metrics-cert-dir {cert_dir}: cannot load tls.crt and tls.key: {exc}") from exc
+    if client_ca:
+        try:
+            context.load_verify_locations(client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"--metrics-client-ca-file {client_ca}: no CA certificate to verify clients with: {exc}"
+            ) from exc
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def ssl_context_from_pem(cert: bytes, key: bytes) -> ssl.SSLContext:

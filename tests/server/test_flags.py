@@ -362,15 +362,22 @@ _UPSTREAM_ARGS = [
 ]  # fmt: skip
 
 
-def test_every_upstream_flag_is_accepted() -> None:
-    settings, not_yet = settings_from_args(_UPSTREAM_ARGS)
+def test_every_upstream_flag_is_accepted(tmp_path: Path) -> None:
+    from epp.server.tls import self_signed_certificate
+
+    cert, key = self_signed_certificate()
+    (tmp_path / "tls.crt").write_bytes(cert)
+    (tmp_path / "tls.key").write_bytes(key)
+    files = {"/metrics-certs": str(tmp_path), "/ca.pem": str(tmp_path / "tls.crt")}  # (checked for at startup)
+    argv = [arg.split("=")[0] + "=" + files[arg.split("=")[1]] if arg.split("=")[-1] in files else arg for arg in _UPSTREAM_ARGS]
+    settings, not_yet = settings_from_args(argv)
     assert settings.cert_reload and settings.subset_filter and settings.cert_path == "/certs"
     assert settings.tls_min_version == "VersionTLS12"
     assert settings.tls_cipher_suites == ("TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",)
     assert settings.drain_seconds == 30.0
     implemented = {
         "enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites", "drain-timeout",
-        "emit-endpoint-scores", "feature-gates",
+        "emit-endpoint-scores", "feature-gates", "metrics-cert-dir", "metrics-client-ca-file",
     }  # fmt: skip
     assert not implemented & set(not_yet)
     assert settings.feature_gates == ("flowControl=true",)
