@@ -25,7 +25,7 @@ from typing import Any
 from epp.framework import Duration
 from epp.scheduling.registry import disabled_from_env
 from epp.server.flags import FlagError, FlagSet, HelpRequested, make_flag, print_usage_error
-from epp.server.logs import configure_logging
+from epp.server.logs import configure_logging, zap_level
 from epp.server.pool_flags import ENDPOINTS_FILE_HELP, static_endpoints
 from epp.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 from epp.server.tls import tls_policy
@@ -208,7 +208,12 @@ SERVE_FLAGS = FlagSet(
         make_flag("allow-experimental-plugins", False, "upstream: allow alpha plugins", implemented=False),
         # controller-runtime's zap flags, which upstream binds beside -v and --zap-encoder.
         make_flag("zap-devel", False, "upstream: development logging", implemented=False),
-        make_flag("zap-log-level", "", "upstream: zap's level (here: -v)", implemented=False),
+        make_flag(
+            "zap-log-level",
+            "",
+            "upstream's zap level, which wins over -v: a number N is -v N, info -v 0, debug -v 1; warn, error, "
+            "dpanic, panic, fatal log only from that level up",
+        ),
         make_flag("zap-stacktrace-level", "", "upstream: zap's stack trace level", implemented=False),
         make_flag("zap-time-encoding", "", "upstream: zap's time format", implemented=False),
         # Model-server telemetry.
@@ -293,6 +298,12 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         tls_policy(values["tls-min-version"], values["tls-cipher-suites"])
     except ValueError as exc:
         raise FlagError(str(exc)) from None
+    verbosity, log_floor = values["v"], 0
+    if "zap-log-level" in given:
+        try:
+            verbosity, log_floor = zap_level(values["zap-log-level"])
+        except ValueError as exc:
+            raise FlagError(str(exc)) from None
     settings = Settings(
         endpoints=tuple(endpoints),
         grpc_port=values["grpc-port"],
@@ -322,7 +333,8 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         endpoint_selector=selector,
         endpoint_target_ports=target_ports,
         kubeconfig=values["kubeconfig"],
-        verbosity=values["v"],
+        verbosity=verbosity,
+        log_floor=log_floor,
         tracing=values["tracing"],
         log_format=values["zap-encoder"],
         shutdown_grace_seconds=float(values["shutdown-grace-period"]),
@@ -411,7 +423,7 @@ def _serve(argv: Sequence[str]) -> int:
     if isinstance(parsed, int):
         return parsed
     settings, not_yet = parsed
-    configure_logging(settings.verbosity, settings.log_format)
+    configure_logging(settings.verbosity, settings.log_format, settings.log_floor)
     for name in not_yet:
         log.warning("flag --%s is accepted for compatibility with the upstream picker but has no effect yet", name)
     # A TLS/plaintext mismatch with Envoy shows only as grpc's own handshake errors (or nothing, the
@@ -463,7 +475,7 @@ def _validate_config(argv: Sequence[str]) -> int:
     if isinstance(parsed, int):
         return parsed
     settings, _ = parsed
-    configure_logging(settings.verbosity, settings.log_format)
+    configure_logging(settings.verbosity, settings.log_format, settings.log_floor)
 
     from epp.kube.client import KubeConfigError
     from epp.scheduling.config import ConfigError

@@ -379,6 +379,7 @@ class EndpointPicker:
             key_pem=key,
             tracing=settings.tracing,
             verbosity=settings.verbosity,
+            log_floor=settings.log_floor,
             log_format=settings.log_format,
             # A plugin's response_received hook may set response headers: the workers wait for them.
             wait_for_headers=any(isinstance(plugin, ResponseReceived) for _, plugin in self.config.plugins.values()),

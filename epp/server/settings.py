@@ -49,6 +49,7 @@ class Settings:
     endpoint_target_ports: tuple[int, ...] = ()
     kubeconfig: str = ""
     verbosity: int = 1
+    log_floor: int = 0  # nothing below this level is logged (--zap-log-level=warn/error/...; 0: -v decides)
     # OpenTelemetry traces (epp.requestcontrol.tracing), configured by the standard OTEL_* variables.
     tracing: bool = False
     log_format: str = "console"  # or json (--zap-encoder)

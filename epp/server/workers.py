@@ -170,6 +170,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     native_tls: bool = True
     tracing: bool = False
     verbosity: int = 1
+    log_floor: int = 0
     log_format: str = "console"
     wait_for_headers: bool = False  # a plugin's response_received hook may set response headers
     health: dict[str, int] = msgspec.field(default_factory=dict)
@@ -742,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=int(args[0]))
     handoff = socket.socket(fileno=int(args[1]))
     spec = _read_spec(sock)
-    configure_logging(spec.verbosity, spec.log_format)
+    configure_logging(spec.verbosity, spec.log_format, spec.log_floor)
     try:
         import uvloop
     except ImportError:  # no Windows build

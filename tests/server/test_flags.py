@@ -3,6 +3,7 @@ chart's arguments must be accepted unchanged, and every mistake must be named.""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -377,11 +378,11 @@ def test_every_upstream_flag_is_accepted(tmp_path: Path) -> None:
     assert settings.drain_seconds == 30.0
     implemented = {
         "enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites", "drain-timeout",
-        "emit-endpoint-scores", "feature-gates", "metrics-cert-dir", "metrics-client-ca-file",
+        "emit-endpoint-scores", "feature-gates", "metrics-cert-dir", "metrics-client-ca-file", "zap-log-level",
     }  # fmt: skip
     assert not implemented & set(not_yet)
     assert settings.feature_gates == ("flowControl=true",)
-    assert {"zap-log-level", "grpc-max-recv-msg-size"} <= set(not_yet)
+    assert {"zap-devel", "grpc-max-recv-msg-size"} <= set(not_yet)
 
 
 # -- epp.server.cli.main -------------------------------------------------------------------------------
@@ -414,3 +415,44 @@ def test_main_usage(argv: list[str], status: int, capsys: pytest.CaptureFixture[
     out, err = capsys.readouterr()
     # Help asked for goes to stdout; the usage after a mistake goes to stderr.
     assert (out if status == 0 else err).startswith("usage: epp <command> [flags]")
+
+
+@pytest.mark.parametrize(
+    ("argv", "verbosity", "floor"),
+    [
+        (["-v", "4"], 4, 0),
+        (["-v", "4", "--zap-log-level=info"], 0, 0),  # upstream: the zap level, when given, wins over -v
+        (["--zap-log-level", "debug"], 1, 0),
+        (["--zap-log-level=5"], 5, 0),
+        (["--zap-log-level=error"], 0, logging.ERROR),
+        (["--zap-log-level=Panic"], 0, logging.CRITICAL),
+    ],
+)
+def test_zap_log_level(argv: list[str], verbosity: int, floor: int) -> None:
+    settings, not_yet = settings_from_args(argv)
+    assert (settings.verbosity, settings.log_floor) == (verbosity, floor)
+    assert "zap-log-level" not in not_yet
+
+
+def test_a_bad_zap_log_level_is_named() -> None:
+    with pytest.raises(FlagError, match=r"invalid argument 'loud' for --zap-log-level: must be debug, info"):
+        settings_from_args(["--zap-log-level=loud"])
+
+
+def test_a_floor_keeps_everything_below_it_out(caplog: pytest.LogCaptureFixture) -> None:
+    from epp.server.logs import configure_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, logging.getLogger("epp").level, logging.getLogger("epp.decisions").level
+    try:
+        configure_logging(4, "console", logging.ERROR)
+        assert not logging.getLogger("epp").isEnabledFor(logging.WARNING)
+        assert not logging.getLogger("epp.decisions").isEnabledFor(logging.INFO)
+        assert logging.getLogger("epp.server").isEnabledFor(logging.ERROR)
+        configure_logging(4, "console")
+        assert logging.getLogger("epp.decisions").isEnabledFor(logging.INFO)
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        logging.getLogger("epp").setLevel(saved[2])
+        logging.getLogger("epp.decisions").setLevel(saved[3])
