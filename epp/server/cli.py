@@ -17,8 +17,10 @@ import asyncio
 import difflib
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -191,10 +193,17 @@ SERVE_FLAGS = FlagSet(
         make_flag(
             "grpc-max-recv-msg-size",
             "",
-            "upstream: largest gRPC message (here: --max-request-body-bytes)",
+            "the largest gRPC message the ext_proc port takes (10MiB, 25MB, 4Mi, 1048576...; a larger one fails "
+            "its stream with RESOURCE_EXHAUSTED, as grpc's limit does); empty or 0: room for a "
+            "--max-request-body-bytes body in one message",
+        ),
+        make_flag(
+            "grpc-max-send-msg-size",
+            "",
+            "upstream: the largest gRPC message sent (the picker's messages stay under 64 KB: body chunks are cut "
+            "at 62,000 bytes)",
             implemented=False,
         ),
-        make_flag("grpc-max-send-msg-size", "", "upstream: largest gRPC message sent", implemented=False),
         make_flag(
             "plugin-state-staleness-threshold",
             Duration(0.0),
@@ -298,6 +307,10 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         tls_policy(values["tls-min-version"], values["tls-cipher-suites"])
     except ValueError as exc:
         raise FlagError(str(exc)) from None
+    try:
+        grpc_max_recv = parse_size(values["grpc-max-recv-msg-size"])
+    except ValueError as exc:
+        raise FlagError(f"invalid grpc-max-recv-msg-size: {exc}") from None
     verbosity, log_floor = values["v"], 0
     if "zap-log-level" in given:
         try:
@@ -328,6 +341,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         config_text=config_text,
         disabled_plugins=tuple(sorted({*values["disable-plugin"], *disabled_from_env()})),
         max_request_body_bytes=values["max-request-body-bytes"],
+        grpc_max_recv_message=grpc_max_recv,
         pool_name=values["pool-name"],
         pool_namespace=values["pool-namespace"] or os.environ.get("NAMESPACE") or "default",
         endpoint_selector=selector,
@@ -355,6 +369,31 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
     )
     not_yet = sorted(name for name in given if not SERVE_FLAGS.flags[name].implemented)
     return settings, not_yet
+
+
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]*)?)(?:[eE]([+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E))?")
+_SIZE_UNITS = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """A byte count as upstream reads one (a Kubernetes quantity, a trailing B or b dropped: 10MiB, 25MB,
+    4Mi, 1e6, 1048576); 0 for an empty text. ValueError for a fraction of a byte or what is not a quantity."""
+    text = text.strip()
+    if len(text) > 1 and text[-1] in "Bb":
+        text = text[:-1]
+    if not text:
+        return 0
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size (a number, with Ki, Mi, Gi, k, M, G... or an exponent: 10MiB, 1e6)")
+    number, exponent, unit = match.groups()
+    value = Fraction(number) * (Fraction(10) ** int(exponent) if exponent else _SIZE_UNITS.get(unit or "", 1))
+    if value.denominator != 1:
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
 
 
 def _metrics_tls_flags(values: dict[str, Any]) -> None:

@@ -92,6 +92,12 @@ _READINESS_SERVICES = ("", "readiness", "inference-extension", EXT_PROC_SERVICE)
 _MESSAGE_HEADROOM = 1024 * 1024
 
 
+def _max_message(settings: Settings) -> int:
+    """The largest gRPC message the ext_proc port takes: --grpc-max-recv-msg-size when given, else room
+    for a whole request body of --max-request-body-bytes in one message (BUFFERED mode) and its other fields."""
+    return settings.grpc_max_recv_message or settings.max_request_body_bytes + _MESSAGE_HEADROOM
+
+
 class StartupError(Exception):
     """The service cannot start for a reason outside the config (a port in use, an unreadable certificate)."""
 
@@ -289,7 +295,7 @@ class EndpointPicker:
             self._server = GrpcServer(
                 {**self.processor.methods(), **self.health.methods()},
                 ssl_context=context,
-                max_message=settings.max_request_body_bytes + _MESSAGE_HEADROOM,
+                max_message=_max_message(settings),
                 flag=f"--grpc-port {self.grpc_port}",
                 io_thread=settings.io_thread,
                 io_thread_after_chunks=settings.io_thread_after_chunks,
@@ -364,7 +370,7 @@ class EndpointPicker:
         return WorkerSpec(
             index=index,
             max_request_body_bytes=settings.max_request_body_bytes,
-            max_message=settings.max_request_body_bytes + _MESSAGE_HEADROOM,
+            max_message=_max_message(settings),
             flag=f"--grpc-port {self.grpc_port}",
             tls=settings.secure_serving,
             io_thread=settings.io_thread,

@@ -41,6 +41,7 @@ class Settings:
     feature_gates: tuple[str, ...] = ()  # --feature-gates: after the config's featureGates (name, name=bool)
     disabled_plugins: tuple[str, ...] = ()  # plugin types turned off (--disable-plugin, $EPP_DISABLE_PLUGINS)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    grpc_max_recv_message: int = 0  # --grpc-max-recv-msg-size (0: room for a max_request_body_bytes body)
     pool_name: str = ""
     pool_namespace: str = "default"
     # Kubernetes discovery (epp.kube): the InferencePool named pool_name, or the no-CRD mode's

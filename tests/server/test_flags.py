@@ -379,10 +379,12 @@ def test_every_upstream_flag_is_accepted(tmp_path: Path) -> None:
     implemented = {
         "enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites", "drain-timeout",
         "emit-endpoint-scores", "feature-gates", "metrics-cert-dir", "metrics-client-ca-file", "zap-log-level",
+        "grpc-max-recv-msg-size",
     }  # fmt: skip
     assert not implemented & set(not_yet)
     assert settings.feature_gates == ("flowControl=true",)
-    assert {"zap-devel", "grpc-max-recv-msg-size"} <= set(not_yet)
+    assert {"zap-devel", "grpc-max-send-msg-size"} <= set(not_yet)
+    assert settings.grpc_max_recv_message == 10 << 20
 
 
 # -- epp.server.cli.main -------------------------------------------------------------------------------
