@@ -278,10 +278,6 @@ class EndpointPicker:
                 apply_policy(context, tls_policy(settings.tls_min_version, settings.tls_cipher_suites))
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
-            if settings.cert_reload and settings.cert_path and self.workers is None:  # (workers watch their own)
-                self._reloading = asyncio.get_running_loop().create_task(
-                    CertificateReloader(context, settings.cert_path).run()
-                )
         main = _listen("--grpc-port", settings.bind_address, settings.grpc_port)
         try:
             health_socket = _listen("--grpc-health-port", settings.bind_address, settings.grpc_health_port)
@@ -354,6 +350,11 @@ class EndpointPicker:
         if self._server is not None:
             self._server.serve_socket(self._sockets[0])
         self._health_server.serve_socket(self._sockets[1])
+        if context is not None and settings.cert_reload and settings.cert_path and self.workers is None:
+            # (with --workers, each worker watches for its own context: epp.server.workers)
+            self._reloading = asyncio.get_running_loop().create_task(
+                CertificateReloader(context, settings.cert_path).run()
+            )
         log.info(
             "serving ext_proc on %s:%d (%s), health on :%d, metrics on :%d; pool has %d endpoint(s)",
             settings.bind_address,
