@@ -144,7 +144,9 @@ class CertificateReloader:
         self._context = context
         self._files = (Path(cert_path) / "tls.crt", Path(cert_path) / "tls.key")
         self.reloads = self.failures = 0
-        self._seen = self._signature()  # the pair the context was made from
+        # The pair the context was made from (a change between that load and this look, during startup,
+        # is served at the files' next change).
+        self._seen = self._signature()
 
     def _signature(self) -> tuple[tuple[int, int, int, int], ...] | None:
         """What tells a file's new content from its old: device, inode, size, mtime (names followed)."""
