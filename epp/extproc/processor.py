@@ -154,8 +154,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping
+from typing import Protocol
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -456,19 +458,38 @@ class ExternalProcessor:
     """
 
     def __init__(
-        self, director: Director, metrics: RequestMetrics, *, max_request_body_bytes: int, subset_filter: bool = True
+        self,
+        director: Director,
+        metrics: RequestMetrics,
+        *,
+        max_request_body_bytes: int,
+        subset_filter: bool = True,
+        streams: StreamSink | None = None,
     ) -> None:
         self._director = director
         self._metrics = metrics
         self._max_body = max_request_body_bytes
         self._subset_filter = subset_filter  # False: every pool endpoint is a candidate, whatever the hint
+        self._streams = streams  # --enable-grpc-stream-metrics: told of each stream's start and end
 
     def methods(self) -> dict[str, Handler]:
         return {METHOD: self.open}
 
     def open(self, wire: Stream) -> _Call:
         """A call for the new ext_proc stream ``wire``."""
-        return _Call(_Stream(self._director, self._max_body, wire, self._subset_filter), wire, self._metrics)
+        call = _Call(_Stream(self._director, self._max_body, wire, self._subset_filter), wire, self._metrics)
+        if self._streams is not None:
+            call.count(self._streams)
+        return call
+
+
+class StreamSink(Protocol):
+    """Where ``--enable-grpc-stream-metrics`` records each ext_proc stream
+    (:class:`epp.requestcontrol.metrics.StreamMetrics`, or a worker's relay to its owner)."""
+
+    def opened(self) -> None: ...
+
+    def closed(self, code: str, seconds: float) -> None: ...
 
 
 class _Call:
@@ -483,7 +504,7 @@ class _Call:
     it then works off.
     """
 
-    __slots__ = ("_finished", "_metrics", "_queue", "_stream", "_task", "_wire")
+    __slots__ = ("_code", "_finished", "_metrics", "_opened", "_queue", "_stream", "_streams", "_task", "_wire")
 
     def __init__(self, stream: _Stream, wire: Stream, metrics: RequestMetrics) -> None:
         self._stream = stream
@@ -492,6 +513,15 @@ class _Call:
         self._queue: deque[bytes | None] | None = None  # while a task runs: what came in meanwhile (None: half-close)
         self._task: asyncio.Task[None] | None = None
         self._finished = False
+        self._streams: StreamSink | None = None  # (count())
+        self._opened = 0.0
+        self._code = "Canceled"  # the gRPC status the stream ends with, unless it is ended here (see _finish)
+
+    def count(self, streams: StreamSink) -> None:
+        """Tell ``streams`` of this stream: now, and when it ends (with its status and how long it was open)."""
+        self._streams = streams
+        self._opened = time.monotonic()
+        streams.opened()
 
     # -- what the wire calls ------------------------------------------------------------------
 
@@ -583,6 +613,7 @@ class _Call:
         complete = self._stream.outcome == "complete"
         self._wire.send_all([answer.SerializeToString() for answer in answers], end=complete)
         if complete:
+            self._code = "OK"
             self._finish()
 
     def _send(self, answers: _Answers) -> None:
@@ -603,6 +634,7 @@ class _Call:
             if not isinstance(error, EppError):
                 log.error("error after routing request %s: %r", stream.headers.get("x-request-id", "?"), error)
             self._wire.finish(Status.UNKNOWN, f"{type(error).__name__}: {error}")
+            self._code = "Unknown"
             self._finish()
             return
         if not isinstance(error, EppError):
@@ -621,6 +653,7 @@ class _Call:
 
     def _end(self, *last: bytes) -> None:
         self._wire.send_all(last, end=True)  # the last answers go out before the request's accounting runs
+        self._code = "OK"
         self._finish()
 
     def _finish(self) -> None:
@@ -628,6 +661,8 @@ class _Call:
         if self._finished:
             return
         self._finished = True
+        if self._streams is not None:
+            self._streams.closed(self._code, time.monotonic() - self._opened)
         stream = self._stream
         if stream.routed is not None:
             stream.account_response_end()

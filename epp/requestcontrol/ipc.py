@@ -11,7 +11,8 @@ the owner's side is :mod:`epp.requestcontrol.owner`. One unix socketpair per wor
 worker -> owner: :class:`Route` (a parsed request, its subset hint and trace context),
 :class:`Cancel`, and the response events :class:`Started` and :class:`Finish` (the response headers
 ride with the first of them, or go alone as :class:`Headers` when the worker waits for hooks), plus
-:class:`Refused` (a refusal for the refused-requests metric), :class:`Ready` and :class:`Connections`;
+:class:`Refused` (a refusal for the refused-requests metric), :class:`StreamOpened` and
+:class:`StreamClosed` (``--enable-grpc-stream-metrics``), :class:`Ready` and :class:`Connections`;
 
 owner -> worker: :class:`Routed` / :class:`Refusal` / :class:`Failed` (the answer to a route),
 :class:`HeadersAnswer` (only when a plugin's ``response_received`` hook may set response headers),
@@ -65,6 +66,8 @@ __all__ = [
     "Route",
     "Routed",
     "Started",
+    "StreamClosed",
+    "StreamOpened",
     "WorkerMessage",
     "owner_decoder",
     "worker_decoder",
@@ -151,7 +154,20 @@ class Connections(msgspec.Struct, array_like=True, gc=False, tag=8, frozen=True)
     count: int
 
 
-WorkerMessage = Route | Cancel | Headers | Started | Finish | Refused | Ready | Connections
+class StreamOpened(msgspec.Struct, array_like=True, gc=False, tag=9, frozen=True):
+    """An ext_proc stream opened on the worker (``--enable-grpc-stream-metrics``)."""
+
+
+class StreamClosed(msgspec.Struct, array_like=True, gc=False, tag=10, frozen=True):
+    """An ext_proc stream ended on the worker: the gRPC status it ended with, and how long it was open."""
+
+    code: str
+    seconds: float
+
+
+WorkerMessage = (
+    Route | Cancel | Headers | Started | Finish | Refused | Ready | Connections | StreamOpened | StreamClosed
+)
 
 
 # -- owner -> worker ------------------------------------------------------------------------------

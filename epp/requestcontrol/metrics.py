@@ -35,8 +35,10 @@ __all__ = [
     "MAX_MODEL_LABEL_CHARS",
     "MAX_SERVED_MODEL_LABELS",
     "OTHER_MODEL",
+    "STREAM_CODES",
     "ModelMetrics",
     "RequestMetrics",
+    "StreamMetrics",
 ]
 
 OTHER_MODEL = "other"
@@ -235,3 +237,43 @@ class RequestMetrics:
         self.request_outcome_total.labels(error.reason.value).inc()
         label = "" if model is None else self.for_model(model).label
         self.request_error_total.labels(label, label, error.reason.value).inc()
+
+
+# The gRPC status names upstream labels its stream counter with (grpc-go's codes.Code.String()).
+STREAM_CODES = ("OK", "Canceled", "Unknown", "ResourceExhausted", "Internal")
+_STREAM_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600)
+
+
+class StreamMetrics:
+    """``--enable-grpc-stream-metrics`` (upstream's, off by default): the ext_proc streams, as upstream
+    counts them: ``llm_d_epp_extproc_streams_inflight`` (open now), ``llm_d_epp_extproc_stream_duration_seconds``
+    (how long each stayed open) and ``llm_d_epp_extproc_streams_total{code}`` (ended, by the gRPC status it
+    ended with: OK, Canceled when Envoy reset it first, Unknown when it failed after its pick). Written by
+    the event loop's thread (one process, or the owner for its workers' streams: epp.requestcontrol.owner)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.inflight = LoopGauge(
+            "llm_d_epp_extproc_streams_inflight", "ext_proc gRPC streams open now.", registry=registry
+        )
+        self.duration = LoopHistogram(
+            "llm_d_epp_extproc_stream_duration_seconds",
+            "How long each ext_proc gRPC stream stayed open, in seconds.",
+            buckets=_STREAM_BUCKETS,
+            registry=registry,
+        )
+        self.ended = LoopCounter(
+            "llm_d_epp_extproc_streams",
+            "ext_proc gRPC streams ended, by gRPC status code.",
+            ["code"],
+            registry=registry,
+        )
+        self._by_code = {code: self.ended.labels(code) for code in STREAM_CODES}
+
+    def opened(self) -> None:
+        self.inflight.inc()
+
+    def closed(self, code: str, seconds: float) -> None:
+        self.inflight.dec()
+        self.duration.observe(seconds)
+        counter = self._by_code.get(code)
+        (counter if counter is not None else self.ended.labels("Unknown")).inc()

@@ -39,6 +39,7 @@ from epp.framework import Api, InferenceRequest
 from epp.requestcontrol import ipc
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
+from epp.requestcontrol.metrics import StreamMetrics
 from epp.requestcontrol.stepping import start
 from epp.requestcontrol.tracing import RequestTrace, Tracing
 
@@ -58,10 +59,13 @@ class WorkerRequests:
         send: Callable[[msgspec.Struct], None],
         *,
         tracing: Tracing | None = None,
+        streams: StreamMetrics | None = None,
     ) -> None:
         self._director = director
         self.send = send
         self._tracing = tracing
+        self._streams = streams  # --enable-grpc-stream-metrics: the worker's streams, counted here
+        self._open_streams = 0
         self._routing: dict[int, asyncio.Task[None]] = {}
         self._routed: dict[int, RoutedRequest] = {}
         self.requests = 0  # routes received from this worker
@@ -80,7 +84,19 @@ class WorkerRequests:
             ipc.Started: self._started,
             ipc.Finish: self._finish,
             ipc.Refused: self._refused,
+            ipc.StreamOpened: self._stream_opened,
+            ipc.StreamClosed: self._stream_closed,
         }
+
+    def _stream_opened(self, message: ipc.StreamOpened) -> None:
+        if self._streams is not None:
+            self._open_streams += 1
+            self._streams.opened()
+
+    def _stream_closed(self, message: ipc.StreamClosed) -> None:
+        if self._streams is not None and self._open_streams:
+            self._open_streams -= 1
+            self._streams.closed(message.code, message.seconds)
 
     # -- routing ----------------------------------------------------------------------------------
 
@@ -185,6 +201,10 @@ class WorkerRequests:
         routed, self._routed = self._routed, {}
         for request in routed.values():
             request.finish("error")
+        if self._streams is not None:  # its open streams went with it (their connections closed)
+            for _ in range(self._open_streams):
+                self._streams.inflight.dec()
+            self._open_streams = 0
 
 
 def continued_trace(tracing: Tracing, traceparent: str) -> RequestTrace | None:

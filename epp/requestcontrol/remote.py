@@ -315,13 +315,21 @@ class RemoteRouted:
 
 
 class RemoteMetrics:
-    """The edge's request metrics in a worker: refusals go to the owner's registry (:class:`Refused`)."""
+    """The edge's request metrics in a worker: refusals go to the owner's registry (:class:`Refused`), and
+    with ``--enable-grpc-stream-metrics`` each stream's start and end (:meth:`opened`, :meth:`closed`):
+    posted, so they ride in frames that go anyway."""
 
     def __init__(self, post: Send = _not_connected) -> None:
         self.post = post
 
     def refused(self, error: EppError, model: str | None = None) -> None:
         self.post(ipc.Refused(error.refusal.value, model))
+
+    def opened(self) -> None:
+        self.post(ipc.StreamOpened())
+
+    def closed(self, code: str, seconds: float) -> None:
+        self.post(ipc.StreamClosed(code, seconds))
 
 
 def _traceparent(trace: RequestTrace) -> str | None:

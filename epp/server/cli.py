@@ -211,7 +211,10 @@ SERVE_FLAGS = FlagSet(
             implemented=False,
         ),
         make_flag(
-            "enable-grpc-stream-metrics", False, "upstream: ext_proc stream gauges and histograms", implemented=False
+            "enable-grpc-stream-metrics",
+            False,
+            "export llm_d_epp_extproc_streams_inflight, llm_d_epp_extproc_stream_duration_seconds and "
+            "llm_d_epp_extproc_streams_total{code}: the ext_proc streams open, how long each was, how each ended",
         ),
         make_flag("fairness-id-metric-label-limit", 1000, "upstream: fairness_id label values kept", implemented=False),
         make_flag("allow-experimental-plugins", False, "upstream: allow alpha plugins", implemented=False),
@@ -334,6 +337,7 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         tls_cipher_suites=tuple(values["tls-cipher-suites"]),
         subset_filter=not values["disable-endpoint-subset-filter"],
         emit_endpoint_scores=values["emit-endpoint-scores"],
+        grpc_stream_metrics=values["enable-grpc-stream-metrics"],
         feature_gates=tuple(values["feature-gates"]),
         io_thread=values["io-thread"],
         io_thread_after_chunks=values["io-thread-after-chunks"],

@@ -60,6 +60,7 @@ from epp.framework import Endpoint, Handle, PluginMetrics, ResponseReceived
 from epp.kube.discovery import Discovery
 from epp.kube.pods import PoolSpec
 from epp.requestcontrol.director import Director
+from epp.requestcontrol.metrics import StreamMetrics
 from epp.requestcontrol.tracing import Tracing
 from epp.scheduling.config import PickerConfig, load_config
 from epp.scheduling.registry import load_registry
@@ -219,11 +220,14 @@ class EndpointPicker:
             tracing=self.tracing,
             emit_scores=settings.emit_endpoint_scores,
         )
+        # --enable-grpc-stream-metrics: upstream's ext_proc stream series (a worker's streams are counted here too).
+        self.streams = StreamMetrics(self.metrics.registry) if settings.grpc_stream_metrics else None
         self.processor = ExternalProcessor(
             self.director,
             self.metrics.requests,
             max_request_body_bytes=settings.max_request_body_bytes,
             subset_filter=settings.subset_filter,
+            streams=self.streams,
         )
         # The scrape series are served whether scraping is on or not (a counter at 0 when it is off).
         scrape_metrics = ScrapeMetrics(self.metrics.registry)
@@ -250,6 +254,7 @@ class EndpointPicker:
                 endpoints=self.datastore.endpoints,
                 registry=self.metrics.registry,
                 tracing=self.tracing,
+                streams=self.streams,
             )
         self.health = self.workers.health if self.workers is not None else Health()
         self._pem: tuple[bytes, bytes] = (b"", b"")  # a self-signed pair the workers serve too
@@ -390,6 +395,7 @@ class EndpointPicker:
             log_format=settings.log_format,
             # A plugin's response_received hook may set response headers: the workers wait for them.
             wait_for_headers=any(isinstance(plugin, ResponseReceived) for _, plugin in self.config.plugins.values()),
+            stream_metrics=self.streams is not None,
         )
 
     def _workers_view(self) -> bytes:

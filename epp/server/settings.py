@@ -34,6 +34,7 @@ class Settings:
     tls_cipher_suites: tuple[str, ...] = ()  # upstream's --tls-cipher-suites (Go's names)
     subset_filter: bool = True  # honour the gateway's endpoint subset hint (--disable-endpoint-subset-filter)
     emit_endpoint_scores: bool = False  # the pick's scores in envoy.lb dynamic metadata (upstream's flag)
+    grpc_stream_metrics: bool = False  # upstream's ext_proc stream series (--enable-grpc-stream-metrics)
     io_thread: bool = True  # streamed chunks answered by a native thread (epp.wire._fast)
     io_thread_after_chunks: int = 32  # lent once each open stream has had this many response chunks
     native_tls: bool = True  # TLS records in C (epp.wire._fast.TlsTransport), not the event loop's

@@ -116,7 +116,7 @@ from epp.extproc.processor import ExternalProcessor
 from epp.framework import Endpoint
 from epp.requestcontrol import ipc
 from epp.requestcontrol.director import Director
-from epp.requestcontrol.metrics import RequestMetrics
+from epp.requestcontrol.metrics import RequestMetrics, StreamMetrics
 from epp.requestcontrol.owner import WorkerRequests
 from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics
 from epp.requestcontrol.tracing import Tracing
@@ -173,6 +173,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     log_floor: int = 0
     log_format: str = "console"
     wait_for_headers: bool = False  # a plugin's response_received hook may set response headers
+    stream_metrics: bool = False  # post each stream's start and end to the owner (--enable-grpc-stream-metrics)
     health: dict[str, int] = msgspec.field(default_factory=dict)
     models: list[dict[str, Any]] | None = None
 
@@ -240,6 +241,7 @@ class WorkerPool:
         endpoints: Callable[[], tuple[Endpoint, ...]],
         registry: CollectorRegistry,
         tracing: Tracing | None = None,
+        streams: StreamMetrics | None = None,
     ) -> None:
         if count < 1:
             raise ValueError("a worker pool needs at least one worker")
@@ -247,6 +249,7 @@ class WorkerPool:
         self._spec = spec
         self._endpoints = endpoints
         self._tracing = tracing
+        self._streams = streams  # --enable-grpc-stream-metrics: the workers' streams, counted in the owner
         self.health = MirroredHealth()
         self.health.listeners.append(self._push_health)
         self._slots = [_Slot(index) for index in range(count)]
@@ -322,7 +325,7 @@ class WorkerPool:
         slot.gone = asyncio.Event()
         if slot.requests is not None:
             slot.earlier_requests += slot.requests.requests
-        requests = WorkerRequests(self._director, _unconnected, tracing=self._tracing)
+        requests = WorkerRequests(self._director, _unconnected, tracing=self._tracing, streams=self._streams)
         handlers: dict[type, Callable[[Any], None]] = {
             **requests.handlers(),
             ipc.Ready: lambda m: self._ready(slot),
@@ -672,6 +675,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
         cast(RequestMetrics, metrics),  # and only refused() of the metrics
         max_request_body_bytes=spec.max_request_body_bytes,
         subset_filter=spec.subset_filter,
+        streams=metrics if spec.stream_metrics else None,
     )
     server = GrpcServer(
         {**processor.methods(), **health.methods()},

@@ -102,7 +102,7 @@ def test_public_names() -> None:
 
     assert sorted(epp.requestcontrol.metrics.__all__) == [
         "MAX_FIRST_SEEN_MODEL_LABELS", "MAX_MODEL_LABEL_CHARS", "MAX_SERVED_MODEL_LABELS", "ModelMetrics",
-        "OTHER_MODEL", "RequestMetrics",
+        "OTHER_MODEL", "RequestMetrics", "STREAM_CODES", "StreamMetrics",
     ]  # fmt: skip
 
 

@@ -379,7 +379,7 @@ def test_every_upstream_flag_is_accepted(tmp_path: Path) -> None:
     implemented = {
         "enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites", "drain-timeout",
         "emit-endpoint-scores", "feature-gates", "metrics-cert-dir", "metrics-client-ca-file", "zap-log-level",
-        "grpc-max-recv-msg-size",
+        "grpc-max-recv-msg-size", "enable-grpc-stream-metrics",
     }  # fmt: skip
     assert not implemented & set(not_yet)
     assert settings.feature_gates == ("flowControl=true",)
