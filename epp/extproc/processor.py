@@ -610,11 +610,11 @@ class _Call:
             self._failed(error)
             return
         # The routing answer goes now, not after what else this loop turn runs; one write (send_all).
-        complete = self._stream.outcome == "complete"
-        self._wire.send_all([answer.SerializeToString() for answer in answers], end=complete)
-        if complete:
-            self._code = "OK"
-            self._finish()
+        serialized = [answer.SerializeToString() for answer in answers]
+        if self._stream.outcome == "complete":
+            self._end(*serialized)
+        else:
+            self._wire.send_all(serialized)
 
     def _send(self, answers: _Answers) -> None:
         send = self._wire.send

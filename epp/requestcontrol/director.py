@@ -169,7 +169,7 @@ class Director:
         )
         scheduling = time.time_ns() if records is not None else 0
         try:
-            # The records only for a traced request: a scheduler stand-in (tests) may take two arguments.
+            # Records only for a recorded trace or --emit-endpoint-scores: a scheduler stand-in (tests) may take two.
             if records is None:
                 result = scheduler.run(request, candidates)
             else:

@@ -239,8 +239,8 @@ class RequestMetrics:
         self.request_error_total.labels(label, label, error.reason.value).inc()
 
 
-# The gRPC status names upstream labels its stream counter with (grpc-go's codes.Code.String()).
-STREAM_CODES = ("OK", "Canceled", "Unknown", "ResourceExhausted", "Internal")
+# The gRPC status names (grpc-go's codes.Code.String(), upstream's label values) a stream ends with here.
+STREAM_CODES = ("OK", "Canceled", "Unknown")
 _STREAM_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -275,5 +275,8 @@ class StreamMetrics:
     def closed(self, code: str, seconds: float) -> None:
         self.inflight.dec()
         self.duration.observe(seconds)
-        counter = self._by_code.get(code)
-        (counter if counter is not None else self.ended.labels("Unknown")).inc()
+        self._by_code.get(code, self._by_code["Unknown"]).inc()
+
+    def lost(self, streams: int) -> None:
+        """``streams`` open streams went with their worker process: no longer open, and no end to count."""
+        self.inflight.dec(streams)

@@ -202,8 +202,7 @@ class WorkerRequests:
         for request in routed.values():
             request.finish("error")
         if self._streams is not None:  # its open streams went with it (their connections closed)
-            for _ in range(self._open_streams):
-                self._streams.inflight.dec()
+            self._streams.lost(self._open_streams)
             self._open_streams = 0
 
 

@@ -13,8 +13,7 @@ resolves) has yielded the future it waits on; :func:`start` hands the coroutine 
 task, which waits on it and carries the coroutine on as its own would (:class:`_Carried`): its
 outcome sent in, a cancellation thrown in (so an admission wait leaves its queue, even when the
 cancel comes before the task first ran), and ``close`` on the coroutine if the task is destroyed
-unfinished. Python 3.12's eager tasks do the same; this runs on
-3.11.
+unfinished. Python 3.12's eager tasks do the same; this runs on 3.11.
 
 What runs in the first step runs in the caller's context, not a copy of it, as a task's would: the
 picker keeps nothing in context variables.

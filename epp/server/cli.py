@@ -188,8 +188,8 @@ SERVE_FLAGS = FlagSet(
             "upstream: flush interval of its own metrics (ours are live)",
             implemented=False,
         ),
-        # Newer upstream (llm-d's) flags, accepted so that a chart or operator passing them starts this
-        # picker; each one given is named at startup as having no effect yet.
+        # Newer upstream (llm-d's) flags: those marked implemented=False are accepted so that a chart or
+        # operator passing them starts this picker, and each one given is named at startup as having no effect yet.
         make_flag(
             "grpc-max-recv-msg-size",
             "",
@@ -410,9 +410,10 @@ def _metrics_tls_flags(values: dict[str, Any]) -> None:
             '"metrics-cert-dir" enables metrics TLS without authentication; set "metrics-client-ca-file" or '
             '"metrics-endpoint-auth"'
         )
-    for path in ([os.path.join(cert_dir, "tls.crt"), os.path.join(cert_dir, "tls.key")] if cert_dir else []) + (
-        [client_ca] if client_ca else []
-    ):
+    files = [os.path.join(cert_dir, "tls.crt"), os.path.join(cert_dir, "tls.key")] if cert_dir else []
+    if client_ca:
+        files.append(client_ca)
+    for path in files:
         if not os.path.isfile(path):
             raise FlagError(f"metrics TLS cert file unreadable: {path}: no such file")
 

@@ -87,28 +87,26 @@ def self_signed_certificate(common_name: str = "epp") -> tuple[bytes, bytes]:
 
 def server_ssl_context(cert_path: str) -> ssl.SSLContext:
     """A TLS server context from ``cert_path``/tls.crt and tls.key, or self-signed when ``cert_path`` is empty."""
+    if cert_path:
+        return _context_from_dir(cert_path, "--cert-path")
+    return ssl_context_from_pem(*self_signed_certificate())
+
+
+def _context_from_dir(directory: str, flag: str) -> ssl.SSLContext:
+    """A TLS 1.2+ server context serving ``directory``'s tls.crt and tls.key; ValueError naming ``flag``."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2  # HTTP/2 requires 1.2 or later (RFC 9113 section 9.2)
-    if cert_path:
-        directory = Path(cert_path)
-        try:
-            context.load_cert_chain(directory / "tls.crt", directory / "tls.key")
-        except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"--cert-path {cert_path}: cannot load tls.crt and tls.key: {exc}") from exc
-        return context
-    return ssl_context_from_pem(*self_signed_certificate())
+    try:
+        context.load_cert_chain(Path(directory) / "tls.crt", Path(directory) / "tls.key")
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"{flag} {directory}: cannot load tls.crt and tls.key: {exc}") from exc
+    return context
 
 
 def metrics_ssl_context(cert_dir: str, client_ca: str = "") -> ssl.SSLContext:
     """HTTPS for the metrics port (``--metrics-cert-dir``: tls.crt and tls.key), requiring a client
     certificate ``client_ca`` signed when given (``--metrics-client-ca-file``), TLS 1.2 at least, as upstream."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    directory = Path(cert_dir)
-    try:
-        context.load_cert_chain(directory / "tls.crt", directory / "tls.key")
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"--metrics-cert-dir {cert_dir}: cannot load tls.crt and tls.key: {exc}") from exc
+    context = _context_from_dir(cert_dir, "--metrics-cert-dir")
     if client_ca:
         try:
             context.load_verify_locations(client_ca)
