@@ -11,7 +11,14 @@ in-memory stream. CPU per request is the process's CPU time over a round, divide
 the table shows each round and the median. ``--profile`` adds cProfile's top functions (cProfile
 slows small functions more than large ones: read it for where, not how much).
 
-    python bench/request_path_cpu.py [--requests 20000] [--rounds 5] [--pods 2] [--profile]
+    python bench/request_path_cpu.py [--requests 20000] [--rounds 5] [--pods 2] [--profile] [--wire]
+
+``--wire`` drives the same messages through a real :class:`epp.wire.http2.Connection` over an
+in-memory transport, as Envoy's bytes arrive at one connection with one request at a time (the
+request's headers and body in one read, the response's headers and body in the next), and splits
+each read's time at its one write: *before the write* is what Envoy waits for (the request's
+latency at one connection), *after* is what the picker does once its answers are out. Wall time of
+a hot loop (no other thread, no I/O): medians per read over the rounds.
 
 Talks to nothing; stops by itself.
 """
@@ -23,21 +30,24 @@ import cProfile
 import json
 import pstats
 import statistics
+import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+import hpack
 import uvloop
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp.datalayer.datastore import Datastore
 from epp.extproc.answers import FULL_DUPLEX
-from epp.extproc.processor import ExternalProcessor
+from epp.extproc.processor import METHOD, ExternalProcessor
 from epp.framework import Endpoint, Handle, Metrics, PluginMetrics
 from epp.requestcontrol.director import Director
 from epp.scheduling.config import load_config
 from epp.scheduling.registry import default_registry
 from epp.server.metrics import Metrics as PickerMetrics
 from epp.wire._fast import StreamBase
+from epp.wire.http2 import Connection
 
 
 class _Wire(StreamBase):
@@ -61,6 +71,9 @@ class _Wire(StreamBase):
 
     def echo_response_bodies(self) -> None:
         pass
+
+    def after_write(self, work: Callable[[], object]) -> None:
+        work()  # (nothing waits to be written here)
 
 
 def _headers(pairs: list[tuple[str, str]], into: object) -> None:
@@ -129,6 +142,84 @@ async def _serve(processor: ExternalProcessor, messages: list[bytes], count: int
             raise RuntimeError("the stream did not end: the message sequence is not what the picker expects")
 
 
+class _Transport:
+    """A connection's transport, in memory: the time of each read's first write."""
+
+    def __init__(self) -> None:
+        self.written_at = 0
+
+    def write(self, data: bytes) -> None:
+        if not self.written_at:
+            self.written_at = time.perf_counter_ns()
+
+    def writelines(self, pieces: Iterable[bytes]) -> None:
+        self.write(b"")
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + stream_id.to_bytes(4) + payload
+
+
+def _grpc(stream_id: int, message: bytes) -> bytes:
+    return _frame(0, 0, stream_id, b"\0" + len(message).to_bytes(4) + message)  # DATA
+
+
+async def _serve_wire(processor: ExternalProcessor, messages: list[bytes], count: int, first_stream: int) -> list[list[int]]:
+    """``count`` requests through a real connection; per read: [ns before its write, ns after it]."""
+    headers, body, response_headers, response_body = messages
+    connection = Connection(processor.methods(), max_message=16 << 20)
+    transport = _Transport()
+    connection.connection_made(transport)  # type: ignore[arg-type]
+    encoder = hpack.Encoder()
+    connection.data_received(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0, b""))  # preface, SETTINGS
+    open_stream = [(":method", "POST"), (":scheme", "http"), (":path", METHOD), (":authority", "epp"),
+                   ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    reads: list[list[int]] = [[], [], [], []]
+    for i in range(count):
+        if connection.window < 1 << 20:  # Envoy opens its receive window as the answers use it
+            connection.data_received(_frame(8, 0, 0, (2**31 - 1 - connection.window).to_bytes(4)))
+        stream_id = first_stream + 2 * i
+        request = _frame(1, 4, stream_id, encoder.encode(open_stream)) + _grpc(stream_id, headers) + _grpc(stream_id, body)
+        for read, data in enumerate((request, _grpc(stream_id, response_headers) + _grpc(stream_id, response_body))):
+            transport.written_at = 0
+            started = time.perf_counter_ns()
+            connection.data_received(data)
+            ended = time.perf_counter_ns()
+            if not transport.written_at:
+                raise RuntimeError("a read was not answered: the message sequence is not what the picker expects")
+            reads[2 * read].append(transport.written_at - started)
+            reads[2 * read + 1].append(ended - transport.written_at)
+    return reads
+
+
+def _wire_rounds(processor: ExternalProcessor, messages: list[bytes], requests: int, rounds: int) -> None:
+    loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(_serve_wire(processor, messages, min(2000, requests), 1))  # warm-up
+        medians: list[list[float]] = [[], [], [], []]
+        for _ in range(rounds):
+            reads = loop.run_until_complete(_serve_wire(processor, messages, requests, 1))
+            for kind, times in enumerate(reads):
+                medians[kind].append(statistics.median(times) / 1000)
+    finally:
+        loop.close()
+    print(f"through a real connection in memory, one request at a time, {requests} requests a round, µs a read "
+          "(median of the rounds' medians):")  # fmt: skip
+    for name, before, after in (("request (headers + body)", medians[0], medians[1]),
+                                ("response (headers + body)", medians[2], medians[3])):  # fmt: skip
+        print(f"  {name:26}  before its write {statistics.median(before):6.1f}   after it {statistics.median(after):6.1f}"
+              f"   (rounds before: {', '.join(f'{v:.1f}' for v in before)})")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20000, help="per round")
@@ -136,9 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pods", type=int, default=2)
     parser.add_argument("--prompt-bytes", type=int, default=1024)
     parser.add_argument("--profile", action="store_true", help="also one round under cProfile: the top functions")
+    parser.add_argument("--wire", action="store_true", help="through a real connection: each read's time before and after its write")
     args = parser.parse_args(argv)
     processor = _processor(args.pods)
     messages = _messages(args.prompt_bytes)
+    if args.wire:
+        _wire_rounds(processor, messages, args.requests, args.rounds)
+        return 0
     loop = uvloop.new_event_loop()
     try:
         loop.run_until_complete(_serve(processor, messages, min(2000, args.requests)))  # warm-up

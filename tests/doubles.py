@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -68,3 +68,6 @@ class WireStream(StreamBase):
 
     def echo_response_bodies(self) -> None:
         pass
+
+    def after_write(self, work: Callable[[], object]) -> None:
+        work()  # (nothing waits to be written here)

@@ -262,7 +262,12 @@ class ProfileHandler(Protocol):
 
 @runtime_checkable
 class PreRequest(Protocol):
-    """Called after the pick, before the request is sent to ``result.endpoints[0]``."""
+    """Called after the pick, for bookkeeping later picks read (what was sent where).
+
+    Behind Envoy it runs once the pick's answer is written to Envoy, while the request goes to
+    ``result.endpoints[0]`` (it need not wait for the hooks), and always before the picker's next
+    pick; the request already counts in its endpoint's in-flight numbers (epp.requestcontrol.director).
+    """
 
     name: str
 

@@ -139,9 +139,15 @@ class RemoteDirector:
     # -- the edge's calls -------------------------------------------------------------------------
 
     async def route(
-        self, request: InferenceRequest, subset: Collection[str] | None = None, trace: RequestTrace | None = None
+        self,
+        request: InferenceRequest,
+        subset: Collection[str] | None = None,
+        trace: RequestTrace | None = None,
+        after: Callable[[Callable[[], object]], None] | None = None,
     ) -> RemoteRouted:
-        """Route ``request`` in the owner; raises the owner's EppError when it is refused."""
+        """Route ``request`` in the owner; raises the owner's EppError when it is refused.
+
+        ``after`` is not used: the hooks run in the owner, before its answer."""
         if self._gone:
             raise EppError(Reason.INTERNAL, "the endpoint picker's routing process is not running")
         self._next_id += 1

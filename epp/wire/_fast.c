@@ -17,7 +17,8 @@
  *   connection's out list, the chunk is tallied on its stream (bytes, and the last few chunks, for
  *   the usage read at the end), windows are accounted both ways. Any other frame is handed to the
  *   Python method _frame(data, position) and the loop goes on where it says. A frame not yet whole
- *   goes to _keep(data, position). What is in out is written once at the end (_flush).
+ *   goes to _keep(data, position). What is in out is written once at the end (_flush); then, if
+ *   after_pending is set, _run_after() runs what the read's answers were not to wait for.
  *   ConnectionBase.frames(data, position) is the same loop, for the Python side's reads (after the
  *   preface, or a buffered partial frame).
  *
@@ -224,6 +225,7 @@ typedef struct {
     int reading;        /* 1: inside a read (answers are written at its end) */
     int closed;         /* 1: nothing more is written */
     int flush_scheduled; /* 1: a _flush is due soon (a write outside a read) */
+    int after_pending;  /* 1: work waits for the end of this read, after its write (_run_after) */
     /* Lending to the I/O thread (see "The I/O thread" below); all under io_mutex. */
     int lend_ok;        /* 1: this connection may be lent (plaintext, a socket of its own) */
     int lent;           /* 0 Python's; 1 the thread's; 2 handed back, waiting for Python's reclaim */
@@ -241,7 +243,7 @@ typedef struct {
     unsigned long long lends, thread_chunks; /* counters, for tests and benchmarks */
 } ConnectionBase;
 
-static PyObject *str_frame, *str_keep, *str_slow, *str_error, *str_write, *str_writelines, *str_lend;
+static PyObject *str_frame, *str_keep, *str_slow, *str_error, *str_write, *str_writelines, *str_lend, *str_run_after;
 
 static int conn_traverse(ConnectionBase *self, visitproc visit, void *arg) {
     Py_VISIT(self->streams);
@@ -1460,6 +1462,11 @@ static PyObject *conn_data_received(ConnectionBase *self, PyObject *data) {
         if (result == NULL) return NULL;
         Py_DECREF(result);
     }
+    if (self->after_pending) { /* what the read's answers did not wait for: now that they are written */
+        PyObject *result = PyObject_CallMethodNoArgs((PyObject *)self, str_run_after);
+        if (result == NULL) return NULL;
+        Py_DECREF(result);
+    }
     if (self->lend_ok && maybe_lend(self) < 0) return NULL;
     Py_RETURN_NONE;
 }
@@ -1493,6 +1500,8 @@ static PyMemberDef conn_members[] = {
     {"reading", T_INT, offsetof(ConnectionBase, reading), 0, "1: inside a read"},
     {"closed", T_INT, offsetof(ConnectionBase, closed), 0, "1: nothing more is written"},
     {"flush_scheduled", T_INT, offsetof(ConnectionBase, flush_scheduled), 0, "1: a _flush is due soon"},
+    {"after_pending", T_INT, offsetof(ConnectionBase, after_pending), 0,
+     "1: _run_after is called at the end of this read, after its write"},
     {"transport", T_OBJECT, offsetof(ConnectionBase, transport), 0, "the asyncio transport (None until made)"},
     {"lend_ok", T_INT, offsetof(ConnectionBase, lend_ok), 0, "1: the connection may be lent to the I/O thread"},
     {"lent", T_INT, offsetof(ConnectionBase, lent), READONLY, "0 Python's, 1 the I/O thread's, 2 handed back"},
@@ -1689,6 +1698,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
         return NULL;
     str_frame = PyUnicode_InternFromString("_frame");
     str_keep = PyUnicode_InternFromString("_keep");
+    str_run_after = PyUnicode_InternFromString("_run_after");
     str_write = PyUnicode_InternFromString("write");
     str_writelines = PyUnicode_InternFromString("writelines");
     str_slow = PyUnicode_InternFromString("_slow");
@@ -1702,7 +1712,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
     str_get_extra_info = PyUnicode_InternFromString("get_extra_info");
     str_pause_writing = PyUnicode_InternFromString("pause_writing");
     str_resume_writing = PyUnicode_InternFromString("resume_writing");
-    if (!str_lend || !str_frame || !str_keep || !str_slow || !str_error || !str_write || !str_writelines ||
+    if (!str_lend || !str_run_after || !str_frame || !str_keep || !str_slow || !str_error || !str_write || !str_writelines ||
         !str_connection_made || !str_connection_lost || !str_data_received || !str_close || !str_abort ||
         !str_get_extra_info || !str_pause_writing || !str_resume_writing)
         return NULL;

@@ -297,6 +297,10 @@ class Stream(StreamBase):
         if not reading:
             connection._flush()
 
+    def after_write(self, work: Callable[[], object]) -> None:
+        """Run ``work`` once this stream's answers so far are written (:meth:`Connection.after_write`)."""
+        self._connection.after_write(work)
+
     def finish(self, status: int = Status.OK, message: str = "") -> None:
         """End the call with ``status`` (trailers); later sends and finishes do nothing."""
         connection = self._connection
@@ -362,6 +366,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_epoll = -1  # the loop's own epoll (uvloop's), where a lent socket is kept quiet
         self._unread: bytes | None = None  # what the I/O thread handed back, read soon (see _reclaim)
+        self._after: list[Callable[[], object]] = []  # run at the end of this read, after its write
 
     @property
     def started(self) -> bool:
@@ -431,8 +436,40 @@ class Connection(ConnectionBase, asyncio.Protocol):
             return
         self.reading = 0
         self._flush()
+        if self.after_pending:
+            self._run_after()
         if self.lend_ok:
             self._check_lend()
+
+    # -- after the answers ------------------------------------------------------------------------
+
+    def after_write(self, work: Callable[[], object]) -> None:
+        """Run ``work`` once what this side has sent so far is written: at the end of this read, after
+        its one write, or at once (after a write of what waits) outside a read.
+
+        For what a peer's answer need not wait for: a stream's accounting after its last answer, a
+        pick's bookkeeping after the pick (on one connection at one stream, the time an answer waits
+        is the latency a request sees). Runs in the order given; an exception is logged, not raised
+        into the read.
+        """
+        if self.reading:
+            self._after.append(work)
+            self.after_pending = 1
+            return
+        if self.out:
+            self._flush()
+        work()
+
+    def _run_after(self) -> None:
+        """What :meth:`after_write` kept in this read (the C read path's call, after its write)."""
+        after = self._after
+        while after:  # (work may add more: it runs too, in order)
+            work = after.pop(0)
+            try:
+                work()
+            except Exception:
+                log.exception("work after the answers to %s failed", self.peer)
+        self.after_pending = 0
 
     # -- the I/O thread (epp.wire._fast) ----------------------------------------------------------
 
@@ -527,6 +564,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
             self.goaway(INTERNAL_ERROR, "internal error")
         self._flush()
         self._abort()
+        if self.after_pending:  # (the stream's bookkeeping still runs: its call is cancelled, not forgotten)
+            self._run_after()
 
     # -- reading frames -------------------------------------------------------------------------
 

@@ -490,10 +490,10 @@ class _SpyDirector:
         self.base_models = self._director.base_models
         self.routed: list[RoutedRequest] = []
 
-    async def route(self, request: InferenceRequest, subset: object = None) -> RoutedRequest:
+    async def route(self, request: InferenceRequest, subset: object = None, after: Any = None) -> RoutedRequest:
         if self.yields:
             await asyncio.sleep(0)
-        routed = await self._director.route(request, subset)  # type: ignore[arg-type]
+        routed = await self._director.route(request, subset, after=after)  # type: ignore[arg-type]
         self.routed.append(routed)
         return routed
 
@@ -644,13 +644,13 @@ class _WaitingDirector(_SpyDirector):
         self.go: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.cancelled = 0
 
-    async def route(self, request: InferenceRequest, subset: object = None) -> RoutedRequest:
+    async def route(self, request: InferenceRequest, subset: object = None, after: Any = None) -> RoutedRequest:
         try:
             await self.go
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
-        return await super().route(request, subset)
+        return await super().route(request, subset, after)
 
 
 def _requested(director: _SpyDirector) -> tuple[WireStream, Any]:

@@ -984,3 +984,74 @@ async def test_garbage_after_the_preface_never_raises_and_ends_in_a_goaway_or_a_
         await loop.settle()
     assert all(c.cancelled <= 1 for c in recorder.calls)
     assert not loop.connection.streams
+
+
+# -- work after the answers (Connection.after_write) --------------------------------------------------------
+
+
+async def test_work_after_the_answers_runs_once_the_read_s_one_write_is_made_in_order() -> None:
+    seen: list[tuple[str, int]] = []
+
+    def answer_then_defer(call: RecordingCall, message: bytes) -> bool:
+        call.stream.send(message)
+        call.stream.after_write(lambda: seen.append((message.decode(), loop.transport.writes)))
+        return True
+
+    recorder = Recorder(answer_then_defer)
+    loop = Loopback({ECHO: recorder})
+    loop.open(1, ECHO)
+    loop.open(3, ECHO)
+    writes = loop.transport.writes
+    # Two streams' messages in one read: both answers leave in its one write, then the work runs, in order.
+    loop.send(data(1, grpc(b"a")) + data(3, grpc(b"b")))
+    assert seen == [("a", writes + 1), ("b", writes + 1)]
+    assert loop.response(1).messages == [b"a"] and loop.response(3).messages == [b"b"]
+    assert not loop.connection.after_pending
+
+
+async def test_work_after_the_answers_outside_a_read_writes_what_waits_then_runs_at_once() -> None:
+    loop, recorder = echo_loop()
+    loop.open(1, ECHO)
+    stream = recorder.by_id(1).stream
+    stream.send(b"later")  # outside a read: its write is scheduled, not made
+    writes = loop.transport.writes
+    ran: list[int] = []
+    stream.after_write(lambda: ran.append(loop.transport.writes))
+    assert ran == [writes + 1]
+    loop.pump()
+    assert loop.response(1).messages == [b"later"]
+
+
+async def test_work_after_the_answers_that_fails_is_logged_and_the_rest_still_runs(caplog: pytest.LogCaptureFixture) -> None:
+    ran: list[str] = []
+
+    def defer(call: RecordingCall, message: bytes) -> bool:
+        call.stream.send(message)
+        if message == b"bad":
+            call.stream.after_write(lambda: 1 / 0)
+        call.stream.after_write(lambda: ran.append(message.decode()))
+        return True
+
+    loop = Loopback({ECHO: Recorder(defer)})
+    loop.open(1, ECHO)
+    with caplog.at_level(logging.ERROR, logger="epp.wire"):
+        loop.send(data(1, grpc(b"bad")) + data(1, grpc(b"good")))
+    assert ran == ["bad", "good"]
+    assert loop.response(1).messages == [b"bad", b"good"]
+    assert any("work after the answers" in r.getMessage() for r in caplog.records)
+    loop.send(data(1, grpc(b"next")))  # the connection reads on
+    assert ran == ["bad", "good", "next"]
+
+
+async def test_work_after_the_answers_of_a_read_that_breaks_the_protocol_still_runs() -> None:
+    ran: list[bytes] = []
+
+    def defer(call: RecordingCall, message: bytes) -> bool:
+        call.stream.after_write(lambda: ran.append(message))
+        return True
+
+    loop = Loopback({ECHO: Recorder(defer)})
+    loop.open(1, ECHO)
+    loop.send(data(1, grpc(b"a")) + data(2, grpc(b"b")))  # an even stream id: a connection error
+    await connection_error(loop, PROTOCOL_ERROR)
+    assert ran == [b"a"]
