@@ -66,6 +66,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import hpack
+from hpack.table import HeaderTable
 
 from epp.wire._fast import ConnectionBase, StreamBase, TlsTransport, event_fd, returned
 
@@ -321,6 +322,29 @@ class Stream(StreamBase):
         connection.end_stream(self, block)
 
 
+_KEPT_BLOCK = 1024  # header blocks up to this size are kept decoded (see Connection._decode)...
+_KEPT_BLOCKS = 32  # ...this many per connection (Envoy sends one, or a few)
+
+
+_RESIZE = HeaderTable.maxsize.fset  # type: ignore[attr-defined]
+
+
+class _CountingTable(HeaderTable):
+    """hpack's decoding table, counting its changes: a block decoded at one count reads the same at it."""
+
+    changes = 0
+
+    def add(self, name: bytes, value: bytes) -> None:
+        self.changes += 1
+        super().add(name, value)
+
+    def _resize(self, size: int) -> None:
+        self.changes += 1
+        _RESIZE(self, size)
+
+    maxsize = property(HeaderTable.maxsize.fget, _resize)  # type: ignore[attr-defined]
+
+
 class Connection(ConnectionBase, asyncio.Protocol):
     """One HTTP/2 connection from a gRPC client (Envoy), dispatching each stream to its method's handler.
 
@@ -355,6 +379,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self._buffer = bytearray()
         self._needed = 0  # bytes the buffer must hold before a frame can be read from it
         self._decoder = hpack.Decoder()
+        self._table = self._decoder.header_table = _CountingTable()
+        self._decoded: dict[bytes, tuple[int, list[tuple[bytes, bytes]]]] = {}  # block -> (table state, headers)
         self._headers: tuple[int, int, bytearray] | None = None  # (stream, flags, block) awaiting CONTINUATION
         self._stream_window = 65_535  # the peer's initial window for each stream
         self._blocked: dict[int, Stream] = {}  # streams with data waiting for a window
@@ -741,19 +767,35 @@ class Connection(ConnectionBase, asyncio.Protocol):
             self._headers_block(stream_id, pending[1], bytes(pending[2]))
 
     def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        # Envoy's later streams on a connection send blocks of table references only (one byte
-        # each, 0x80 | index); those change no table, so they are read here without hpack's
-        # general decoder (~18 µs for ten headers, against ~3 µs).
+        # A block that changed no table reads the same while the table stays as it was: Envoy 1.40
+        # sends every ext_proc stream's headers as one same block (:path a Huffman-coded literal
+        # without indexing, the rest references), which hpack's general decoder took ~18 µs to
+        # read each time. Decoded once per table state, a lookup after.
+        table = self._table
+        known = self._decoded.get(block)
+        if known is not None and known[0] == table.changes:
+            return known[1]
+        # Blocks of table references only (one byte each, 0x80 | index) change no table either,
+        # and are read without hpack's general decoder.
         if block and all(0x80 < byte < 0xFF for byte in block):
-            lookup = self._decoder.header_table.get_by_index
+            lookup = table.get_by_index
             try:
-                return [lookup(byte & 0x7F) for byte in block]
+                headers = [lookup(byte & 0x7F) for byte in block]
             except hpack.InvalidTableIndex as exc:
                 raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from None
-        try:
-            return self._decoder.decode(block, raw=True)  # type: ignore[return-value]
-        except hpack.HPACKError as exc:
-            raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from None
+        else:
+            changes = table.changes
+            try:
+                headers = self._decoder.decode(block, raw=True)  # type: ignore[assignment]
+            except hpack.HPACKError as exc:
+                raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from None
+            if table.changes != changes:  # (read again, it would change the table again: never kept)
+                return headers
+        if len(block) <= _KEPT_BLOCK:
+            if len(self._decoded) >= _KEPT_BLOCKS:
+                self._decoded.clear()
+            self._decoded[block] = (table.changes, headers)
+        return headers
 
     def _headers_block(self, stream_id: int, flags: int, block: bytes) -> None:
         headers = self._decode(block)  # always: the table must follow every block, even one we refuse

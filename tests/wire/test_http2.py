@@ -13,12 +13,14 @@ import logging
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import hpack
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from epp.wire.http2 import Connection, Stream
+from epp.wire.http2 import Connection, Stream, _ConnectionError
 from tests.wire.rawh2 import (
     CONTINUATION,
     DATA,
@@ -1055,3 +1057,43 @@ async def test_work_after_the_answers_of_a_read_that_breaks_the_protocol_still_r
     loop.send(data(1, grpc(b"a")) + data(2, grpc(b"b")))  # an even stream id: a connection error
     await connection_error(loop, PROTOCOL_ERROR)
     assert ran == [b"a"]
+
+
+# -- header blocks read again (Connection._decode keeps what a block that changed no table decoded to) -------
+
+_NAMES = st.sampled_from([b":path", b":authority", b"content-type", b"te", b"x-envoy-internal", b"x-forwarded-for", b"x-a"])
+_FIELD = st.tuples(_NAMES, st.sampled_from([b"", b"trailers", b"epp", b"application/grpc", b"/a/B", b"true", b"v" * 90]))
+_STEP = st.one_of(
+    st.tuples(st.just("encode"), st.lists(st.tuples(_FIELD, st.booleans()), max_size=6)),  # (field, never indexed)
+    st.tuples(st.just("again"), st.integers(0, 50)),  # a block sent before, sent again as it was (Envoy's way)
+    st.tuples(st.just("size"), st.sampled_from([0, 64, 200, 4096])),  # a table size update in the next block
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(_STEP, max_size=25))
+def test_header_blocks_read_again_decode_as_hpack_decodes_them_in_step(steps: list[tuple[str, Any]]) -> None:
+    connection = Connection({}, max_message=1 << 20)
+    reference = hpack.Decoder()
+    encoder = hpack.Encoder()
+    sent: list[bytes] = []
+    for kind, value in steps:
+        if kind == "again":
+            if not sent:
+                continue
+            block = sent[value % len(sent)]
+        else:
+            if kind == "size":
+                encoder.header_table_size = value
+                fields: list[Any] = [(b":path", b"/x")]
+            else:
+                fields = [hpack.NeverIndexedHeaderTuple(*f) if never else f for f, never in value]
+            block = encoder.encode(fields)
+            sent.append(block)
+        try:
+            expected = [tuple(field) for field in reference.decode(block, raw=True)]
+        except hpack.HPACKError:  # (an old block naming an entry since evicted): both refuse it, and stop here
+            with pytest.raises(_ConnectionError):
+                connection._decode(block)
+            return
+        assert [tuple(field) for field in connection._decode(block)] == expected
