@@ -1,8 +1,8 @@
 """The server side of one HTTP/2 connection carrying gRPC calls, as an asyncio protocol.
 
 A connection parses the frames it receives (RFC 9113), decodes header blocks (HPACK, RFC 7541, with
-:mod:`hpack` and a fast path for blocks that are all table references, which is what Envoy sends on
-a connection's later streams), frames the gRPC messages of each stream and hands them, whole, to the
+:mod:`hpack`; a block that changed no table is kept decoded while the table stays as it was, and
+Envoy sends each ext_proc stream the same such block: see ``_decode``), frames the gRPC messages of each stream and hands them, whole, to the
 stream's :class:`Call`. A call answers through its :class:`Stream`: ``send`` a message, ``finish``
 with a status. Everything a call sends while the connection is reading is collected and written once
 at the end of the read: one ``write`` for all the answers to what one read brought in.
