@@ -167,7 +167,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -238,6 +238,7 @@ class _Stream:
         "chunks",
         "done",
         "headers",
+        "hooks",
         "later",
         "model",
         "outcome",
@@ -267,6 +268,7 @@ class _Stream:
         self.chunks: list[bytes] = []
         self.size = 0
         self.routed: RoutedRequest | None = None
+        self.hooks: Callable[[], object] | None = None  # the pick's pre_request hooks, run once its answers are out
         self.done = False  # the request phase has been answered (routed)
         self.pending: str | None = None  # the message that asked to route: headers, body or trailers
         # A routed request whose response_received hooks run in another process answers the response
@@ -380,16 +382,19 @@ class _Stream:
         if trace is None:
             request = parse_request(self.headers, body, base_models=director.base_models)
             self.model = request.model  # a refusal after parsing is counted under it
-            self.routed = await director.route(request, self.subset, after=self._tally.after_write)
+            self.routed = await director.route(request, self.subset, after=self._keep_hooks)
         else:
             trace.parse_started()
             request = parse_request(self.headers, body, base_models=director.base_models)
             self.model = request.model
             trace.parsed(request)
-            self.routed = await director.route(request, self.subset, trace, after=self._tally.after_write)
+            self.routed = await director.route(request, self.subset, trace, after=self._keep_hooks)
             trace.routed()
         self.done = True
         return self.routed
+
+    def _keep_hooks(self, hooks: Callable[[], object]) -> None:
+        self.hooks = hooks  # (the call hands them to the wire once it has sent the pick's answers)
 
     def _propagated(self) -> dict[str, str] | None:
         """The trace context the model server gets (``traceparent``), when the request is traced."""
@@ -626,6 +631,7 @@ class _Call:
             self._end(*serialized)
         else:
             self._wire.send_all(serialized)
+            self._after_answers()
 
     def _send(self, answers: _Answers) -> None:
         send = self._wire.send
@@ -646,6 +652,7 @@ class _Call:
                 log.error("error after routing request %s: %r", stream.headers.get("x-request-id", "?"), error)
             self._wire.finish(Status.UNKNOWN, f"{type(error).__name__}: {error}")
             self._code = "Unknown"
+            self._after_answers()
             self._finish()
             return
         if not isinstance(error, EppError):
@@ -665,9 +672,19 @@ class _Call:
     def _end(self, *last: bytes) -> None:
         self._wire.send_all(last, end=True)
         self._code = "OK"
+        self._after_answers()
         # The request's accounting (usage, in-flight release, series) once the last answers are written:
         # in a read, its write is at the read's end, and Envoy holds the response until they arrive.
         self._wire.after_write(self._finish)
+
+    def _after_answers(self) -> None:
+        """The pick's pre_request hooks, now that its answers are sent: they run once those are written
+        (at the end of the read, or at once in a task, whose send_all wrote them)."""
+        stream = self._stream
+        hooks = stream.hooks
+        if hooks is not None:
+            stream.hooks = None
+            self._wire.after_write(hooks)
 
     def _finish(self) -> None:
         """Finish the routed request exactly once, with the stream's outcome."""

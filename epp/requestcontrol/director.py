@@ -42,10 +42,11 @@ and every response that ends (after its in-flight release).
 A prompt that fits no pod's *free* KV-cache (but some pod's whole cache) is narrowed to the pods
 with the most free cache before the scheduler runs.
 
-The ``pre_request`` hooks after the answer. Given ``after`` (the processor passes its stream's
-``after_write``: :meth:`epp.wire.http2.Connection.after_write`), ``route`` returns with the hooks
-still to run, and they run once the pick's answer is written: at the end of the read that brought
-the request, whose one write holds the answer. They are bookkeeping for later picks (the
+The ``pre_request`` hooks after the answer. Given ``after``, ``route`` returns with the hooks still
+to run, handed to it; the processor keeps them until it has sent the pick's answers, then hands
+them to its stream's ``after_write`` (:meth:`epp.wire.http2.Connection.after_write`), so they run
+once the answer is written: at the end of the read that brought the request, whose one write holds
+the answer, or at once after the write of a route that went on in a task. They are bookkeeping for later picks (the
 approximate prefix index's add of the prompt's blocks, the precise producer's in-flight blocks;
 the in-flight count is added before, in ``RoutedRequest``), and Envoy waits for the answer, not
 for them: at one request at a time, every microsecond before the write is latency the request sees.

@@ -2,10 +2,11 @@
 
 A connection parses the frames it receives (RFC 9113), decodes header blocks (HPACK, RFC 7541, with
 :mod:`hpack`; a block that changed no table is kept decoded while the table stays as it was, and
-Envoy sends each ext_proc stream the same such block: see ``_decode``), frames the gRPC messages of each stream and hands them, whole, to the
-stream's :class:`Call`. A call answers through its :class:`Stream`: ``send`` a message, ``finish``
-with a status. Everything a call sends while the connection is reading is collected and written once
-at the end of the read: one ``write`` for all the answers to what one read brought in.
+Envoy sends each ext_proc stream the same such block: see ``_decode``), frames the gRPC messages
+of each stream and hands them, whole, to the stream's :class:`Call`. A call answers through its
+:class:`Stream`: ``send`` a message, ``finish`` with a status. Everything a call sends while the
+connection is reading is collected and written once at the end of the read: one ``write`` for all
+the answers to what one read brought in.
 
 What this implements of HTTP/2, and what not:
 

@@ -8,6 +8,7 @@ prefix producer's ``pre_request`` adds each prompt's blocks to its index).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,7 +41,7 @@ class Setup:
         datastore = Datastore([Endpoint(f"pod-{i}", f"10.0.2.{i}", 8000) for i in range(2)])
         built = load_config(None, default_registry(), Handle(datastore, metrics=PluginMetrics(CollectorRegistry())))
         self.scheduler = built.scheduler
-        director = Director(datastore, built.scheduler, RequestMetrics())
+        self.director = director = Director(datastore, built.scheduler, RequestMetrics())
         processor = ExternalProcessor(director, RequestMetrics(), max_request_body_bytes=1 << 20)
         self.loop = Loopback({PATH: processor.open})
         self.log: list[tuple[str, str, int]] = []  # (what, request id, transport writes by then)
@@ -102,6 +103,26 @@ async def test_a_pick_s_hooks_run_after_its_answer_is_written(setup: Setup) -> N
     assert setup.writes == before + 1  # the read's one write
     assert setup.log == [("pick", "r1", before), ("pre_request", "r1", before + 1)]
     assert setup.answers(1)[0].request_headers.response.header_mutation.set_headers  # the destination
+
+
+async def test_a_pick_that_waited_runs_its_hooks_after_its_answer_is_written_too(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    route = setup.director.route
+
+    async def waiting(*args: Any, **kwargs: Any) -> RoutedRequest:
+        await asyncio.sleep(0)  # (admission's queue, a tokenizer's thread): the route goes on in a task
+        return await route(*args, **kwargs)
+
+    monkeypatch.setattr(setup.director, "route", waiting)
+    before = setup.writes
+    setup.loop.send(setup.request(1, "r1"))
+    assert setup.log == [] and setup.writes == before  # no answer in the read
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert setup.log == [("pick", "r1", before), ("pre_request", "r1", before + 1)]
+    setup.loop.pump()
+    assert setup.answers(1)[0].request_headers.response.header_mutation.set_headers
 
 
 async def test_the_next_pick_in_the_same_read_runs_after_the_hooks_of_the_one_before(setup: Setup) -> None:
