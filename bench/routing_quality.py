@@ -24,6 +24,8 @@ and a cold prefix index): ``rr`` Envoy alone, round robin over the pool (no ext_
 picker with queue-scorer 2 + kv-cache-utilization-scorer 2 (``deploy/config/queue-kv-only.yaml``);
 ``default`` the picker with no config: upstream's default profile (queue 2, KV 2, prefix 3);
 ``config:PATH`` the picker with any other config file, to try a variant on the same trace;
+a picker policy ending ``@PYTHON`` runs the picker under that interpreter (a wrapper that puts another
+checkout first: two trees side by side, ``default@/tmp/old-python,default``);
 ``sglang-router`` and ``vllm-router`` the peers (PyPI; ``pip install -e '.[bench]'``) with their
 ``cache_aware`` policy, the client sending to the router instead of Envoy (``sglang-router:round_robin``
 and the like for their other policies). sglang-router's cache_aware keeps a radix tree of request text
@@ -664,8 +666,14 @@ def num_gpu_blocks(opts: Options) -> int:
 
 def _picker_flags(policy: str) -> tuple[str, list[str]]:
     """A picker policy and the extra flags it names: ``default+io-thread=false`` -> (default, [--io-thread=false])."""
-    base, *flags = policy.split("+")
+    base, *flags = policy.partition("@")[0].split("+")
     return base, [f"--{flag}" for flag in flags]
+
+
+def _picker_python(policy: str) -> str:
+    """The interpreter a picker policy runs under: ``default@PATH`` names one (a wrapper that puts another
+    checkout first, to run two pickers side by side), else this one."""
+    return policy.partition("@")[2] or sys.executable
 
 
 def _peer(policy: str) -> tuple[str, str] | None:
@@ -700,7 +708,7 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
                 base, flags = _picker_flags(policy)
                 config = _QUEUE_KV_CONFIG if base == "queue-kv" else base.removeprefix("config:")
                 extra = (["--config-file", str(config)] if base != "default" else []) + flags
-                picker = PickerProcess(sim.pods, extra_args=extra)
+                picker = PickerProcess(sim.pods, extra_args=extra, python=_picker_python(policy))
                 picker.start()
                 bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
                                                     picker_port=picker.grpc_port))
@@ -882,7 +890,9 @@ def _label(policy: str) -> str:
     peer = _peer(policy)
     if peer is not None:
         return peer[0] if peer[1] == _PEER_POLICY else f"{peer[0]} {peer[1]}"
-    return POLICIES.get(policy) or Path(policy.removeprefix("config:")).stem
+    base, _, python = policy.partition("@")
+    label = POLICIES.get(base) or Path(base.removeprefix("config:")).stem
+    return f"{label} @{Path(python).name}" if python else label
 
 
 def run(opts: Options, *, log: Any = print) -> list[Result]:
@@ -1183,7 +1193,8 @@ def _parser(preset: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(d.workloads), help="comma-separated, of " + ",".join(WORKLOADS))
     p.add_argument("--policies", default=",".join(d.policies),
                    help=f"comma-separated, of {','.join(POLICIES)}; config:PATH (the picker with that config); "
-                        "a picker policy +FLAG=VALUE the picker with --FLAG=VALUE (default+io-thread=false); "
+                        "a picker policy +FLAG=VALUE the picker with --FLAG=VALUE (default+io-thread=false), @PYTHON under that "
+                        "interpreter (default@/tmp/old-python); "
                         f"sglang-router and vllm-router are their {_PEER_POLICY}, KIND:POLICY another of theirs")
     p.add_argument("--rounds", type=int, default=d.rounds,
                    help="run every workload x policy this many times (policies alternating); tables show medians")
