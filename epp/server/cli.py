@@ -27,7 +27,7 @@ from typing import Any
 from epp.framework import Duration
 from epp.scheduling.registry import disabled_from_env
 from epp.server.flags import FlagError, FlagSet, HelpRequested, make_flag, print_usage_error
-from epp.server.logs import configure_logging, zap_level
+from epp.server.logs import TIME_ENCODINGS, configure_logging, stack_level, zap_level
 from epp.server.pool_flags import ENDPOINTS_FILE_HELP, static_endpoints
 from epp.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 from epp.server.tls import tls_policy
@@ -219,15 +219,20 @@ SERVE_FLAGS = FlagSet(
         make_flag("fairness-id-metric-label-limit", 1000, "upstream: fairness_id label values kept", implemented=False),
         make_flag("allow-experimental-plugins", False, "upstream: allow alpha plugins", implemented=False),
         # controller-runtime's zap flags, which upstream binds beside -v and --zap-encoder.
-        make_flag("zap-devel", False, "upstream: development logging", implemented=False),
+        make_flag(
+            "zap-devel",
+            False,
+            "given: zap's development defaults (console, stack traces from warn), =false its production ones "
+            "(json, from error), for what --zap-encoder and --zap-stacktrace-level do not set",
+        ),
         make_flag(
             "zap-log-level",
             "",
             "upstream's zap level, which wins over -v: a number N is -v N, info -v 0, debug -v 1; warn, error, "
             "dpanic, panic, fatal log only from that level up",
         ),
-        make_flag("zap-stacktrace-level", "", "upstream: zap's stack trace level", implemented=False),
-        make_flag("zap-time-encoding", "", "upstream: zap's time format", implemented=False),
+        make_flag("zap-stacktrace-level", "", "records from this level up carry the logging call's stack"),
+        make_flag("zap-time-encoding", "", "log times: " + ", ".join(TIME_ENCODINGS) + " (zap's; default: local time)"),
         # Model-server telemetry.
         make_flag("refresh-metrics-interval", Duration(0.05), "interval between scrapes of each endpoint's metrics"),
         make_flag(
@@ -320,6 +325,22 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
             verbosity, log_floor = zap_level(values["zap-log-level"])
         except ValueError as exc:
             raise FlagError(str(exc)) from None
+    log_format, stacks_from = values["zap-encoder"], 0
+    if "zap-devel" in given:  # zap's development or production defaults, under what is given (epp.server.logs)
+        development = values["zap-devel"]
+        stacks_from = logging.WARNING if development else logging.ERROR
+        if "zap-encoder" not in given:
+            log_format = "console" if development else "json"
+    if "zap-stacktrace-level" in given:
+        try:
+            stacks_from = stack_level(values["zap-stacktrace-level"])
+        except ValueError as exc:
+            raise FlagError(str(exc)) from None
+    time_encoding = values["zap-time-encoding"].strip().lower()
+    if time_encoding and time_encoding not in TIME_ENCODINGS:
+        raise FlagError(
+            f"--zap-time-encoding must be one of {', '.join(TIME_ENCODINGS)}, got {values['zap-time-encoding']!r}"
+        )
     settings = Settings(
         endpoints=tuple(endpoints),
         grpc_port=values["grpc-port"],
@@ -354,7 +375,9 @@ def settings_from_args(argv: Sequence[str]) -> tuple[Settings, list[str]]:
         verbosity=verbosity,
         log_floor=log_floor,
         tracing=values["tracing"],
-        log_format=values["zap-encoder"],
+        log_format=log_format,
+        log_time_encoding=time_encoding,
+        log_stacks_from=stacks_from,
         shutdown_grace_seconds=float(values["shutdown-grace-period"]),
         drain_seconds=float(values["drain-timeout"]),
         workers=values["workers"],
@@ -467,7 +490,10 @@ def _serve(argv: Sequence[str]) -> int:
     if isinstance(parsed, int):
         return parsed
     settings, not_yet = parsed
-    configure_logging(settings.verbosity, settings.log_format, settings.log_floor)
+    configure_logging(
+        settings.verbosity, settings.log_format, settings.log_floor,
+        time_encoding=settings.log_time_encoding, stacks_from=settings.log_stacks_from,
+    )  # fmt: skip
     for name in not_yet:
         log.warning("flag --%s is accepted for compatibility with the upstream picker but has no effect yet", name)
     # A TLS/plaintext mismatch with Envoy shows only as grpc's own handshake errors (or nothing, the
@@ -519,7 +545,10 @@ def _validate_config(argv: Sequence[str]) -> int:
     if isinstance(parsed, int):
         return parsed
     settings, _ = parsed
-    configure_logging(settings.verbosity, settings.log_format, settings.log_floor)
+    configure_logging(
+        settings.verbosity, settings.log_format, settings.log_floor,
+        time_encoding=settings.log_time_encoding, stacks_from=settings.log_stacks_from,
+    )  # fmt: skip
 
     from epp.kube.client import KubeConfigError
     from epp.scheduling.config import ConfigError

@@ -393,6 +393,8 @@ class EndpointPicker:
             verbosity=settings.verbosity,
             log_floor=settings.log_floor,
             log_format=settings.log_format,
+            log_time_encoding=settings.log_time_encoding,
+            log_stacks_from=settings.log_stacks_from,
             # A plugin's response_received hook may set response headers: the workers wait for them.
             wait_for_headers=any(isinstance(plugin, ResponseReceived) for _, plugin in self.config.plugins.values()),
             stream_metrics=self.streams is not None,

@@ -55,6 +55,8 @@ class Settings:
     # OpenTelemetry traces (epp.requestcontrol.tracing), configured by the standard OTEL_* variables.
     tracing: bool = False
     log_format: str = "console"  # or json (--zap-encoder)
+    log_time_encoding: str = ""  # --zap-time-encoding (epp.server.logs.TIME_ENCODINGS; "": epp's own)
+    log_stacks_from: int = 0  # records from this logging level carry a stack (--zap-stacktrace-level; 0: none)
     shutdown_grace_seconds: float = 20.0
     # --drain-timeout: after SIGTERM, NOT_SERVING while new streams are still served this long (0: none)
     drain_seconds: float = 0.0

@@ -172,6 +172,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     verbosity: int = 1
     log_floor: int = 0
     log_format: str = "console"
+    log_time_encoding: str = ""
+    log_stacks_from: int = 0
     wait_for_headers: bool = False  # a plugin's response_received hook may set response headers
     stream_metrics: bool = False  # post each stream's start and end to the owner (--enable-grpc-stream-metrics)
     health: dict[str, int] = msgspec.field(default_factory=dict)
@@ -747,7 +749,10 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=int(args[0]))
     handoff = socket.socket(fileno=int(args[1]))
     spec = _read_spec(sock)
-    configure_logging(spec.verbosity, spec.log_format, spec.log_floor)
+    configure_logging(
+        spec.verbosity, spec.log_format, spec.log_floor,
+        time_encoding=spec.log_time_encoding, stacks_from=spec.log_stacks_from,
+    )  # fmt: skip
     try:
         import uvloop
     except ImportError:  # no Windows build

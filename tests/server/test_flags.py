@@ -379,11 +379,12 @@ def test_every_upstream_flag_is_accepted(tmp_path: Path) -> None:
     implemented = {
         "enable-cert-reload", "disable-endpoint-subset-filter", "tls-min-version", "tls-cipher-suites", "drain-timeout",
         "emit-endpoint-scores", "feature-gates", "metrics-cert-dir", "metrics-client-ca-file", "zap-log-level",
-        "grpc-max-recv-msg-size", "enable-grpc-stream-metrics",
+        "grpc-max-recv-msg-size", "enable-grpc-stream-metrics", "zap-devel", "zap-stacktrace-level", "zap-time-encoding",
     }  # fmt: skip
     assert not implemented & set(not_yet)
     assert settings.feature_gates == ("flowControl=true",)
-    assert {"zap-devel", "grpc-max-send-msg-size"} <= set(not_yet)
+    assert {"grpc-max-send-msg-size"} <= set(not_yet)
+    assert (settings.log_format, settings.log_stacks_from, settings.log_time_encoding) == ("json", logging.ERROR, "iso8601")
     assert settings.grpc_max_recv_message == 10 << 20
 
 
