@@ -456,6 +456,48 @@ def finite_hit_rate(
     return hits / queries if queries else 0.0
 
 
+def knowing_router_hit_rate(
+    workload: Workload, pods: int, capacity: int, *, seed: int, block_size: int = BLOCK_SIZE,
+    skip: Container[int] = (),
+) -> float:
+    """The hit rate of a router that knows every pod's cache: ``pods`` caches of ``capacity`` blocks each
+    (LRU, as a pod evicts), requests in trace order, each sent to the pod holding the longest run of its
+    leading blocks (a tie to the pod sent the fewest requests so far), whose cache it then fills as
+    :func:`finite_hit_rate`'s does. The reference for routing under cache pressure, where the unlimited
+    oracle asks for memory no pool has: what perfect knowledge of the pods' caches buys a greedy router.
+    Not a bound: one request at a time (no two in flight), and greedy (a router that spread prefixes
+    on purpose could keep more). Items in ``skip`` are routed the same way but not counted."""
+    caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(pods)]
+    sent = [0] * pods
+    hits = queries = 0
+    for i, prompt_tokens, stored, looked_up in _oracle_trace(workload, seed, block_size):
+        runs = []
+        for cache in caches:
+            n = 0
+            for h in stored[:looked_up]:
+                if h not in cache:
+                    break
+                n += 1
+            runs.append(n)
+        pod = max(range(pods), key=lambda k: (runs[k], -sent[k]))
+        sent[pod] += 1
+        cache = caches[pod]
+        for h in stored[: runs[pod]]:
+            cache.move_to_end(h)
+        if i not in skip:
+            hits += runs[pod] * block_size
+            queries += prompt_tokens
+        for h in stored:
+            if h not in cache:
+                if len(cache) >= capacity:
+                    cache.popitem(last=False)
+                cache[h] = None
+        for h in reversed(stored):
+            if h in cache:
+                cache.move_to_end(h)
+    return hits / queries if queries else 0.0
+
+
 # -- the client --------------------------------------------------------------------------------------------
 
 
