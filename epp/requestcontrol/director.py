@@ -46,14 +46,14 @@ The ``pre_request`` hooks after the answer. Given ``after``, ``route`` returns w
 to run, handed to it; the processor keeps them until it has sent the pick's answers, then hands
 them to its stream's ``after_write`` (:meth:`epp.wire.http2.Connection.after_write`), so they run
 once the answer is written: at the end of the read that brought the request, whose one write holds
-the answer, or at once after the write of a route that went on in a task. They are bookkeeping for later picks (the
-approximate prefix index's add of the prompt's blocks, the precise producer's in-flight blocks;
-the in-flight count is added before, in ``RoutedRequest``), and Envoy waits for the answer, not
-for them: at one request at a time, every microsecond before the write is latency the request sees.
-A pick never runs before the hooks of the picks before it: ``route`` runs what is still pending
-before it schedules (two requests in one read), so what each pick sees is what it saw when the
-hooks ran first. Measured side by side (the commit's message): ``python bench/extproc_overhead.py
---connections 1 --sizes 1024 --rounds 5 --floor --baseline-python P``.
+the answer, or at once after the write of a route that went on in a task. They are bookkeeping
+for later picks (the approximate prefix index's add of the prompt's blocks, the precise producer's
+in-flight blocks; the in-flight count is added before, in ``RoutedRequest``), and Envoy waits for
+the answer, not for them: at one request at a time, every microsecond before the write is latency
+the request sees. A pick never runs before the hooks of the picks before it: ``route`` runs what
+is still pending before it schedules (two requests in one read), so what each pick sees is what it
+saw when the hooks ran first. What it moved off the path: :mod:`epp.extproc.processor`, "What Envoy
+waits for".
 """
 
 from __future__ import annotations
