@@ -266,6 +266,7 @@ class Channel(asyncio.Protocol):
         self._out: list[msgspec.Struct] = []
         self._flushing = False  # a flush is scheduled at the end of this turn
         self._timer: asyncio.TimerHandle | None = None  # a flush of posted messages, LAZY_DELAY on
+        self._after: list[Callable[[], object]] = []  # run once the frame being gathered is written
         self._loop: asyncio.AbstractEventLoop | None = None
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -293,24 +294,38 @@ class Channel(asyncio.Protocol):
                 loop = self._loop = asyncio.get_running_loop()
             self._timer = loop.call_later(LAZY_DELAY, self.flush)
 
+    def after_flush(self, work: Callable[[], object]) -> None:
+        """Run ``work`` once what was sent so far is written: after this turn's frame, or at once when
+        nothing waits for one (for what the peer's answer need not wait for; an exception is logged)."""
+        if self._flushing:
+            self._after.append(work)
+        else:
+            work()
+
     def flush(self) -> None:
-        """Write what is queued now (called at the end of the turn; call it before closing)."""
+        """Write what is queued now (called at the end of the turn; call it before closing), then run
+        what :meth:`after_flush` kept."""
         self._flushing = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         out = self._out
-        if not out:
-            return
-        self._out = []
         transport = self.transport
-        if transport is None or self.closed:
-            return
-        frame = bytearray(4)
-        _encoder.encode_into(out, frame, 4)
-        _LENGTH.pack_into(frame, 0, len(frame) - 4)
-        transport.write(frame)
-        self.sent_frames += 1
+        if out:
+            self._out = []
+            if transport is not None and not self.closed:
+                frame = bytearray(4)
+                _encoder.encode_into(out, frame, 4)
+                _LENGTH.pack_into(frame, 0, len(frame) - 4)
+                transport.write(frame)
+                self.sent_frames += 1
+        after = self._after
+        while after:
+            work = after.pop(0)
+            try:
+                work()
+            except Exception:
+                log.exception("work after a frame to the other process failed")
 
     def close(self) -> None:
         """Flush, then close this end (the peer sees EOF once the last frame is read)."""

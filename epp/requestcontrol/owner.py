@@ -17,8 +17,10 @@ and ``response_ended`` + ``finish`` (one :class:`~epp.requestcontrol.ipc.Finish`
 A route runs at once, in the read of its message: the director's coroutine is stepped by hand
 (:mod:`epp.requestcontrol.stepping`, as one process does with its own routes), and when admission
 lets it through (flow control off, or nothing queued) it finishes in that step, with no task, and
-its answer leaves in the frame written at the end of the turn. Only a route that waits in
-admission continues in a task; a
+its answer leaves in the frame written at the end of the turn; the pick's ``pre_request`` hooks run
+once that frame is written (:meth:`~epp.requestcontrol.ipc.Channel.after_flush`: the worker waits
+for the answer, not for them; the next pick still runs after them, as in one process:
+:mod:`epp.requestcontrol.director`). Only a route that waits in admission continues in a task; a
 :class:`~epp.requestcontrol.ipc.Cancel` cancels that task (the request leaves the queue), or
 finishes the pick ``cancelled`` if it was already routed. When the worker dies (:meth:`WorkerRequests.lost`) its
 waiting routes are cancelled and every pick it held is finished as ``error``: in-flight accounting
@@ -63,6 +65,9 @@ class WorkerRequests:
     ) -> None:
         self._director = director
         self.send = send
+        # Where the pick's pre_request hooks go once its answer is sent (the channel's after_flush: they
+        # run after the frame that carries it is written); by default, at once.
+        self.after_sent: Callable[[Callable[[], object]], None] = _now
         self._tracing = tracing
         self._streams = streams  # --enable-grpc-stream-metrics: the worker's streams, counted here
         self._open_streams = 0
@@ -130,8 +135,9 @@ class WorkerRequests:
     async def _run(
         self, request_id: int, request: InferenceRequest, subset: Collection[str] | None, trace: RequestTrace | None
     ) -> None:
+        hooks: list[Callable[[], object]] = []
         try:
-            routed = await self._director.route(request, subset, trace)
+            routed = await self._director.route(request, subset, trace, after=hooks.append)
         except asyncio.CancelledError:
             return  # the worker cancelled it (nothing to answer), or the worker is gone
         except EppError as error:
@@ -147,6 +153,8 @@ class WorkerRequests:
         self.send(
             ipc.Routed(request_id, routed.destination, routed.primary.name, routed.request.priority, routed.scores)
         )
+        for work in hooks:  # (the worker waits for the answer, not for them: epp.requestcontrol.director)
+            self.after_sent(work)
 
     def _cancel(self, message: ipc.Cancel) -> None:
         task = self._routing.pop(message.id, None)
@@ -235,3 +243,7 @@ class _ContinuedTrace(RequestTrace):
         self._admitted = False
         self._picked_at = 0
         self._ended = False
+
+
+def _now(work: Callable[[], object]) -> None:
+    work()

@@ -336,7 +336,7 @@ class WorkerPool:
         channel = ipc.Channel(ipc.owner_decoder, handlers, lambda: self._lost(slot))
         owner_end.setblocking(False)
         await loop.create_unix_connection(lambda: channel, sock=owner_end)
-        requests.send = channel.send
+        requests.send, requests.after_sent = channel.send, channel.after_flush
         slot.channel, slot.requests = channel, requests
         spec = msgspec.structs.replace(self._spec(slot.index), health=dict(self.health.statuses), models=self._models)
         assert channel.transport is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ async def connect(director: Director, *, wait_for_headers: bool = False) -> Pair
     worker_channel = ipc.Channel(ipc.worker_decoder, remote.handlers(), worker_lost)
     await loop.create_unix_connection(lambda: owner_channel, sock=owner_end)
     await loop.create_unix_connection(lambda: worker_channel, sock=worker_end)
-    owner.send = owner_channel.send
+    owner.send, owner.after_sent = owner_channel.send, owner_channel.after_flush
     remote.send, remote.post = worker_channel.send, worker_channel.post
     return Pair(remote, owner, worker_channel, owner_channel, lost)
 
@@ -180,6 +181,46 @@ async def test_a_batch_of_messages_sent_in_one_turn_is_one_frame(stack: Stack) -
     assert pair.owner_channel.sent_frames == 1  # ten answers, one write
     for routed in routing:
         routed.result().finish("cancelled")
+
+
+async def test_the_owner_runs_the_picks_hooks_after_the_frame_with_their_answers_and_each_pick_after_the_last_s(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair = await connect(stack.director)
+    log: list[tuple[str, str, int]] = []
+    scheduler = stack.director.scheduler
+    run, pre_request = scheduler.run, scheduler.pre_request
+
+    def spied_run(r: InferenceRequest, *args: Any) -> Any:
+        log.append(("pick", r.request_id, pair.owner_channel.sent_frames))
+        return run(r, *args)
+
+    def spied_pre_request(r: InferenceRequest, result: Any) -> None:
+        log.append(("pre_request", r.request_id, pair.owner_channel.sent_frames))
+        pre_request(r, result)
+
+    monkeypatch.setattr(scheduler, "run", spied_run)
+    monkeypatch.setattr(scheduler, "pre_request", spied_pre_request)
+    routing = [asyncio.ensure_future(pair.remote.route(request(f"p{i}", f"r{i}"))) for i in range(2)]  # one frame
+    for routed in await asyncio.gather(*routing):
+        routed.finish("cancelled")
+    assert log == [("pick", "r0", 0), ("pre_request", "r0", 0), ("pick", "r1", 0), ("pre_request", "r1", 1)]
+
+
+async def test_work_after_a_frame_runs_once_it_is_written_in_order_and_a_failure_is_logged(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    pair = await connect(stack.director)
+    channel, ran = pair.owner_channel, []
+    channel.after_flush(lambda: ran.append(("alone", channel.sent_frames)))  # nothing waits: at once
+    channel.send(ipc.Models(None))
+    channel.after_flush(lambda: 1 / 0)
+    channel.after_flush(lambda: ran.append(("after", channel.sent_frames)))
+    assert ran == [("alone", 0)]
+    with caplog.at_level(logging.ERROR, logger="epp.requestcontrol.ipc"):
+        await asyncio.sleep(0)  # the turn's end: the frame, then the work
+    assert ran == [("alone", 0), ("after", 1)]
+    assert any("work after a frame" in r.getMessage() for r in caplog.records)
 
 
 async def test_posted_events_wait_for_company_or_go_alone_soon(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
