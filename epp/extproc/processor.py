@@ -139,10 +139,13 @@ whatever ran in the read before that end was on the path, bookkeeping included: 
 stream's accounting (usage, in-flight release, a dozen series), which the note above took to be
 off it. Both now run once the read's write is made (:meth:`epp.wire.http2.Connection.after_write`;
 a pick still runs after the hooks of the picks before it: :mod:`epp.requestcontrol.director`).
+And each stream's header block, which Envoy sends the same every time, is read once per HPACK
+table state (:meth:`epp.wire.http2.Connection._decode`), not by hpack's Python decoder each time.
 ``python bench/request_path_cpu.py --wire`` (a real connection in memory, one request at a time,
-each read's time split at its write), 8c26130 and this alternating twice: before the request's
-write 90.6 / 79.9 and 90.9 / 80.4 µs, before the response's 30.9 / 20.3 and 31.2 / 20.6 µs; the
-work moved after the writes, 11-12 µs each, is the same work (the total is unchanged).
+Envoy's header block, each read's CPU time split at its write), 8c26130 and 8288b35 alternating
+three times: before the request's write 133.8 / 83.5, 126.3 / 83.1, 128.5 / 84.5 µs; before the
+response's 34.7 / 22.3, 33.3 / 22.3, 33.7 / 22.6 µs; after the writes 1.4 / 13.3-13.9 and 1.1 /
+12.6-13.0 µs (the work moved there is the same work).
 
 Processing modes, the other lever (measured, not adopted). With response body mode NONE Envoy sends
 the picker no chunk at all: ``python bench/streaming_cost.py --events 1024 --streams 1,16 --none``
