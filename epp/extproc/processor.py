@@ -655,7 +655,6 @@ class _Call:
                 log.error("error after routing request %s: %r", stream.headers.get("x-request-id", "?"), error)
             self._wire.finish(Status.UNKNOWN, f"{type(error).__name__}: {error}")
             self._code = "Unknown"
-            self._after_answers()
             self._finish()
             return
         if not isinstance(error, EppError):
@@ -675,14 +674,14 @@ class _Call:
     def _end(self, *last: bytes) -> None:
         self._wire.send_all(last, end=True)
         self._code = "OK"
-        self._after_answers()
         # The request's accounting (usage, in-flight release, series) once the last answers are written:
         # in a read, its write is at the read's end, and Envoy holds the response until they arrive.
         self._wire.after_write(self._finish)
 
     def _after_answers(self) -> None:
         """The pick's pre_request hooks, now that its answers are sent: they run once those are written
-        (at the end of the read, or at once in a task, whose send_all wrote them)."""
+        (at the end of the read, or at once in a task, whose send_all wrote them). A stream that ends
+        with its routing answers runs them at its end instead (RoutedRequest.finish runs them first)."""
         stream = self._stream
         hooks = stream.hooks
         if hooks is not None:

@@ -52,8 +52,9 @@ in-flight blocks; the in-flight count is added before, in ``RoutedRequest``), an
 the answer, not for them: at one request at a time, every microsecond before the write is latency
 the request sees. A pick never runs before the hooks of the picks before it: ``route`` runs what
 is still pending before it schedules (two requests in one read), so what each pick sees is what it
-saw when the hooks ran first. What it moved off the path: :mod:`epp.extproc.processor`, "What Envoy
-waits for".
+saw when the hooks ran first; and a request never ends before its hooks ran (``RoutedRequest.finish``
+runs them first: Envoy may reset a stream in the read that routed it). What it moved off the path:
+:mod:`epp.extproc.processor`, "What Envoy waits for".
 """
 
 from __future__ import annotations
@@ -220,6 +221,7 @@ class Director:
         routed = RoutedRequest(
             request, result, scheduler, in_flight, per_model,
             wake=self._wake, not_found=self.datastore.not_found, unreachable=self.datastore.mark_unreachable,
+            hooks=None if after is None else self._run_hooks,
         )  # fmt: skip
         if self.emit_scores and records:
             routed.scores = _scores(records, result.primary_profile)

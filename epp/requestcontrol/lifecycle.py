@@ -64,7 +64,7 @@ class RoutedRequest:
     """A routed request: its pick, and the calls made while its response streams back."""
 
     __slots__ = (
-        "_answering", "_finished", "_first_byte", "_in_flight", "_metrics", "_not_found", "_response_bytes",
+        "_answering", "_finished", "_first_byte", "_hooks", "_in_flight", "_metrics", "_not_found", "_response_bytes",
         "_scheduler", "_sent", "_ticket", "_unreachable", "_usage", "_wake", "endpoints", "request", "result",
         "scores", "status",
     )  # fmt: skip
@@ -80,6 +80,7 @@ class RoutedRequest:
         wake: Callable[[], None] = _nothing,
         not_found: Callable[[str], None] = _ignore,
         unreachable: Callable[[str, str], object] = _nobody,
+        hooks: Callable[[], object] | None = None,
     ) -> None:
         self.request = request
         self.result = result
@@ -92,6 +93,7 @@ class RoutedRequest:
         self._wake = wake
         self._not_found = not_found
         self._unreachable = unreachable
+        self._hooks = hooks  # the pick's pre_request hooks while they wait for its answer's write (director)
         self._finished = False
         self._answering = False
         self._sent = time.monotonic()
@@ -153,6 +155,10 @@ class RoutedRequest:
         if self._finished:
             return
         self._finished = True
+        hooks = self._hooks
+        if hooks is not None:  # a request's pre_request hooks come before its end, whatever ends it first
+            self._hooks = None
+            hooks()
         if outcome == "complete" and self.status >= 500:
             outcome = "error"
         self._in_flight.release(self._ticket)

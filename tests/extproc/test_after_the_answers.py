@@ -26,7 +26,7 @@ from epp.requestcontrol.metrics import RequestMetrics
 from epp.scheduling.config import load_config
 from epp.scheduling.registry import default_registry
 from tests.extproc.test_processor import POST, body, headers
-from tests.wire.rawh2 import PATH, Loopback, data, grpc
+from tests.wire.rawh2 import PATH, Loopback, data, grpc, rst_stream
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # isort: skip
 
@@ -48,6 +48,7 @@ class Setup:
         self.picks: dict[str, tuple[int, dict[str, int], str]] = {}  # request id -> its prompt's blocks, the
         # blocks its pick found each pod holding, the pod picked
         run, pre_request, finish = self.scheduler.run, self.scheduler.pre_request, RoutedRequest.finish
+        complete = self.scheduler.response_complete
 
         def spied_run(request: Any, *args: Any) -> Any:
             self.log.append(("pick", request.request_id, self.writes))
@@ -64,6 +65,11 @@ class Setup:
             self.log.append(("finish", routed.request.request_id, self.writes))
             finish(routed, outcome)
 
+        def spied_complete(request: Any, endpoint: Any, outcome: str) -> None:
+            self.log.append((f"complete {outcome}", request.request_id, self.writes))
+            complete(request, endpoint, outcome)
+
+        monkeypatch.setattr(self.scheduler, "response_complete", spied_complete)
         monkeypatch.setattr(self.scheduler, "run", spied_run)
         monkeypatch.setattr(self.scheduler, "pre_request", spied_pre_request)
         monkeypatch.setattr(RoutedRequest, "finish", spied_finish)
@@ -145,6 +151,14 @@ async def test_a_stream_s_accounting_runs_after_its_last_answer_is_written(setup
     before = setup.writes
     setup.loop.send(setup.response(1))
     assert setup.writes == before + 1
-    assert setup.log[-1] == ("finish", "r1", before + 1)
+    assert setup.log[-2:] == [("finish", "r1", before + 1), ("complete complete", "r1", before + 1)]
     assert setup.loop.response(1).status == 0  # the stream ended OK, its last answer first
     assert setup.answers(1)[-1].response_body.response.body_mutation.streamed_response.end_of_stream
+
+
+async def test_a_stream_reset_in_the_read_that_routed_it_ends_its_request_after_the_pick_s_hooks(setup: Setup) -> None:
+    setup.loop.send(setup.request(1, "r1") + rst_stream(1, 8))  # Envoy's client went away at once (CANCEL)
+    # The end (finish, logged as it starts) runs the pick's hooks before the end's own hooks.
+    assert [(what, rid) for what, rid, _ in setup.log] == [
+        ("pick", "r1"), ("finish", "r1"), ("pre_request", "r1"), ("complete cancelled", "r1")
+    ]
