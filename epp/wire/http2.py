@@ -776,22 +776,13 @@ class Connection(ConnectionBase, asyncio.Protocol):
         known = self._decoded.get(block)
         if known is not None and known[0] == table.changes:
             return known[1]
-        # Blocks of table references only (one byte each, 0x80 | index) change no table either,
-        # and are read without hpack's general decoder.
-        if block and all(0x80 < byte < 0xFF for byte in block):
-            lookup = table.get_by_index
-            try:
-                headers = [lookup(byte & 0x7F) for byte in block]
-            except hpack.InvalidTableIndex as exc:
-                raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from None
-        else:
-            changes = table.changes
-            try:
-                headers = self._decoder.decode(block, raw=True)  # type: ignore[assignment]
-            except hpack.HPACKError as exc:
-                raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from None
-            if table.changes != changes:  # (read again, it would change the table again: never kept)
-                return headers
+        changes = table.changes
+        try:
+            headers: list[tuple[bytes, bytes]] = self._decoder.decode(block, raw=True)  # type: ignore[assignment]
+        except hpack.HPACKError as exc:
+            raise _ConnectionError(COMPRESSION_ERROR, f"bad header block: {exc}") from None
+        if table.changes != changes:  # (read again, it would change the table again: never kept)
+            return headers
         if len(block) <= _KEPT_BLOCK:
             if len(self._decoded) >= _KEPT_BLOCKS:
                 self._decoded.clear()
