@@ -78,7 +78,8 @@ while a picker that routes nothing scrapes the pods as it would behind Envoy.
 Run: ``python bench/precise_routing.py`` (about 22 minutes for six workloads and six policies on
 the 2-core development machine), ``--workloads p,u,h`` for the three, ``--quick`` for a smoke run,
 ``--rounds N`` to run each (workload, policy) N times and report medians (the policies' order rotated
-each round), ``--precise-weights P,Q,K`` to give the precise profile other scorer weights (prefix,
+each round), ``POLICY@PATH`` (``precise@/tmp/py-old``) to run a picker policy under another interpreter
+(a wrapper that puts another checkout first: two trees side by side in one run), ``--precise-weights P,Q,K`` to give the precise profile other scorer weights (prefix,
 queue, KV cache; 5,2,2 by default, as ``deploy/config/precise-prefix-cache.yaml``: see the results below).
 Results are quoted in ``plugins/producer/precise_prefix_cache.py``'s docstring; the latest, one
 side-by-side run on a quiet machine (at d0c9e3f, 1,324 s): precise reached **98.7% of
@@ -446,12 +447,13 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
     with ``+scraped`` (``sglang-router+scraped``): its pods are scraped all the same, by a picker that
     routes nothing (the simulator's pods share one event loop, which serves the scrapes too)."""
     opts = run.opts
+    base, _, python = policy.partition("@")  # precise@PATH: the picker under another interpreter
     sim = _Simulator(opts, run.blocks)
     # precise-remote's token ids come from /tokenize, of a pod of its own (an idle engine: the answer is
     # not queued behind the pool's work), as llm-d runs its tokenizer beside the picker; precise's from
     # the simulated model's own files (epp.sim.tokens.write_model_files), as a picker with the model's
     # tokenizer mounted computes them.
-    tokenizer = _Simulator(opts, run.blocks, pods=1, events=False) if policy == "precise-remote" else None
+    tokenizer = _Simulator(opts, run.blocks, pods=1, events=False) if base == "precise-remote" else None
     picker: PickerProcess | None = None
     tokenization = ""
     envoy: EnvoyProcess | None = None
@@ -461,7 +463,7 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
         pids = {"simulator": sim.process.pid}
         if tokenizer is not None:
             pids["tokenizer"] = tokenizer.process.pid
-        peer, scraped = policy.removesuffix(_SCRAPED), policy.endswith(_SCRAPED)
+        peer, scraped = base.removesuffix(_SCRAPED), base.endswith(_SCRAPED)
         if peer in _PEERS:
             assert _peers is not None
             router = _peers.PeerRouter.start(peer, sim.pods, policy="cache_aware")
@@ -472,12 +474,12 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                 picker.start()
                 time.sleep(_SETTLE_S)
         else:
-            if policy == "rr":
+            if base == "rr":
                 bootstrap = render_round_robin(BootstrapOptions(listen_address="127.0.0.1", listen_port=0,
                                                                 admin_port=0, pool_endpoints=tuple(sim.pods)))
             else:
                 extra = ["--endpoints-file", sim.endpoints_file(directory)]
-                if policy.startswith("precise"):
+                if base.startswith("precise"):
                     config = Path(directory) / "precise.yaml"
                     if tokenizer is not None:  # the engine's /tokenize, no local files
                         where = {"TOKENIZER_DIR": "/nonexistent", "REMOTE_MODE": "tokenize",
@@ -492,7 +494,7 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                         text = text.replace(key, value)
                     config.write_text(text)
                     extra += ["--config-file", str(config)]
-                picker = PickerProcess([], extra_args=extra)
+                picker = PickerProcess([], extra_args=extra, python=python or sys.executable)
                 picker.start()
                 pids["picker"] = picker.pid
                 bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
@@ -520,7 +522,7 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
         cpu = {name: s / wall for name, s in cpu_s.items()}
         cpu["client"] = (time.process_time() - client0) / wall
         after = asyncio.run(rq._sim_counters(sim.pods))
-        if policy.startswith("precise") and picker is not None:
+        if base.startswith("precise") and picker is not None:
             tokenization = _tokenization(picker.metrics_port)
         if envoy_timing and envoy is not None and picker is not None:
             print(f"  {policy} picker: {_scheduling_summary(picker.metrics_port)}")
@@ -711,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if kind not in WORKLOADS:
             parser.error(f"unknown workload {kind!r}: choose from {', '.join(WORKLOADS)}")
     for policy in policies:
-        if policy not in POLICIES:
+        if policy.partition("@")[0] not in POLICIES:
             parser.error(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
     skipped = {p: why for p in policies
                if (peer := p.removesuffix(_SCRAPED)) in _PEERS and (why := peer_unavailable(peer))}  # fmt: skip

@@ -6,9 +6,12 @@ Each request goes the way the picker takes it: ``parse_request`` (the body decod
 request), then ``precise-prefix-cache-producer``'s ``prepare_data`` (the prompt's token ids from the
 model's files: HF ``tokenizers`` and the chat template; bodies over 32 KiB on its worker thread) and
 ``produce`` (the approximate index's hashing and lookup, the ids cut into 16-token blocks and
-chained, the precise index's lookup, with one pod holding the conversation's earlier blocks). CPU
-is ``time.process_time()`` (every thread of the process), the median of ``--runs`` requests, each
-a fresh conversation; printed per part and in total, in milliseconds. The requests name the served
+chained, the precise index's lookup, with one pod holding the conversation's earlier blocks), then
+``pre_request`` as once the pick's answer is written (the in-flight bookkeeping, and since a warm
+turn's new text waits for it, that text's encoding: see the producer's "A warm turn's new text").
+CPU is ``time.process_time()`` (every thread of the process), the median of ``--runs`` requests, each
+a fresh conversation; printed per part in milliseconds: ``path`` is what runs before the answer
+(parse, tokenize, produce), ``after`` the ``pre_request`` hook, ``total`` both. The requests name the served
 model (a base model, as the pool's ``/v1/models`` tells the picker), so they name no LoRA adapter.
 
 Until 2026-12-03 they were parsed without it and so named an adapter (the model's name): the
@@ -91,7 +94,7 @@ from pathlib import Path
 
 from epp.datalayer.datastore import Datastore
 from epp.extproc.parsing import parse_request
-from epp.framework import Endpoint, Handle, InferenceRequest
+from epp.framework import Endpoint, Handle, InferenceRequest, SchedulingResult
 from epp.plugins.producer.precise_prefix_cache import TOKENIZED_PROMPT, PreciseParameters, PrecisePrefixCacheProducer
 from epp.prefix.kvwire import BlockStored
 from epp.testing.tokenizer import TEMPLATES, WORDS, write_tokenizer_dir
@@ -150,8 +153,11 @@ class Picker:
         t2 = clock()
         self.producer.produce(request, [POD, OTHER])
         t3 = clock()
+        self.producer.pre_request(request, SchedulingResult({"default": [POD]}, "default"))  # after the answer
+        t4 = clock()
         if parts is not None:
-            for name, value in (("parse", t1 - t0), ("tokenize", t2 - t1), ("produce", t3 - t2), ("total", t3 - t0)):
+            for name, value in (("parse", t1 - t0), ("tokenize", t2 - t1), ("produce", t3 - t2), ("path", t3 - t0),
+                                ("after", t4 - t3), ("total", t4 - t0)):  # fmt: skip
                 parts.setdefault(name, []).append(value * 1000)
         return request
 
@@ -231,10 +237,10 @@ def main(argv: list[str] | None = None) -> None:
         for tokens in (int(s) for s in args.sizes.split(",")):
             print(f"{tokens} tokens, CPU ms per request (median of {args.runs}):")
             table = asyncio.run(measure(picker, tokens, args.runs, seed=tokens))
-            print(f"  {'workload':18} {'parse':>8} {'tokenize':>9} {'produce':>8} {'total':>8}")
+            print(f"  {'workload':18} {'parse':>8} {'tokenize':>9} {'produce':>8} {'path':>8} {'after':>8} {'total':>8}")
             for name, parts in table.items():
                 print(f"  {name:18} {parts['parse']:8.2f} {parts['tokenize']:9.2f} {parts['produce']:8.2f}"
-                      f" {parts['total']:8.2f}")  # fmt: skip
+                      f" {parts['path']:8.2f} {parts['after']:8.2f} {parts['total']:8.2f}")  # fmt: skip
         stats = picker.tokenizer.stats()
         print(f"tokenizer: {stats.cache_hits} prefix hits, {stats.reused_tokens} tokens reused, "
               f"{stats.encoded_tokens} encoded, cache {stats.cache_bytes / 2**20:.1f} MiB, "

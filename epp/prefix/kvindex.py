@@ -134,9 +134,14 @@ def chain_keys(
     *,
     lora_name: str | None = None,
     cache_salt: str | None = None,
+    known: Sequence[int] = (),
 ) -> list[int]:
     """The keys of the whole blocks of ``token_ids``, as stored events of the same request give them
-    (their extra keys :func:`block_extra_keys`'s, chained a run at a time without building them)."""
+    (their extra keys :func:`block_extra_keys`'s, chained a run at a time without building them).
+
+    ``known``: the keys of the first blocks, computed before by this function from the same first
+    tokens and arguments (a prompt's start looked up before the rest was tokenized): the chain goes
+    on from them instead of starting over."""
     if block_size < 1:
         raise ValueError(f"block_size must be ≥ 1, got {block_size}")
     tokens: list[int] | np.ndarray
@@ -150,6 +155,10 @@ def chain_keys(
     if count <= 0:
         return []
     first, rest = _first_and_rest(lora_name, cache_salt)
+    if known:
+        done = min(len(known), count)
+        return [*known[:done], *_chain(tokens[done * block_size :], block_size, known[done - 1], seed,
+                                       [(count - done, rest)])]  # fmt: skip
     runs = [(count, rest)] if first == rest else [(1, first), (count - 1, rest)]
     return _chain(tokens, block_size, 0, seed, runs)
 

@@ -10,6 +10,8 @@ API (small on purpose; the simulator and the benches use it as the producer does
     ids = tok.request_ids("chat_completions", body_bytes)  # np.ndarray[uint32]: the engine's prompt ids
     ids = tok.chat_ids(messages, ChatOptions(...))         # a chat request's, from its parsed messages
     ids = tok.completion_ids("text")                        # a completions prompt's (BOS as the model adds it)
+    plan = tok.plan("chat_completions", body_bytes)         # all but the encoding: plan.known (the start reused
+    ids = plan.finish()                                     #   from the cache, or None), plan.pending (bytes left)
     tok.stats()                                             # counters: cache hits, tokens reused, audits...
 
 ``request_ids`` raises :class:`Unsupported` for what it cannot reproduce exactly (multimodal
@@ -464,7 +466,11 @@ class ModelTokenizer:
     def _warm_plan(
         self, text: str, data: bytes, marks: list[tuple[int, int]], hit: tuple[int, _Doc, int], digests: _Digests
     ) -> Plan:
-        return Plan(len(data) - marks[hit[0]][0], lambda: self._extend(text, data, marks, hit, digests))
+        index, doc, ntok = hit
+        through = marks[index][1]  # the reused prefix's bytes, its cut token included
+        estimated = ntok + round((len(data) - through) * ntok / through)
+        return Plan(len(data) - marks[index][0], lambda: self._extend(text, data, marks, hit, digests),
+                    doc.ids[:ntok], estimated)  # fmt: skip
 
     def _tail_marks(self, data: bytes) -> list[tuple[int, int]]:
         """The cut points of the text's last window holding more than :data:`_PROBE_LAST` of them (or of
@@ -628,8 +634,16 @@ class ModelTokenizer:
         return self._completion_plan(prompt, add_special_tokens, truncate_prompt_tokens, truncation_side).finish()
 
     def _completion_plan(self, prompt: str, add: bool, keep: int | None, side: str | None) -> Plan:
-        content = self._content_plan(prompt)
-        return Plan(content.pending, lambda: self._truncated(content.finish(), add, keep, side))
+        return self._request_plan(self._content_plan(prompt), add, keep, side)
+
+    def _request_plan(self, content: Plan, add: bool, keep: int | None, side: str | None) -> Plan:
+        """A request's plan from its content's: the special tokens around it, its truncation. A truncated
+        prompt's start is not known before its whole length is."""
+        known, estimated = None, 0
+        if content.known is not None and keep is None:
+            known = np.concatenate((self._head, content.known)) if add and len(self._head) else content.known
+            estimated = content.estimated + ((len(self._head) + len(self._tail)) if add else 0)
+        return Plan(content.pending, lambda: self._truncated(content.finish(), add, keep, side), known, estimated)
 
     def chat_text(self, messages: Sequence[Any], options: ChatOptions | None = None) -> str:
         """The text the chat template renders (see :func:`epp.prefix.chat.render_chat`)."""
@@ -712,8 +726,7 @@ class ModelTokenizer:
             reasoning_effort=body.reasoning_effort,
         )
         content = self._content_plan(self.chat_text(body.messages, options))
-        add, keep, side = body.add_special_tokens, body.truncate_prompt_tokens, body.truncation_side
-        return Plan(content.pending, lambda: self._truncated(content.finish(), add, keep, side))
+        return self._request_plan(content, body.add_special_tokens, body.truncate_prompt_tokens, body.truncation_side)
 
     @staticmethod
     def _text_only(messages: list[Any]) -> None:
@@ -726,13 +739,24 @@ class ModelTokenizer:
 
 class Plan:
     """A request's ids but for the encoding: ``pending`` characters (UTF-8 bytes) are left to encode,
-    which :meth:`finish` does (at most once), returning the ids."""
+    which :meth:`finish` does (at most once), returning the ids.
 
-    __slots__ = ("_finish", "pending")
+    A plan that reuses a cached prefix also says, before any encoding, what the ids start with:
+    ``known``, the reused prefix's ids through its cut token (with what ``add_special_tokens`` puts
+    before a text; None for a cold or truncated prompt), and ``estimated``, the prompt's whole length
+    in tokens at the known part's bytes per token. ``finish`` returns ids that start with ``known``
+    (the cut points are checked at load to split so; a text that does not is encoded whole, and
+    counted in ``unstable``)."""
 
-    def __init__(self, pending: int, finish: Callable[[], np.ndarray]) -> None:
+    __slots__ = ("_finish", "estimated", "known", "pending")
+
+    def __init__(
+        self, pending: int, finish: Callable[[], np.ndarray], known: np.ndarray | None = None, estimated: int = 0
+    ) -> None:
         self.pending = pending
         self._finish = finish
+        self.known = known
+        self.estimated = estimated
 
     def finish(self) -> np.ndarray:
         return self._finish()

@@ -86,6 +86,24 @@ of text (a thread hop costs more), else on the worker threads, awaited with ``ti
 call is awaited there too. Without ``prepare_data`` (a scheduler that does not call it), ``produce``
 tokenizes locally, inline.
 
+A warm turn's new text. The next turn of a conversation starts with what its earlier turns left in the
+tokenizer's cache (:attr:`epp.prefix.tokenize.Plan.known`: the ids through the last cut point reused),
+and what follows - the previous answer, the new message, the generation prompt - is the part to
+encode: ~1 µs a token, the largest part of a warm turn's tokenization, on the request's path. It can
+wait for the answer. Block keys are chained, so a pod's match can run into the new text only if it
+holds every block of the known start; when at most one pod does (a conversation lives on one pod), the
+request is looked up by the known start alone, and the new text is encoded in ``pre_request``, which
+runs once the pick's answer is written: then the ids are whole (``TOKENIZED_PROMPT``), and the blocks
+the pod will compute are counted in flight there from the whole prompt, before the next pick. The one
+pod's match can then read short by the blocks of the new text it holds (after a turn through this
+picker: the previous answer's few blocks), which only makes it look less attractive than it is, never
+another pod more; the prompt's length in blocks, the score's denominator, is estimated at the known
+start's bytes per token. When two or more pods hold all the known start, the new text could tell them
+apart: it is encoded at once and the lookup is exact. New text under 256 bytes is always encoded at
+once (it costs less than a lookup), and so is a cold prompt (nothing known) or a truncated one.
+``epp_tokenize_deferred_requests`` counts the requests looked up so; ``epp_tokenize_duration_seconds``
+times what ran before the lookup.
+
 Measured, side by side in one run (``python bench/precise_routing.py``: 8 simulated pods publishing
 KV events, a real Envoy; 30 s of Poisson arrivals per run; 2 shared cores at load average ~10 from
 other sessions, so one run's TTFTs move by tens of percent; hit rate as a share of the oracle, an
@@ -214,6 +232,7 @@ from epp.prefix.remote import Breaker, RemoteError, RemoteTokenizer
 from epp.prefix.tokenize import (
     DEFAULT_CACHE_BYTES,
     ModelTokenizer,
+    Plan,
     TemplateError,
     TokenizerError,
     Unsupported,
@@ -238,10 +257,15 @@ _OWN = ("kvEventsConfig", "podDiscoveryConfig", "tokenProcessorConfig", "maxBloc
 _PREPARED: StateKey[bool] = StateKey("precise-prefix-cache/prepared")
 # The request's keys (in the reference block size) and, per endpoint, the blocks the events said it
 # held at scheduling: what pre_request records as in flight on the endpoint picked.
-_LOOKUP: StateKey[tuple[list[int], dict[str, int]]] = StateKey("precise-prefix-cache/lookup")
+_LOOKUP: StateKey[tuple[list[int], dict[str, int], int]] = StateKey("precise-prefix-cache/lookup")
 # Text up to this many bytes is encoded on the event loop: ~3k tokens, ~3 ms (HF tokenizers runs at ~1 µs per
 # token here), where a thread hop costs ~0.1 ms; longer text is encoded on the worker threads.
 _INLINE_CHARS = 16 << 10
+# A warm prompt's rest of at least this many bytes (~64 tokens, ~0.1 ms to encode) may be encoded after the
+# answer (see "A warm turn's new text"); a shorter one is encoded at once.
+_DEFER_CHARS = 256
+# What is left of a warm prompt to encode after the answer: its plan, known start and tokenizer.
+_DEFERRED: StateKey[_Deferred] = StateKey("precise-prefix-cache/deferred")
 _TOKENIZED_APIS = {Api.COMPLETIONS: "completions", Api.CHAT_COMPLETIONS: "chat_completions"}
 
 
@@ -375,6 +399,22 @@ class TokenizerParameters:
         return found
 
 
+class _Deferred:
+    """A warm prompt whose known start is looked up before the rest is encoded (see "A warm turn's new
+    text")."""
+
+    __slots__ = ("plan", "tokenizer")
+
+    def __init__(self, plan: Plan, tokenizer: ModelTokenizer) -> None:
+        self.plan = plan
+        self.tokenizer = tokenizer
+
+    @property
+    def known(self) -> np.ndarray:
+        assert self.plan.known is not None
+        return self.plan.known
+
+
 class _Tokenization:
     """The producer's tokenizers (local files, else the engine), their thread pool and metrics."""
 
@@ -455,7 +495,7 @@ class _Tokenization:
             self._fallback("template_error")
         return None
 
-    async def prepare(self, request: InferenceRequest) -> np.ndarray | None:
+    async def prepare(self, request: InferenceRequest) -> np.ndarray | _Deferred | None:
         api = _TOKENIZED_APIS.get(request.api)
         if api is None or not request.body:
             return None
@@ -484,13 +524,17 @@ class _Tokenization:
         host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
         return f"http://{host}:{endpoint.port}"
 
-    async def _prepare_local(self, tokenizer: ModelTokenizer, api: str, body: bytes) -> np.ndarray | None:
+    async def _prepare_local(
+        self, tokenizer: ModelTokenizer, api: str, body: bytes
+    ) -> np.ndarray | _Deferred | None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
             try:
                 plan = tokenizer.plan(api, body)  # decoding, rendering, the prefix cache: on the loop
                 if plan.pending <= _INLINE_CHARS:
+                    if plan.known is not None and plan.pending >= _DEFER_CHARS:
+                        return _Deferred(plan, tokenizer)
                     return plan.finish()
                 future = loop.run_in_executor(self._pool(), plan.finish)
                 try:
@@ -510,6 +554,18 @@ class _Tokenization:
             due = tokenizer.pop_audit()
             if due is not None:
                 self._pool().submit(tokenizer.audit, *due)
+
+    def finish(self, deferred: _Deferred) -> np.ndarray | None:
+        """The ids of a deferred prompt, its rest encoded now (on the calling thread)."""
+        try:
+            return deferred.plan.finish()
+        except Unsupported:
+            self._fallback("unsupported")
+            return None
+        finally:
+            due = deferred.tokenizer.pop_audit()
+            if due is not None:
+                self._pool().submit(deferred.tokenizer.audit, *due)
 
     async def close(self) -> None:
         if self.remote is not None:
@@ -581,6 +637,7 @@ class PrecisePrefixCacheProducer:
         self._endpoints: dict[str, Endpoint] = {}  # hostport -> endpoint
         self._on_reject: Callable[[str], None] | None = None
         self._on_lag: Callable[[float], None] | None = None
+        self.deferred = 0  # warm prompts looked up by their known start, the rest encoded after the answer
         if handle is not None:
             self._export(handle)
             handle.pool.subscribe(self._pool_changed)
@@ -612,6 +669,8 @@ class PrecisePrefixCacheProducer:
         lag = m.histogram("epp_kv_event_batch_lag_seconds", "From a KV-event batch's publication to its application.",
                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0))  # fmt: skip
         self._on_lag = lag.observe
+        m.gauge_sum("epp_tokenize_deferred_requests", "Warm prompts looked up by their reused start, their new "
+                    "text encoded after the answer.", lambda: float(self.deferred))  # fmt: skip
 
     def _stored(self, pod: str, keys: list[int]) -> None:
         name = self._names.get(pod.split("@", 1)[0])
@@ -693,7 +752,9 @@ class PrecisePrefixCacheProducer:
             return
         request.state[_PREPARED] = True
         ids = await self.tokenization.prepare(request)
-        if ids is not None:
+        if isinstance(ids, _Deferred):
+            request.state[_DEFERRED] = ids
+        elif ids is not None:
             request.state[TOKENIZED_PROMPT] = ids
 
     def _token_ids(self, request: InferenceRequest) -> Sequence[int] | np.ndarray | None:
@@ -710,26 +771,62 @@ class PrecisePrefixCacheProducer:
         self._ensure_subscriber()
         self.approximate.produce(request, candidates)
         token_ids = self._token_ids(request)
+        deferred = request.state.get(_DEFERRED) if token_ids is None else None
+        if deferred is not None:
+            known = deferred.known
+            estimated = deferred.plan.estimated
+            keys, matched, precise, block_size = self._lookup(request, known, estimated)
+            holders = sum(1 for run in matched.values() if run >= len(keys))
+            if keys and holders < 2:  # the rest cannot change who holds the most (see "A warm turn's new text")
+                blocks = max(len(keys), min(estimated, self.parameters.approximate.max_prefix_tokens) // block_size)
+                self.deferred += 1
+                request.state[_LOOKUP] = (keys, precise, block_size)
+                request.state[PREFIX_MATCH] = PrefixMatch(blocks, matched, block_size)
+                return
+            del request.state[_DEFERRED]  # two holders of the whole known start: the rest may part them
+            token_ids = self._finish(request, deferred)
         if token_ids is None or not len(token_ids):
             return  # the approximate match stands for every pod
+        keys, matched, precise, block_size = self._lookup(request, token_ids, len(token_ids))
+        request.state[_LOOKUP] = (keys, precise, block_size)
+        request.state[PREFIX_MATCH] = PrefixMatch(len(keys), matched, block_size)
+
+    def _finish(self, request: InferenceRequest, deferred: _Deferred) -> np.ndarray | None:
+        assert self.tokenization is not None
+        ids = self.tokenization.finish(deferred)
+        if ids is not None:
+            request.state[TOKENIZED_PROMPT] = ids
+        return ids
+
+    def _keys(
+        self, request: InferenceRequest, token_ids: Sequence[int] | np.ndarray, size: int, known: Sequence[int] = ()
+    ) -> list[int]:
+        p = self.parameters
+        return chain_keys(token_ids, size, p.hash_seed, max(1, p.approximate.max_prefix_tokens // size),
+                          lora_name=request.adapter or None, cache_salt=request.cache_salt or None,
+                          known=known)  # fmt: skip
+
+    def _lookup(
+        self, request: InferenceRequest, token_ids: Sequence[int] | np.ndarray, tokens: int
+    ) -> tuple[list[int], dict[str, int], dict[str, int], int]:
+        """The request's keys in the reference block size, each endpoint's match (in those blocks), the
+        matches the events gave, and that block size. ``tokens``: the prompt's length, which the
+        approximate matches of pods without events are scaled to (``token_ids`` may be its start)."""
         p = self.parameters
         sizes = sorted(self.index.block_sizes()) or [p.block_size]
         block_size = sizes[0]
-        max_tokens = p.approximate.max_prefix_tokens
-        salt = request.cache_salt or None
-        lora = request.adapter or None
         matched: dict[str, int] = {}
         precise: dict[str, int] = {}
         keys: list[int] = []
         for size in sizes:  # pods of different engines may use different block sizes
-            size_keys = chain_keys(token_ids, size, p.hash_seed, max(1, max_tokens // size), lora_name=lora,
-                                   cache_salt=salt)  # fmt: skip
+            size_keys = self._keys(request, token_ids, size)
             if size == block_size:
                 keys = size_keys
                 approx = request.state.get(PREFIX_MATCH)
                 if approx is not None and keys:
+                    blocks = max(len(keys), min(tokens, p.approximate.max_prefix_tokens) // block_size)
                     for name in approx.matched:  # pods the events do not cover keep the approximate match
-                        matched[name] = int(approx.share(name) * len(keys))
+                        matched[name] = int(approx.share(name) * blocks)
                 for pod in self.index.pods():
                     if self.index.known(pod):
                         matched.pop(self._names.get(pod.split("@", 1)[0], pod), None)
@@ -739,8 +836,7 @@ class PrecisePrefixCacheProducer:
                 if run > matched.get(name, 0):
                     matched[name] = precise[name] = run
         self._add_in_flight(keys, matched)
-        request.state[_LOOKUP] = (keys, precise)
-        request.state[PREFIX_MATCH] = PrefixMatch(len(keys), matched, block_size)
+        return keys, matched, precise, block_size
 
     def _add_in_flight(self, keys: list[int], matched: dict[str, int]) -> None:
         """Extend each endpoint's match by the blocks it is computing for requests sent to it."""
@@ -762,10 +858,19 @@ class PrecisePrefixCacheProducer:
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
         self.approximate.pre_request(request, result)
         lookup = request.state.get(_LOOKUP)
+        deferred = request.state.get(_DEFERRED)
+        if deferred is not None:  # the rest of a warm prompt, encoded now that the answer is written
+            del request.state[_DEFERRED]
+            ids = self._finish(request, deferred)
+            if lookup is not None and ids is not None:
+                known = deferred.known
+                same = len(ids) >= len(known) and bool(np.array_equal(ids[: len(known)], known))  # else: unstable
+                lookup = (self._keys(request, ids, lookup[2], lookup[0] if same else ()), lookup[1], lookup[2])
+                request.state[_LOOKUP] = lookup
         endpoints = result.endpoints
         if lookup is None or not endpoints:
             return
-        keys, precise = lookup
+        keys, precise, _ = lookup
         name = endpoints[0].name
         if name in self._pods_by_name:  # a pod whose events are followed
             self.in_flight.add(name, keys[precise.get(name, 0) :])

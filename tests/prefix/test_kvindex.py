@@ -130,3 +130,20 @@ def test_match_is_the_walk_of_each_pods_run_from_the_first_block(data):
     for pod, (run, weighted) in want.items():
         assert got[pod][0] == run
         assert abs(got[pod][1] - weighted) < 1e-6
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=60),
+    data=st.data(),
+    max_blocks=st.none() | st.integers(1, 20),
+    lora=st.none() | st.just("adapter"),
+    salt=st.none() | st.just("salt"),
+)
+def test_a_chain_goes_on_from_the_keys_of_its_start(tokens: list[int], data: st.DataObject, max_blocks: int | None,
+                                                     lora: str | None, salt: str | None) -> None:  # fmt: skip
+    """``known``: the keys of a prompt's start, computed before; the rest is chained on from them."""
+    cut = data.draw(st.integers(0, len(tokens)))
+    whole = chain_keys(tokens, BS, 7, max_blocks, lora_name=lora, cache_salt=salt)
+    start = chain_keys(tokens[:cut], BS, 7, max_blocks, lora_name=lora, cache_salt=salt)
+    assert chain_keys(tokens, BS, 7, max_blocks, lora_name=lora, cache_salt=salt, known=start) == whole

@@ -150,6 +150,35 @@ def test_a_growing_conversation_gives_the_ids_of_a_whole_tokenization(which: str
     assert 0 < stats.cache_bytes <= 1 << 20
 
 
+@pytest.mark.parametrize("which", ["llama", "chatml"])
+def test_a_plan_knows_the_start_of_a_warm_prompt_before_encoding_it(which: str, llama_dir: Path,
+                                                                    chatml_dir: Path) -> None:  # fmt: skip
+    """``Plan.known`` is what ``finish`` will start with (the post-processor's tokens included), before
+    any encoding; a cold or truncated prompt has none."""
+    tok = ModelTokenizer.from_dir(llama_dir if which == "llama" else chatml_dir)
+    rng = random.Random(3)
+    messages: list[dict] = [{"role": "system", "content": _text(rng, 40)}, {"role": "user", "content": _text(rng, 9)}]
+
+    def body(**extra: object) -> bytes:
+        return json.dumps({"model": "m", "messages": messages, **extra}).encode()
+
+    assert tok.plan("chat_completions", body()).known is None  # nothing cached yet
+    tok.request_ids("chat_completions", body())
+    for extra in ({}, {"add_special_tokens": True}):
+        messages += [{"role": "assistant", "content": _text(rng, 12)}, {"role": "user", "content": _text(rng, 30)}]
+        plan = tok.plan("chat_completions", body(**extra))
+        before = tok.stats().encoded_tokens
+        assert plan.known is not None and len(plan.known) > 40 and tok.stats().encoded_tokens == before
+        ids = plan.finish()
+        assert ids[: len(plan.known)].tolist() == plan.known.tolist()
+        assert int(plan.known[-1]) in tok.backend.get_added_tokens_decoder()  # through a cut point, no further
+        assert ids.tolist() == ModelTokenizer.from_dir(llama_dir if which == "llama" else chatml_dir).request_ids(
+            "chat_completions", body(**extra)).tolist()  # fmt: skip
+        assert len(plan.known) < plan.estimated and abs(plan.estimated - len(ids)) < len(ids) / 3
+    messages += [{"role": "user", "content": _text(rng, 30)}]
+    assert tok.plan("chat_completions", body(truncate_prompt_tokens=50)).known is None
+
+
 def test_a_shared_system_prompt_is_reused_by_a_new_conversation(chatml_dir: Path) -> None:
     tok = ModelTokenizer.from_dir(chatml_dir)
     system = {"role": "system", "content": "shared " * 300}

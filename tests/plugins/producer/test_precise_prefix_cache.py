@@ -20,14 +20,16 @@ from epp.datalayer.datastore import Datastore
 from epp.framework import PREFIX_MATCH, Api, Endpoint, Handle, InferenceRequest, Profile, SchedulingResult
 from epp.plugins.picker.max_score import MaxScorePicker
 from epp.plugins.producer.precise_prefix_cache import (
+    _DEFERRED,
     TOKENIZED_PROMPT,
     PreciseParameters,
     PrecisePrefixCacheProducer,
     _InFlight,
 )
 from epp.plugins.scorer.prefix_cache import PrefixCacheScorer
+from epp.prefix.kvindex import chain_keys
 from epp.prefix.kvwire import BlockStored
-from epp.prefix.tokenize import ModelTokenizer
+from epp.prefix.tokenize import ModelTokenizer, Plan
 from epp.scheduling.runner import Scheduler
 from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.config import KVEventsConfig
@@ -433,6 +435,108 @@ async def test_without_local_files_the_engine_is_asked_and_a_slow_one_is_cut_off
         assert _counter(handle, "epp_tokenize_fallbacks_total", reason="open") == 3
         assert _counter(handle, "epp_tokenize_duration_seconds_count", source="remote") == 2
         assert _counter(handle, "epp_tokenize_breaker_open") == 1
+    finally:
+        await _close(producer)
+
+
+def _holds(producer: PrecisePrefixCacheProducer, hostport: str, ids: np.ndarray) -> int:
+    """``hostport``'s pod reports the full blocks of ``ids`` stored; returns how many."""
+    n = len(ids) // BS
+    producer.index.apply(hostport, [BlockStored(list(range(1, n + 1)), None, ids[: n * BS].tolist(), BS)])
+    return n
+
+
+async def test_a_warm_turns_new_text_is_encoded_after_the_answer(models: Path) -> None:
+    """A conversation's next turn is looked up by the start its earlier turn left in the tokenizer's
+    cache; the new message is encoded in pre_request (after the pick's answer), and the in-flight blocks
+    and the ids are then the whole prompt's, exactly as encoding it first would give."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
+    producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
+    whole = ModelTokenizer.from_dir(models / "org" / "tiny")  # no cache shared with the producer's
+    try:
+        first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
+        request = _chat(first)
+        await producer.prepare_data(request)
+        assert producer.deferred == 0  # cold: encoded before the lookup
+        _holds(producer, "127.0.0.1:8000", request.state[TOKENIZED_PROMPT])  # pod-a computed turn 1
+        producer.index.apply("127.0.0.2:8000", [])
+
+        second = [*first, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "route well " * 60}]
+        request = _chat(second)
+        await producer.prepare_data(request)
+        assert TOKENIZED_PROMPT not in request.state  # the new message waits
+        producer.produce(request, pods)
+        ids = whole.request_ids("chat_completions", request.body)
+        match = request.state[PREFIX_MATCH]
+        assert producer.deferred == 1
+        known = match.matched["pod-a"]  # all of the known start: turn 1's blocks
+        assert 0 < known < len(ids) // BS and "pod-b" not in match.matched
+        # The whole prompt's blocks, estimated at the known start's bytes per token (the same words here).
+        assert abs(match.blocks - len(ids) // BS) <= 0.2 * (len(ids) // BS)
+        assert PrefixCacheScorer().score(request, pods)[0] == pytest.approx(known / match.blocks)
+        producer.pre_request(request, SchedulingResult({"default": [pods[0]]}, "default"))
+        assert request.state[TOKENIZED_PROMPT].tolist() == ids.tolist()
+        # The same prompt again (a retry, say) finds the rest in flight on pod-a; its cached end leaves
+        # only the generation prompt to encode, which is done at once.
+        again = _chat(second)
+        await producer.prepare_data(again)
+        assert again.state[TOKENIZED_PROMPT].tolist() == ids.tolist()
+        producer.produce(again, pods)
+        assert again.state[PREFIX_MATCH].matched == {"pod-a": len(ids) // BS}
+        assert again.state[PREFIX_MATCH].blocks == len(ids) // BS
+        assert producer.deferred == 1
+    finally:
+        await _close(producer)
+
+
+async def test_a_deferred_prompt_whose_ids_do_not_start_as_known_is_chained_whole(models: Path) -> None:
+    """The reused start is what the ids start with unless the text proved unstable (then it is encoded
+    whole, and may differ): the in-flight keys are then chained from the ids themselves."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000)]
+    producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
+    try:
+        first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
+        request = _chat(first)
+        await producer.prepare_data(request)
+        _holds(producer, "127.0.0.1:8000", request.state[TOKENIZED_PROMPT])
+        request = _chat([*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more " * 90}])
+        await producer.prepare_data(request)
+        producer.produce(request, pods)
+        deferred = request.state[_DEFERRED]
+        ids = deferred.plan.finish()
+        other = ids.copy()
+        other[0] += 1  # as if the whole text had tokenized otherwise
+        deferred.plan = Plan(0, lambda: other, deferred.known)
+        producer.pre_request(request, SchedulingResult({"default": [pods[0]]}, "default"))
+        assert request.state[TOKENIZED_PROMPT] is other
+        last = chain_keys(other, BS, 0, len(other) // BS)[-1]  # every key of the chain differs from ids'
+        assert dict(producer.in_flight.holders(last)).keys() == {"pod-a"}
+        assert not producer.in_flight.holders(chain_keys(ids, BS, 0, len(ids) // BS)[-1])
+    finally:
+        await _close(producer)
+
+
+async def test_a_warm_turn_whose_known_start_two_pods_hold_is_encoded_before_the_lookup(models: Path) -> None:
+    """Both hold all the known start: the new text could tell them apart, so it is encoded at once."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
+    producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
+    try:
+        first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
+        request = _chat(first)
+        await producer.prepare_data(request)
+        turn1 = request.state[TOKENIZED_PROMPT]
+        second = [*first, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "and now " * 60}]
+        request = _chat(second)
+        await producer.prepare_data(request)
+        _holds(producer, "127.0.0.1:8000", turn1)
+        full = ModelTokenizer.from_dir(models / "org" / "tiny").request_ids("chat_completions", request.body)
+        held = _holds(producer, "127.0.0.2:8000", full[: (len(turn1) // BS + 3) * BS])  # and 3 blocks more
+        producer.produce(request, pods)
+        assert producer.deferred == 0
+        assert request.state[TOKENIZED_PROMPT].tolist() == full.tolist()
+        match = request.state[PREFIX_MATCH]
+        assert match.blocks == len(full) // BS
+        assert match.matched == {"pod-a": len(turn1) // BS, "pod-b": held}
     finally:
         await _close(producer)
 
