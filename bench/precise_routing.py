@@ -66,7 +66,9 @@ Printed per (workload, policy): hit rate and its share of the oracle, TTFT P50/P
 per completed request (its process and scrape worker, from /proc, over the load), or the peer's whole
 process (it is the proxy too). Then the targets: precise >= 98% of the oracle on ``p`` and ``u``
 (approximate's beside it), and precise's TTFT P90 against the best peer's (<= 1x on every workload, <=
-0.8x on ``h``).
+0.8x on ``h``), with the median over the same requests of precise's (and approximate's) TTFT minus the
+peer's: two P90s are taken over different requests' tails, the paired difference is what one router
+adds to the same request (each round's runs paired, the median of the rounds').
 
 Diagnostics: ``--envoy-timing`` prints, per run behind Envoy, Envoy's own times from its access log
 (the request phase: the request's last byte in to the upstream request's first byte out, i.e. the
@@ -128,7 +130,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +371,39 @@ class Row:
     result: rq.Result
     picker_ms_per_request: float  # the router's CPU per completed request (the picker's, or the peer's)
     direct_requests: int = 0
+    # Each completed request's TTFT (ms) by (family, its place among the family's requests in sending
+    # order): the same request in every policy's run of the trace (see _paired).
+    ttfts: dict[tuple[str, int], float] = field(default_factory=dict, repr=False)
+
+
+def _ttfts(records: Sequence[rq.Record]) -> dict[tuple[str, int], float]:
+    seen: Counter[str] = Counter()
+    out = {}
+    for r in sorted(records, key=lambda r: r.sent):
+        family = r.family or ""
+        key = (family, seen[family])
+        seen[family] += 1
+        if r.ttft is not None and r.done is not None:
+            out[key] = r.ttft * 1000
+    return out
+
+
+def _paired(runs: Sequence[Row], kind: str, policy: str, other: str) -> float | None:
+    """The median over the requests both completed of ``policy``'s TTFT minus ``other``'s, in ms (the
+    median of the rounds' medians, each round's runs paired): what separates two routers on the same
+    requests, which two P90s taken over different tails do not show."""
+    by_round: dict[int, dict[str, Row]] = {}
+    for row in runs:
+        if row.result.workload == kind:
+            by_round.setdefault(row.result.round, {})[row.result.policy] = row
+    medians = []
+    for pair in by_round.values():
+        if policy in pair and other in pair:
+            a, b = pair[policy].ttfts, pair[other].ttfts
+            diffs = [a[k] - b[k] for k in a.keys() & b.keys()]
+            if diffs:
+                medians.append(float(np.median(diffs)))
+    return float(np.median(medians)) if medians else None
 
 
 # Envoy's view of its own path, per request (access log): from the request's last byte in to the
@@ -553,7 +588,7 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
     per_request = routed / result.completed * 1e3 if result.completed else math.nan
     if tokenization:
         print(f"  {policy} tokenization: {tokenization}")
-    return Row(result, per_request, tally["requests"])
+    return Row(result, per_request, tally["requests"], _ttfts(records))
 
 
 def _tokenization(metrics_port: int) -> str:
@@ -626,7 +661,8 @@ def _table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = None) -> list[str]:
+def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = None,
+             runs: Sequence[Row] = ()) -> list[str]:  # fmt: skip
     by = {(row.result.workload, row.result.policy): row.result for row in rows}
     out = []
     for kind in ("p", "u"):
@@ -662,6 +698,11 @@ def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = N
         if scraped is not None and scraped.ttft_p90_ms > 0:
             line += (f"; {precise.ttft_p90_ms / scraped.ttft_p90_ms:.2f}x the same peer's with its pods scraped "
                      f"as the picker scrapes them ({scraped.ttft_p90_ms:.0f} ms)")
+        pickers = [p for k, p in by if k == kind and p.partition("@")[0] in ("precise", "precise-remote", "default")]
+        paired = {p: d for p in pickers if (d := _paired(runs, kind, p, best.policy)) is not None}
+        if paired:
+            line += ("; the same requests' TTFT minus the peer's, median: "
+                     + ", ".join(f"{p} {d:+.1f} ms" for p, d in paired.items()))
         out.append(line)
     return out
 
@@ -758,7 +799,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(_table(medians) + (f"\n(medians of {args.rounds} rounds)" if args.rounds > 1 else ""))
     print()
-    for line in _targets(medians, bounds):
+    for line in _targets(medians, bounds, rows):
         print(line)
     print(f"\n{time.perf_counter() - started:.0f} s in all; TTFTs are wall clock at time scale {opts.time_scale}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
