@@ -40,6 +40,12 @@ Optional attributes a plugin may declare (class attributes are the usual way):
     the :class:`~epp.framework.StateKey` objects (or their names) it writes to / reads from
     ``request.state``. Startup checks that every consumed key is produced by some configured plugin,
     orders producers by what they consume, and refuses a cycle.
+``data_consumed``
+    on a producer, a method taking a ``frozenset`` of names: startup calls it once with the state-key
+    names the other configured plugins declare in ``consumes``, so that a producer may put off what no
+    other plugin reads during scheduling (``precise-prefix-cache-producer`` then stores a warm turn's
+    token ids after the pick's answer instead of before the pick). A plugin that reads another's data
+    without declaring it may find it missing.
 ``producer_parameters``
     on a consumer: the parameters to build the default producer of its data with, when the config has
     no producer for it (upstream configs list ``prefix-cache-scorer`` alone, with the index's

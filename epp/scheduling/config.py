@@ -202,6 +202,7 @@ def load_config(
         plugins[spec.name] = _create(registry, spec, f"plugins[{index}] ({spec.name})", handle)
         types[spec.name] = spec.type if spec.type in registry.types() else _RENAMED.get(spec.type, spec.type)
     _add_missing_producers(plugins, types, registry, handle)
+    _tell_consumed(plugins)
     producers = _ordered_producers(plugins)
     admission, detector = _admission(doc, plugins, types, registry, handle)
     try:
@@ -325,6 +326,16 @@ def _add_missing_producers(
             plugins[producer_name] = _create(registry, spec, f"plugins ({producer_name}, added for {name})", handle)
             types[producer_name] = producer_type
             log.info("added a %s plugin: %r consumes %r", producer_type, name, data)
+
+
+def _tell_consumed(plugins: Mapping[str, object]) -> None:
+    """Call each plugin's ``data_consumed`` with what the others declare they consume (see
+    :mod:`epp.framework.roles`)."""
+    for plugin in plugins.values():
+        tell = getattr(plugin, "data_consumed", None)
+        if callable(tell):
+            others = (other for other in plugins.values() if other is not plugin)
+            tell(frozenset(name for other in others for name in declared_keys(other, "consumes")))
 
 
 def _ordered_producers(plugins: Mapping[str, object]) -> list[DataProducer]:

@@ -100,7 +100,9 @@ picker: the previous answer's few blocks), which only makes it look less attract
 another pod more; the prompt's length in blocks, the score's denominator, is estimated at the known
 start's bytes per token. When two or more pods hold all the known start, the new text could tell them
 apart: it is encoded at once and the lookup is exact. New text under 256 bytes is always encoded at
-once (it costs less than a lookup), and so is a cold prompt (nothing known) or a truncated one.
+once (it costs less than a lookup), and so is a cold prompt (nothing known) or a truncated one. When
+another configured plugin declares that it consumes ``TOKENIZED_PROMPT`` (startup tells the producer:
+``data_consumed``), nothing is put off: the ids are there before the pick, as that plugin expects.
 ``epp_tokenize_deferred_requests`` counts the requests looked up so; ``epp_tokenize_duration_seconds``
 times what ran before the lookup.
 
@@ -432,6 +434,7 @@ class _Tokenization:
                 raise ValueError(f"{name}: indexerConfig.tokenizersPoolConfig: {exc}") from exc
         self._executor: ThreadPoolExecutor | None = None
         self._turn = itertools.count()
+        self.defer = True  # a warm turn's new text may wait for the answer (no plugin reads the ids before)
         observe_remote: Callable[[float], None] | None = None
         self._observe_local: Callable[[float], None] | None = None
         self._fallback: Callable[[str], None] = lambda reason: None
@@ -533,7 +536,7 @@ class _Tokenization:
             try:
                 plan = tokenizer.plan(api, body)  # decoding, rendering, the prefix cache: on the loop
                 if plan.pending <= _INLINE_CHARS:
-                    if plan.known is not None and plan.pending >= _DEFER_CHARS:
+                    if self.defer and plan.known is not None and plan.pending >= _DEFER_CHARS:
                         return _Deferred(plan, tokenizer)
                     return plan.finish()
                 future = loop.run_in_executor(self._pool(), plan.finish)
@@ -646,6 +649,11 @@ class PrecisePrefixCacheProducer:
     @classmethod
     def from_config(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> Self:
         return cls(name, PreciseParameters(name, parameters), handle)
+
+    def data_consumed(self, names: frozenset[str]) -> None:
+        """Another plugin reading the token ids (declared ``consumes``) gets them before the pick, always."""
+        if self.tokenization is not None:
+            self.tokenization.defer = TOKENIZED_PROMPT.name not in names
 
     def _export(self, handle: Handle) -> None:
         def stat(attr: str) -> Callable[[], float]:

@@ -804,6 +804,23 @@ def test_producers_run_first_in_dependency_order() -> None:
     assert picked == [P1]  # the consumer scored from the data: P1 has 1.0
 
 
+def test_each_producer_is_told_what_the_other_plugins_consume() -> None:
+    told: dict[str, frozenset[str]] = {}
+
+    class Told(Producer):
+        def data_consumed(self, names: frozenset[str]) -> None:
+            told[self.name] = names
+
+    registry = registry_with(
+        first=lambda n, p, h: Told(n, ("a",)),
+        second=lambda n, p, h: Told(n, ("b",), consumes=("a",)),
+        consumer=lambda n, p, h: Consumer(n, "b"),
+    )
+    load_scheduler(config("- type: first\n- type: second\n- type: consumer\n- type: max-score-picker"), registry,
+                   Handle(Datastore()))  # fmt: skip
+    assert told == {"first": frozenset({"a", "b"}), "second": frozenset({"b"})}  # not their own
+
+
 def test_a_producer_cycle_is_refused() -> None:
     registry = registry_with(
         x=lambda n, p, h: Producer(n, ("a",), consumes=("b",)), y=lambda n, p, h: Producer(n, ("b",), consumes=("a",))

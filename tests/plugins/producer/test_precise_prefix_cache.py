@@ -489,6 +489,23 @@ async def test_a_warm_turns_new_text_is_encoded_after_the_answer(models: Path) -
         await _close(producer)
 
 
+async def test_a_plugin_that_consumes_the_token_ids_gets_them_before_the_pick(models: Path) -> None:
+    producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore([])))
+    try:
+        producer.data_consumed(frozenset({"tokenized-prompt"}))  # as startup does for a consumer's declaration
+        first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
+        await producer.prepare_data(_chat(first))
+        request = _chat([*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more " * 90}])
+        await producer.prepare_data(request)
+        assert len(request.state[TOKENIZED_PROMPT]) > 0
+        producer.data_consumed(frozenset({"something-else"}))
+        request = _chat([*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "then " * 90}])
+        await producer.prepare_data(request)
+        assert TOKENIZED_PROMPT not in request.state  # nobody else reads them before the pick: they may wait
+    finally:
+        await _close(producer)
+
+
 async def test_a_deferred_prompt_whose_ids_do_not_start_as_known_is_chained_whole(models: Path) -> None:
     """The reused start is what the ids start with unless the text proved unstable (then it is encoded
     whole, and may differ): the in-flight keys are then chained from the ids themselves."""
