@@ -139,6 +139,7 @@ class Picker:
                                                        "local": {"autoDiscoveryDir": str(models)}}},
         })  # fmt: skip
         self.producer = PrecisePrefixCacheProducer("precise", parameters, Handle(Datastore([POD, OTHER])))
+        self.producer.data_consumed(frozenset())  # as startup says of a config where no other plugin reads the ids
         self.tokenizer = self.producer.tokenization.local[""]  # type: ignore[union-attr]
 
     def headers(self, path: str) -> dict[str, str]:

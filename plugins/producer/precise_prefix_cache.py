@@ -102,7 +102,8 @@ start's bytes per token. When two or more pods hold all the known start, the new
 apart: it is encoded at once and the lookup is exact. New text under 256 bytes is always encoded at
 once (it costs less than a lookup), and so is a cold prompt (nothing known) or a truncated one. When
 another configured plugin declares that it consumes ``TOKENIZED_PROMPT`` (startup tells the producer:
-``data_consumed``), nothing is put off: the ids are there before the pick, as that plugin expects.
+``data_consumed``), nothing is put off: the ids are there before the pick, as that plugin expects; a
+producer built outside a config (nobody told it) puts nothing off either.
 ``epp_tokenize_deferred_requests`` counts the requests looked up so; ``epp_tokenize_duration_seconds``
 times what ran before the lookup. Measured side by side with the code before (624342e, run
 as ``precise@PATH``: ``python bench/precise_routing.py --workloads b --policies
@@ -443,7 +444,9 @@ class _Tokenization:
                 raise ValueError(f"{name}: indexerConfig.tokenizersPoolConfig: {exc}") from exc
         self._executor: ThreadPoolExecutor | None = None
         self._turn = itertools.count()
-        self.defer = True  # a warm turn's new text may wait for the answer (no plugin reads the ids before)
+        # A warm turn's new text may wait for the answer once startup has said that no other plugin reads the
+        # ids while scheduling (PrecisePrefixCacheProducer.data_consumed); until then it never does.
+        self.defer = False
         observe_remote: Callable[[float], None] | None = None
         self._observe_local: Callable[[float], None] | None = None
         self._fallback: Callable[[str], None] = lambda reason: None

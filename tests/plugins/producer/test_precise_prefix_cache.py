@@ -30,6 +30,8 @@ from epp.plugins.scorer.prefix_cache import PrefixCacheScorer
 from epp.prefix.kvindex import chain_keys
 from epp.prefix.kvwire import BlockStored
 from epp.prefix.tokenize import ModelTokenizer, Plan
+from epp.scheduling.config import load_config
+from epp.scheduling.registry import default_registry
 from epp.scheduling.runner import Scheduler
 from epp.sim import EngineConfig, SimulatedPool
 from epp.sim.config import KVEventsConfig
@@ -453,6 +455,7 @@ async def test_a_warm_turns_new_text_is_encoded_after_the_answer(models: Path) -
     pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
     producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
     whole = ModelTokenizer.from_dir(models / "org" / "tiny")  # no cache shared with the producer's
+    producer.data_consumed(frozenset())  # as startup says when no other plugin reads the ids
     try:
         first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
         request = _chat(first)
@@ -490,14 +493,18 @@ async def test_a_warm_turns_new_text_is_encoded_after_the_answer(models: Path) -
 
 
 async def test_a_plugin_that_consumes_the_token_ids_gets_them_before_the_pick(models: Path) -> None:
+    """Told nothing (a producer built outside a config), or told that a plugin consumes them, the producer
+    puts no ids off; told that none does, it may."""
     producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore([])))
     try:
-        producer.data_consumed(frozenset({"tokenized-prompt"}))  # as startup does for a consumer's declaration
         first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
         await producer.prepare_data(_chat(first))
-        request = _chat([*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more " * 90}])
-        await producer.prepare_data(request)
-        assert len(request.state[TOKENIZED_PROMPT]) > 0
+        for told, word in ((None, "more "), (frozenset({"tokenized-prompt", "x"}), "again ")):
+            if told is not None:
+                producer.data_consumed(told)  # as startup says for a consumer's declaration
+            request = _chat([*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": word * 90}])
+            await producer.prepare_data(request)
+            assert len(request.state[TOKENIZED_PROMPT]) > 0
         producer.data_consumed(frozenset({"something-else"}))
         request = _chat([*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "then " * 90}])
         await producer.prepare_data(request)
@@ -506,11 +513,32 @@ async def test_a_plugin_that_consumes_the_token_ids_gets_them_before_the_pick(mo
         await _close(producer)
 
 
+def test_startup_tells_the_producer_whether_another_plugin_reads_the_token_ids(models: Path) -> None:
+    class Reader:
+        name = "reader"
+        consumes = (TOKENIZED_PROMPT,)
+
+        def score(self, request: InferenceRequest, candidates: list[Endpoint]) -> list[float]:
+            return [0.0] * len(candidates)
+
+    registry = default_registry()
+    registry.register("ids-reader", lambda name, parameters, handle: Reader(), source="tests")
+    parameters = json.dumps(_tokenizing(models))
+    for extra, defers in (("", True), ("- type: ids-reader\n", False)):
+        text = ("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
+                f"- type: precise-prefix-cache-producer\n  parameters: {parameters}\n{extra}"
+                "- type: prefix-cache-scorer\n- type: max-score-picker\n")  # fmt: skip
+        config = load_config(text, registry, Handle(Datastore([])))
+        producer = next(p for _, p in config.plugins.values() if isinstance(p, PrecisePrefixCacheProducer))
+        assert producer.tokenization is not None and producer.tokenization.defer is defers
+
+
 async def test_a_deferred_prompt_whose_ids_do_not_start_as_known_is_chained_whole(models: Path) -> None:
     """The reused start is what the ids start with unless the text proved unstable (then it is encoded
     whole, and may differ): the in-flight keys are then chained from the ids themselves."""
     pods = [Endpoint("pod-a", "127.0.0.1", 8000)]
     producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
+    producer.data_consumed(frozenset())  # as startup says when no other plugin reads the ids
     try:
         first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
         request = _chat(first)
@@ -537,6 +565,7 @@ async def test_a_warm_turn_whose_known_start_two_pods_hold_is_encoded_before_the
     """Both hold all the known start: the new text could tell them apart, so it is encoded at once."""
     pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
     producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
+    producer.data_consumed(frozenset())  # as startup says when no other plugin reads the ids
     try:
         first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
         request = _chat(first)
