@@ -81,8 +81,9 @@ Run: ``python bench/precise_routing.py`` (about 22 minutes for six workloads and
 the 2-core development machine), ``--workloads p,u,h`` for the three, ``--quick`` for a smoke run,
 ``--rounds N`` to run each (workload, policy) N times and report medians (the policies' order rotated
 each round), ``POLICY@PATH`` (``precise@/tmp/py-old``) to run a picker policy under another interpreter
-(a wrapper that puts another checkout first: two trees side by side in one run), ``--precise-weights P,Q,K`` to give the precise profile other scorer weights (prefix,
-queue, KV cache; 5,2,2 by default, as ``deploy/config/precise-prefix-cache.yaml``: see the results below).
+(a wrapper that puts another checkout first: two trees side by side in one run), ``--precise-weights
+P,Q,K`` to give the precise profile other scorer weights (prefix, queue, KV cache; 5,2,2 by default, as
+``deploy/config/precise-prefix-cache.yaml``: see the results below).
 Results are quoted in ``plugins/producer/precise_prefix_cache.py``'s docstring; the latest, one
 side-by-side run on a quiet machine (at d0c9e3f, 1,324 s): precise reached **98.7% of
 the oracle on u** (approximate 87.9%, the peers 75-77%), 92.0% on p (approximate 92.8%, the peers
