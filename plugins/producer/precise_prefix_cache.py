@@ -566,9 +566,13 @@ class _Tokenization:
         finally:
             if self._observe_local is not None:
                 self._observe_local(loop.time() - started)
-            due = tokenizer.pop_audit()
-            if due is not None:
-                self._pool().submit(tokenizer.audit, *due)
+            self._audit(tokenizer)
+
+    def _audit(self, tokenizer: ModelTokenizer) -> None:
+        """Hand a due audit (a warm result checked against a whole tokenization) to the threads."""
+        due = tokenizer.pop_audit()
+        if due is not None:
+            self._pool().submit(tokenizer.audit, *due)
 
     def finish(self, deferred: _Deferred) -> np.ndarray | None:
         """The ids of a deferred prompt, its rest encoded now (on the calling thread)."""
@@ -578,9 +582,7 @@ class _Tokenization:
             self._fallback("unsupported")
             return None
         finally:
-            due = deferred.tokenizer.pop_audit()
-            if due is not None:
-                self._pool().submit(deferred.tokenizer.audit, *due)
+            self._audit(deferred.tokenizer)
 
     async def close(self) -> None:
         if self.remote is not None:
@@ -795,10 +797,9 @@ class PrecisePrefixCacheProducer:
         if deferred is not None:
             known = deferred.known
             estimated = deferred.plan.estimated
-            keys, matched, precise, block_size = self._lookup(request, known, estimated)
+            keys, matched, precise, block_size, blocks = self._lookup(request, known, estimated)
             holders = sum(1 for run in matched.values() if run >= len(keys))
             if keys and holders < 2:  # the rest cannot change who holds the most (see "A warm turn's new text")
-                blocks = max(len(keys), min(estimated, self.parameters.approximate.max_prefix_tokens) // block_size)
                 self.deferred += 1
                 request.state[_LOOKUP] = (keys, precise, block_size)
                 request.state[PREFIX_MATCH] = PrefixMatch(blocks, matched, block_size)
@@ -807,9 +808,9 @@ class PrecisePrefixCacheProducer:
             token_ids = self._finish(request, deferred)
         if token_ids is None or not len(token_ids):
             return  # the approximate match stands for every pod
-        keys, matched, precise, block_size = self._lookup(request, token_ids, len(token_ids))
+        keys, matched, precise, block_size, blocks = self._lookup(request, token_ids, len(token_ids))
         request.state[_LOOKUP] = (keys, precise, block_size)
-        request.state[PREFIX_MATCH] = PrefixMatch(len(keys), matched, block_size)
+        request.state[PREFIX_MATCH] = PrefixMatch(blocks, matched, block_size)
 
     def _finish(self, request: InferenceRequest, deferred: _Deferred) -> np.ndarray | None:
         assert self.tokenization is not None
@@ -828,13 +829,15 @@ class PrecisePrefixCacheProducer:
 
     def _lookup(
         self, request: InferenceRequest, token_ids: Sequence[int] | np.ndarray, tokens: int
-    ) -> tuple[list[int], dict[str, int], dict[str, int], int]:
+    ) -> tuple[list[int], dict[str, int], dict[str, int], int, int]:
         """The request's keys in the reference block size, each endpoint's match (in those blocks), the
-        matches the events gave, and that block size. ``tokens``: the prompt's length, which the
-        approximate matches of pods without events are scaled to (``token_ids`` may be its start)."""
+        matches the events gave, that block size, and the prompt's blocks in it. ``tokens``: the prompt's
+        length (``token_ids`` may be its start: then the keys are fewer than its blocks), to which the
+        approximate matches of pods without events are scaled."""
         p = self.parameters
         sizes = sorted(self.index.block_sizes()) or [p.block_size]
         block_size = sizes[0]
+        blocks = 0
         matched: dict[str, int] = {}
         precise: dict[str, int] = {}
         keys: list[int] = []
@@ -842,9 +845,9 @@ class PrecisePrefixCacheProducer:
             size_keys = self._keys(request, token_ids, size)
             if size == block_size:
                 keys = size_keys
+                blocks = max(len(keys), min(tokens, p.approximate.max_prefix_tokens) // block_size)
                 approx = request.state.get(PREFIX_MATCH)
                 if approx is not None and keys:
-                    blocks = max(len(keys), min(tokens, p.approximate.max_prefix_tokens) // block_size)
                     for name in approx.matched:  # pods the events do not cover keep the approximate match
                         matched[name] = int(approx.share(name) * blocks)
                 for pod in self.index.pods():
@@ -856,7 +859,7 @@ class PrecisePrefixCacheProducer:
                 if run > matched.get(name, 0):
                     matched[name] = precise[name] = run
         self._add_in_flight(keys, matched)
-        return keys, matched, precise, block_size
+        return keys, matched, precise, block_size, blocks
 
     def _add_in_flight(self, keys: list[int], matched: dict[str, int]) -> None:
         """Extend each endpoint's match by the blocks it is computing for requests sent to it."""
