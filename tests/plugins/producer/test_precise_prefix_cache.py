@@ -441,6 +441,18 @@ async def test_without_local_files_the_engine_is_asked_and_a_slow_one_is_cut_off
         await _close(producer)
 
 
+# A conversation's first turn, as the tests of a warm next turn begin it.
+_TURN1 = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
+
+
+def _deferring(models: Path, pods: list[Endpoint]) -> PrecisePrefixCacheProducer:
+    """A producer that may put a warm turn's new text off: told, as startup tells it of a config where no
+    other plugin reads the token ids."""
+    producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
+    producer.data_consumed(frozenset())
+    return producer
+
+
 def _holds(producer: PrecisePrefixCacheProducer, hostport: str, ids: np.ndarray) -> int:
     """``hostport``'s pod reports the full blocks of ``ids`` stored; returns how many."""
     n = len(ids) // BS
@@ -453,11 +465,10 @@ async def test_a_warm_turns_new_text_is_encoded_after_the_answer(models: Path) -
     cache; the new message is encoded in pre_request (after the pick's answer), and the in-flight blocks
     and the ids are then the whole prompt's, exactly as encoding it first would give."""
     pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
-    producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
+    producer = _deferring(models, pods)
     whole = ModelTokenizer.from_dir(models / "org" / "tiny")  # no cache shared with the producer's
-    producer.data_consumed(frozenset())  # as startup says when no other plugin reads the ids
     try:
-        first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
+        first = _TURN1
         request = _chat(first)
         await producer.prepare_data(request)
         assert producer.deferred == 0  # cold: encoded before the lookup
@@ -497,7 +508,7 @@ async def test_a_plugin_that_consumes_the_token_ids_gets_them_before_the_pick(mo
     puts no ids off; told that none does, it may."""
     producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore([])))
     try:
-        first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
+        first = _TURN1
         await producer.prepare_data(_chat(first))
         for told, word in ((None, "more "), (frozenset({"tokenized-prompt", "x"}), "again ")):
             if told is not None:
@@ -537,10 +548,9 @@ async def test_a_deferred_prompt_whose_ids_do_not_start_as_known_is_chained_whol
     """The reused start is what the ids start with unless the text proved unstable (then it is encoded
     whole, and may differ): the in-flight keys are then chained from the ids themselves."""
     pods = [Endpoint("pod-a", "127.0.0.1", 8000)]
-    producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
-    producer.data_consumed(frozenset())  # as startup says when no other plugin reads the ids
+    producer = _deferring(models, pods)
     try:
-        first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
+        first = _TURN1
         request = _chat(first)
         await producer.prepare_data(request)
         _holds(producer, "127.0.0.1:8000", request.state[TOKENIZED_PROMPT])
@@ -564,10 +574,9 @@ async def test_a_deferred_prompt_whose_ids_do_not_start_as_known_is_chained_whol
 async def test_a_warm_turn_whose_known_start_two_pods_hold_is_encoded_before_the_lookup(models: Path) -> None:
     """Both hold all the known start: the new text could tell them apart, so it is encoded at once."""
     pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
-    producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
-    producer.data_consumed(frozenset())  # as startup says when no other plugin reads the ids
+    producer = _deferring(models, pods)
     try:
-        first = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
+        first = _TURN1
         request = _chat(first)
         await producer.prepare_data(request)
         turn1 = request.state[TOKENIZED_PROMPT]
