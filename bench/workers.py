@@ -110,6 +110,7 @@ def _label(workers: int) -> str:
 
 class _Routed:
     destination = "10.0.0.1:8000"
+    scores = None
     primary = type("P", (), {"name": "10.0.0.1:8000"})()
     request = type("R", (), {"priority": 0})()
 
@@ -132,7 +133,7 @@ class _Instant:
     base_models: frozenset[str] = frozenset()
     metrics = None
 
-    async def route(self, request: Any, subset: Any = None, trace: Any = None) -> _Routed:
+    async def route(self, request: Any, subset: Any = None, trace: Any = None, after: Any = None) -> _Routed:
         return _Routed()
 
 
