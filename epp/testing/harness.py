@@ -130,13 +130,38 @@ class PickerProcess:
             self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=environment
         )
         deadline = time.monotonic() + timeout
+        retries = 3
         while self.health("readiness") != health_pb2.HealthCheckResponse.SERVING:
             if self.process.poll() is not None:
+                if retries and self._move_taken_port():
+                    retries -= 1
+                    self._log.close()
+                    os.unlink(self._log.name)
+                    self._log = _new_log()
+                    self.process = subprocess.Popen(
+                        self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=environment
+                    )
+                    continue
                 raise RuntimeError(f"the picker exited with status {self.process.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"the picker was not ready in {timeout}s:\n{self.log_tail()}")
             time.sleep(0.05)
+
+    def _move_taken_port(self) -> bool:
+        """After an exit because another process took a port between :func:`free_port` and the bind:
+        a new port for the health or metrics listener (nobody else was told those). False for the
+        gRPC port (Envoy was configured with it) or any other failure."""
+        tail = self.log_tail()
+        if "Address already in use" not in tail:
+            return False
+        for flag, attribute in (("--grpc-health-port", "health_port"), ("--metrics-port", "metrics_port")):
+            if f"{flag} " in tail:
+                port = free_port()
+                self.args[self.args.index(flag) + 1] = str(port)
+                setattr(self, attribute, port)
+                return True
+        return False
 
     def health(self, service: str = "") -> int:
         """The health status of ``service`` on the health port (UNKNOWN when unreachable)."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
+from grpc_health.v1 import health_pb2
 
 from epp.testing.envoy import free_port
 from epp.testing.harness import PickerProcess
@@ -40,3 +42,26 @@ def test_a_second_picker_on_a_taken_port_stops_naming_the_flag(first: PickerProc
     assert f"cannot start: {flag} {taken}: cannot listen on 127.0.0.1:{taken}" in second.stderr
     assert "Traceback" not in second.stderr
     assert first.process is not None and first.process.poll() is None  # the first one is untouched
+
+
+def test_the_harness_moves_a_listener_whose_port_was_taken_before_the_picker_bound_it() -> None:
+    """free_port() then the bind is a race another process can win (a bench lost a 6-minute run so): the
+    health and metrics ports are the harness's own to change; the gRPC port, which Envoy was given, is not."""
+    picker = PickerProcess(["127.0.0.1:1"], extra_args=["--scrape-metrics=false"])
+    taken = picker.health_port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        picker.start()
+        try:
+            assert picker.health_port != taken
+            assert picker.health() == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            picker.stop()
+    picker = PickerProcess(["127.0.0.1:1"], extra_args=["--scrape-metrics=false"])
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", picker.grpc_port))
+        squatter.listen()
+        with pytest.raises(RuntimeError, match="--grpc-port"):
+            picker.start()
+    picker.stop()
