@@ -5,8 +5,9 @@
 Each request goes the way the picker takes it: ``parse_request`` (the body decoded once, as for every
 request), then ``precise-prefix-cache-producer``'s ``prepare_data`` (the prompt's token ids from the
 model's files: HF ``tokenizers`` and the chat template; bodies over 32 KiB on its worker thread) and
-``produce`` (the approximate index's hashing and lookup, the ids cut into 16-token blocks and
-chained, the precise index's lookup, with one pod holding the conversation's earlier blocks), then
+``produce`` (the ids cut into 16-token blocks and chained, the precise index's lookup: two pods whose
+events are followed, one holding the conversation's earlier blocks; before 2026-12-04 the other
+published nothing, so the approximate index's hashing and lookup ran too, and its add after), then
 ``pre_request`` as once the pick's answer is written (the in-flight bookkeeping, and since a warm
 turn's new text waits for it, that text's encoding: see the producer's "A warm turn's new text").
 CPU is ``time.process_time()`` (every thread of the process), the median of ``--runs`` requests, each
@@ -140,6 +141,8 @@ class Picker:
         })  # fmt: skip
         self.producer = PrecisePrefixCacheProducer("precise", parameters, Handle(Datastore([POD, OTHER])))
         self.producer.data_consumed(frozenset())  # as startup says of a config where no other plugin reads the ids
+        for pod in (POD, OTHER):  # both publish events (an empty batch: followed, holding nothing yet)
+            self.producer.index.apply(pod.hostport, [])
         self.tokenizer = self.producer.tokenization.local[""]  # type: ignore[union-attr]
 
     def headers(self, path: str) -> dict[str, str]:

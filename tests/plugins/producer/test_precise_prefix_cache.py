@@ -122,6 +122,39 @@ async def test_binding_a_pod_that_published_before_it_connected_is_caught_up_fro
         await producer.close()
 
 
+def test_the_approximate_index_is_left_out_while_every_candidate_publishes() -> None:
+    """Its answer would be dropped for every pod: not looked up, not fed. A candidate whose events are
+    not followed brings it back, for that pod's match and for what is sent there."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
+    producer = PrecisePrefixCacheProducer(
+        "p", PreciseParameters("p", {"tokenProcessorConfig": {"blockSize": BS}, "blockSizeTokens": BS}),
+        Handle(Datastore(pods)), tokenizer=_tokens,
+    )  # fmt: skip
+    looked_up: list[str] = []
+    approximate_produce = producer.approximate.produce
+    producer.approximate.produce = lambda r, c: (looked_up.append(r.prompt), approximate_produce(r, c))[1]  # type: ignore[method-assign]
+    ids = _tokens(_ask("a prompt both pods have seen parts of"))
+    n = len(ids) // BS
+    producer.index.apply("127.0.0.1:8000", [BlockStored(list(range(1, n + 1)), None, ids[: n * BS], BS)])
+    producer.index.apply("127.0.0.2:8000", [BlockStored([101], None, ids[:BS], BS)])
+
+    def route(prompt: str, to: Endpoint) -> InferenceRequest:
+        request = _ask(prompt)
+        producer.produce(request, pods)
+        producer.pre_request(request, SchedulingResult({"default": [to]}, "default"))
+        return request
+
+    request = route("a prompt both pods have seen parts of", pods[1])
+    assert request.state[PREFIX_MATCH].matched == {"pod-a": n, "pod-b": 1}
+    assert looked_up == [] and len(producer.approximate.index) == 0  # neither consulted nor fed
+
+    producer.index.mark_unknown("127.0.0.2:8000")  # a hole in pod-b's stream: its match is the approximate one
+    route("what the picker sends pod-b now", pods[1])
+    request = route("what the picker sends pod-b now", pods[0])
+    assert looked_up == ["what the picker sends pod-b now"] * 2
+    assert request.state[PREFIX_MATCH].matched["pod-b"] > 0  # the approximate index learned the first one
+
+
 def test_without_a_tokenizer_the_approximate_match_stands() -> None:
     pods = [Endpoint("pod-a", "127.0.0.1", 8000)]
     producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", {"blockSizeTokens": BS}), Handle(Datastore(pods)))
