@@ -24,6 +24,14 @@ extra keys in a Python loop) was ~1.3 ms short of a base-model request's on the 
 right on the code of that day (30b7ddf): warm 100k chat 6.38 ms in all, "produce" 2.29 ms. With the
 lookup walk in C (``_native.KeyMasks``) and extra keys chained a run at a time: "Now", at the end.
 
+``--trace-sessions N`` also runs the first N sessions of ``bench/routing_quality.py``'s workload b
+(multi-turn chat, each session its own system prompt) turn by turn, each prompt then held by pod-a,
+and prints the means per request of first turns (cold) and later ones. Side by side with 81a9a1e
+(``--sizes 2000 --runs 3 --trace-sessions 150``, three alternations, at the commit that added it):
+first turns before the answer 0.44 / 0.40 / 0.41 ms against 1.76 / 2.00 / 1.78 (a cold prompt's
+head: the producer's docstring), in all 2.09 / 1.97 / 1.97 against 1.96 / 2.19 / 1.96; later turns
+0.86 / 0.84 / 0.83 ms in all against 1.01 / 1.12 / 1.03 (the approximate index left out).
+
 Workloads:
   * chat, **warm**: a conversation whose previous turn the picker has already seen (that request,
     up to its last user message, went through the same path first); measured: the next turn (the
@@ -227,11 +235,38 @@ def profile_warm(picker: Picker, tokens: int) -> None:
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
 
 
+def measure_trace(picker: Picker, sessions: int) -> dict[str, dict[str, float]]:
+    """Workload b of ``bench/routing_quality.py`` (multi-turn chat: a 256-1024-token system prompt of
+    its own per session, 3-8 turns), its first ``sessions`` sessions' turns in order, each turn's
+    prompt then held by pod-a (as its events would say once it prefilled): per request, first turns
+    (cold) and later ones (warm) apart."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # (bench/ is not a package; PYTHONSAFEPATH may be set)
+    import routing_quality
+
+    workload = routing_quality.make_workload("b", routing_quality.Options())
+    parts: dict[str, dict[str, list[float]]] = {"b first turns": {}, "b later turns": {}}
+    loop = asyncio.new_event_loop()
+    try:
+        for item in workload.items[:sessions]:
+            for i, turn in enumerate(item.turns):
+                messages = [{"role": role, "content": content} for role, content in turn.messages]
+                request = loop.run_until_complete(picker.request(
+                    "/v1/chat/completions", chat_body(messages), parts["b first turns" if i == 0 else "b later turns"]))
+                picker.hold(request)
+    finally:
+        loop.close()
+    return {k: {part: statistics.mean(v) for part, v in p.items()} | {"n": len(p["total"])} for k, p in parts.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--sizes", default="8000,100000")
     parser.add_argument("--profile", action="store_true", help="profile one warm chat request of the largest size")
+    parser.add_argument("--trace-sessions", type=int, default=0,
+                        help="also run this many sessions of routing_quality's workload b (means per request)")
     parser.add_argument("--template", default="chatml-tools", choices=sorted(TEMPLATES),
                         help="the chat template (epp.testing.tokenizer.TEMPLATES)")
     args = parser.parse_args(argv)
@@ -245,6 +280,12 @@ def main(argv: list[str] | None = None) -> None:
             for name, parts in table.items():
                 print(f"  {name:18} {parts['parse']:8.2f} {parts['tokenize']:9.2f} {parts['produce']:8.2f}"
                       f" {parts['path']:8.2f} {parts['after']:8.2f} {parts['total']:8.2f}")  # fmt: skip
+        if args.trace_sessions:
+            print(f"workload b, {args.trace_sessions} sessions, CPU ms per request (means):")
+            print(f"  {'turns':18} {'n':>5} {'parse':>8} {'tokenize':>9} {'produce':>8} {'path':>8} {'after':>8} {'total':>8}")
+            for name, mean in measure_trace(picker, args.trace_sessions).items():
+                print(f"  {name:18} {mean['n']:5.0f} {mean['parse']:8.2f} {mean['tokenize']:9.2f} {mean['produce']:8.2f}"
+                      f" {mean['path']:8.2f} {mean['after']:8.2f} {mean['total']:8.2f}")  # fmt: skip
         stats = picker.tokenizer.stats()
         print(f"tokenizer: {stats.cache_hits} prefix hits, {stats.reused_tokens} tokens reused, "
               f"{stats.encoded_tokens} encoded, cache {stats.cache_bytes / 2**20:.1f} MiB, "

@@ -73,6 +73,21 @@ difference turns the reuse off for this tokenizer and is counted (``audit_mismat
 Completions prompts reuse the same cache when they contain added tokens (a pre-rendered chat); plain
 text has no cut points and is tokenized whole each time.
 
+A cold prompt's head
+--------------------
+A prompt the cache has nothing of (or under :data:`_HEAD_TOKENS` of: every chat shares its first
+token or two) still says something before it is encoded whole: its *head*, the text's first 512
+bytes cut at their last space, encoded alone, its last :data:`_HEAD_MARGIN` ids dropped, becomes the
+plan's ``known`` start, with ``Plan.head`` set. Pre-tokenizers split text at whitespace and BPE
+merges stay inside the pieces, so ids far from the cut are the whole's; the caller checks that
+they are once it has the whole (the precise producer counts a difference). What the head is for: a
+precise lookup needs a prompt's first block before anything else (keys are chained), and when no
+pod holds that block, no pod holds any of the prompt, which the whole encoding would only confirm
+(:mod:`epp.plugins.producer.precise_prefix_cache`, "A cold prompt's head"). Only prompts of
+:data:`_HEAD_MIN_BYTES` or more get a head (shorter ones cost less to encode than a head and a
+second lookup), and only when the head's second half has a space (a long word, or a script written
+without spaces, gets none).
+
 Costs (``python bench/tokenize_cost.py``, CPU, 2 shared cores): a cold 100k-token prompt ~150-170 ms
 (HF tokenizers, ~1.5 µs a token; off the event loop, on the producer's threads); a warm 100k-token
 conversation turn 2.8-3.8 ms (decoding 0.5, rendering 0.2-1.6 by template, lookup 0.2, encoding
@@ -115,6 +130,10 @@ _SPECIAL_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 _PROBE_LAST = 32  # cut points probed from the end: a new turn adds a handful
 _PROBE_FIRST = 8  # and from the start: a system prompt shared by many conversations
 _INSERT_LAST = 4
+_HEAD_BYTES = 512  # a cold prompt's head: its first bytes up to the last space among them
+_HEAD_MIN_BYTES = 2048  # shorter prompts cost less to encode than a head and a second lookup
+_HEAD_MARGIN = 8  # the head's last ids, near its cut, are not used
+_HEAD_TOKENS = 32  # nor a head (or a reused prefix, for this purpose) of fewer ids than that
 _INSERT_FIRST = 8
 _ENTRY_BYTES = 200  # an entry's own bookkeeping (dict slot, key, object), counted against the bound
 _DOC_BYTES = 100
@@ -441,15 +460,15 @@ class ModelTokenizer:
         with self._stats_lock:
             self._stats.requests += 1
         cuts = self._cuts
-        if cuts is None or not self._incremental or self._cache.capacity <= 0:
-            return Plan(len(text), lambda: self._encode(text))
         data = text.encode("utf-8", "surrogatepass")
+        if cuts is None or not self._incremental or self._cache.capacity <= 0:
+            return self._with_head(Plan(len(data), lambda: self._encode(text)), data)
         view = memoryview(data)
         # The last cut points first, found in a window at the end (a new turn adds a handful): a warm
         # request never scans the whole text. Their digests come from one pass over the text.
         tail = self._tail_marks(data)
         if not tail:
-            return Plan(len(text), lambda: self._encode(text))
+            return self._with_head(Plan(len(data), lambda: self._encode(text)), data)
         digests = _digests(view, [end for _, end in tail])
         for i in range(len(tail) - 1, -1, -1):
             found = self._usable(digests[i])
@@ -461,7 +480,23 @@ class ModelTokenizer:
             found = self._usable(xxhash.xxh3_128_intdigest(view[: marks[i][1]]))
             if found is not None:
                 return self._warm_plan(text, data, marks, (i, *found), None)
-        return Plan(len(data), lambda: self._whole(text, data, marks))
+        return self._with_head(Plan(len(data), lambda: self._whole(text, data, marks)), data)
+
+    def _with_head(self, plan: Plan, data: bytes) -> Plan:
+        """``plan`` with its text's head as its known start (see "A cold prompt's head"), when the text
+        is long enough to be worth it and its head splits at a space into enough tokens."""
+        if len(data) < _HEAD_MIN_BYTES:
+            return plan
+        window = data[:_HEAD_BYTES]
+        cut = max(window.rfind(b" "), window.rfind(b"\n"))
+        if cut < _HEAD_BYTES // 2:
+            return plan  # no space in the head's second half: a long word, or a script written without
+        ids = self._encode(window[:cut].decode("utf-8", "surrogatepass"))  # (an ASCII byte: a boundary)
+        kept = ids[: len(ids) - _HEAD_MARGIN]
+        if len(kept) < _HEAD_TOKENS:
+            return plan
+        plan.known, plan.estimated, plan.head = kept, round(len(data) * len(ids) / cut), True
+        return plan
 
     def _warm_plan(
         self, text: str, data: bytes, marks: list[tuple[int, int]], hit: tuple[int, _Doc, int], digests: _Digests
@@ -469,8 +504,9 @@ class ModelTokenizer:
         index, doc, ntok = hit
         through = marks[index][1]  # the reused prefix's bytes, its cut token included
         estimated = ntok + round((len(data) - through) * ntok / through)
-        return Plan(len(data) - marks[index][0], lambda: self._extend(text, data, marks, hit, digests),
+        plan = Plan(len(data) - marks[index][0], lambda: self._extend(text, data, marks, hit, digests),
                     doc.ids[:ntok], estimated)  # fmt: skip
+        return plan if ntok >= _HEAD_TOKENS else self._with_head(plan, data)  # (a shared first token or so)
 
     def _tail_marks(self, data: bytes) -> list[tuple[int, int]]:
         """The cut points of the text's last window holding more than :data:`_PROBE_LAST` of them (or of
@@ -643,7 +679,9 @@ class ModelTokenizer:
         if content.known is not None and keep is None:
             known = np.concatenate((self._head, content.known)) if add and len(self._head) else content.known
             estimated = content.estimated + ((len(self._head) + len(self._tail)) if add else 0)
-        return Plan(content.pending, lambda: self._truncated(content.finish(), add, keep, side), known, estimated)
+        finish = content.finish
+        return Plan(content.pending, lambda: self._truncated(finish(), add, keep, side), known, estimated,
+                    content.head and known is not None)  # fmt: skip
 
     def chat_text(self, messages: Sequence[Any], options: ChatOptions | None = None) -> str:
         """The text the chat template renders (see :func:`epp.prefix.chat.render_chat`)."""
@@ -746,17 +784,28 @@ class Plan:
     before a text; None for a cold or truncated prompt), and ``estimated``, the prompt's whole length
     in tokens at the known part's bytes per token. ``finish`` returns ids that start with ``known``
     (the cut points are checked at load to split so; a text that does not is encoded whole, and
-    counted in ``unstable``)."""
+    counted in ``unstable``).
 
-    __slots__ = ("_finish", "estimated", "known", "pending")
+    ``head``: ``known`` is not a reused prefix but the ids of the text's first few hundred bytes,
+    encoded on their own (a cold prompt, or one whose reused prefix is under a block: see "A cold
+    prompt's head"). Those ids are the whole's start in all but odd texts (a word longer than the
+    head); the caller checks once it has the whole."""
+
+    __slots__ = ("_finish", "estimated", "head", "known", "pending")
 
     def __init__(
-        self, pending: int, finish: Callable[[], np.ndarray], known: np.ndarray | None = None, estimated: int = 0
+        self,
+        pending: int,
+        finish: Callable[[], np.ndarray],
+        known: np.ndarray | None = None,
+        estimated: int = 0,
+        head: bool = False,
     ) -> None:
         self.pending = pending
         self._finish = finish
         self.known = known
         self.estimated = estimated
+        self.head = head
 
     def finish(self) -> np.ndarray:
         return self._finish()

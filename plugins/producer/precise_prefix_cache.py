@@ -114,10 +114,10 @@ picker: the previous answer's few blocks), which only makes it look less attract
 another pod more; the prompt's length in blocks, the score's denominator, is estimated at the known
 start's bytes per token. When two or more pods hold all the known start, the new text could tell them
 apart: it is encoded at once and the lookup is exact. New text under 256 bytes is always encoded at
-once (it costs less than a lookup), and so is a cold prompt (nothing known) or a truncated one. When
-another configured plugin declares that it consumes ``TOKENIZED_PROMPT`` (startup tells the producer:
-``data_consumed``), nothing is put off: the ids are there before the pick, as that plugin expects; a
-producer built outside a config (nobody told it) puts nothing off either.
+once (it costs less than a lookup), and so is a truncated prompt, or a cold one without a head
+(below). When another configured plugin declares that it consumes ``TOKENIZED_PROMPT`` (startup tells
+the producer: ``data_consumed``), nothing is put off: the ids are there before the pick, as that
+plugin expects; a producer built outside a config (nobody told it) puts nothing off either.
 ``epp_tokenize_deferred_requests`` counts the requests looked up so; ``epp_tokenize_duration_seconds``
 times what ran before the lookup. Measured side by side with the code before (624342e, run
 as ``precise@PATH``: ``python bench/precise_routing.py --workloads b --policies
@@ -129,6 +129,20 @@ ms against +4.0 (approximate +2.4); hit rates 100% of the oracle either way. The
 another place (``python bench/tokenize_cost.py``, warm 100k-token chat, three alternations: before
 the answer 4.66 / 5.07 / 4.32 ms against 7.10 / 6.64 / 7.86, in all 6.96 / 7.37 / 6.91 against 7.22 /
 6.80 / 8.13 on a busy machine).
+
+A cold prompt's head. A long prompt the tokenizer has nothing of is planned with its head's ids as its
+known start (``Plan.head``: its first ~500 bytes encoded alone, see :mod:`epp.prefix.tokenize`). Keys
+are chained, so a pod that does not hold a prompt's first block holds none of it: when no pod (nor
+what is in flight to one) holds the head's first block, every match is 0, exactly what the whole
+ids would give, and the whole is encoded in ``pre_request``, after the answer. When any pod holds
+it, the rest is encoded at once and the lookup is exact, as before: a head says nothing of how much
+more of the prompt that pod holds. Once the whole ids are there, they are checked to start with the
+head; a difference (``epp_tokenize_head_mismatches``: none in the tests' tokenizers, over random
+texts) means the lookup may have missed a holder. Prompts over 16 KiB of text to encode still go
+to the threads before the pick. Over workload b's first turns (``python bench/tokenize_cost.py
+--trace-sessions 150``, side by side with 81a9a1e, three alternations, means): CPU before the answer
+0.40-0.44 ms a request against 1.76-2.00; in all 1.97-2.09 against 1.96-2.19 (the head's own
+encoding, ~0.1 ms, is within the runs' scatter).
 
 Measured, side by side in one run (``python bench/precise_routing.py``: 8 simulated pods publishing
 KV events, a real Envoy; 30 s of Poisson arrivals per run; 2 shared cores at load average ~10 from
@@ -668,7 +682,8 @@ class PrecisePrefixCacheProducer:
         self._endpoints: dict[str, Endpoint] = {}  # hostport -> endpoint
         self._on_reject: Callable[[str], None] | None = None
         self._on_lag: Callable[[float], None] | None = None
-        self.deferred = 0  # warm prompts looked up by their known start, the rest encoded after the answer
+        self.deferred = 0  # prompts looked up by their known start, the rest encoded after the answer
+        self.head_mismatches = 0  # cold prompts whose head's ids were not the start of their whole ids
         if handle is not None:
             self._export(handle)
             handle.pool.subscribe(self._pool_changed)
@@ -705,8 +720,10 @@ class PrecisePrefixCacheProducer:
         lag = m.histogram("epp_kv_event_batch_lag_seconds", "From a KV-event batch's publication to its application.",
                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0))  # fmt: skip
         self._on_lag = lag.observe
-        m.gauge_sum("epp_tokenize_deferred_requests", "Warm prompts looked up by their reused start, their new "
-                    "text encoded after the answer.", lambda: float(self.deferred))  # fmt: skip
+        m.gauge_sum("epp_tokenize_deferred_requests", "Prompts looked up by their reused start or head, the rest "
+                    "encoded after the answer.", lambda: float(self.deferred))  # fmt: skip
+        m.gauge_sum("epp_tokenize_head_mismatches", "Cold prompts whose head, encoded alone, did not start their "
+                    "ids.", lambda: float(self.head_mismatches))  # fmt: skip
 
     def _stored(self, pod: str, keys: list[int]) -> None:
         name = self._names.get(pod.split("@", 1)[0])
@@ -815,13 +832,16 @@ class PrecisePrefixCacheProducer:
             known = deferred.known
             estimated = deferred.plan.estimated
             keys, matched, precise, block_size, blocks = self._lookup(request, known, estimated, approx)
-            holders = sum(1 for run in matched.values() if run >= len(keys))
-            if keys and holders < 2:  # the rest cannot change who holds the most (see "A warm turn's new text")
+            if deferred.plan.head:  # nobody holds its first block: nobody holds any (see "A cold prompt's head")
+                wait = any(run > 0 for run in matched.values())
+            else:  # the rest cannot change who holds the most (see "A warm turn's new text")
+                wait = sum(1 for run in matched.values() if run >= len(keys)) >= 2
+            if keys and not wait:
                 self.deferred += 1
                 request.state[_LOOKUP] = (keys, precise, block_size)
                 request.state[PREFIX_MATCH] = PrefixMatch(blocks, matched, block_size)
                 return
-            del request.state[_DEFERRED]  # two holders of the whole known start: the rest may part them
+            del request.state[_DEFERRED]  # the rest may tell the holders apart: encoded before the pick
             token_ids = self._finish(request, deferred)
         if token_ids is None or not len(token_ids):
             return  # the approximate match stands for every pod
@@ -912,6 +932,8 @@ class PrecisePrefixCacheProducer:
             if lookup is not None and ids is not None:
                 known = deferred.known
                 same = len(ids) >= len(known) and bool(np.array_equal(ids[: len(known)], known))  # else: unstable
+                if not same and deferred.plan.head:
+                    self.head_mismatches += 1  # the lookup by the head may have missed a holder: counted
                 lookup = (self._keys(request, ids, lookup[2], lookup[0] if same else ()), lookup[1], lookup[2])
                 request.state[_LOOKUP] = lookup
         endpoints = result.endpoints

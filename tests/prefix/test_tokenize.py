@@ -253,3 +253,36 @@ def test_templates_render_the_same_text_from_either_place(tmp_path: Path) -> Non
     b = ModelTokenizer.from_dir(write_tokenizer_dir(tmp_path / "b", template="tiny", template_file=True))
     messages = [{"role": "user", "content": "x"}]
     assert a.chat_text(messages) == b.chat_text(messages) == "<|user|>\nx</s>\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("which", ["llama", "chatml"])
+def test_a_long_cold_prompt_knows_its_head_before_encoding_the_rest(which: str, llama_dir: Path,
+                                                                      chatml_dir: Path) -> None:  # fmt: skip
+    """A prompt the cache has nothing of, long enough, starts known as its head's ids (``Plan.head``): they
+    begin the whole's ids, whatever words and whitespace; short prompts and heads without a space have none."""
+    directory = llama_dir if which == "llama" else chatml_dir
+    tok = ModelTokenizer.from_dir(directory)
+    fresh = ModelTokenizer.from_dir(directory)
+    rng = random.Random(7)
+    separators = (" ", "  ", "\n", " \n", "\t", ", ", ". ")
+    for trial in range(24):
+        text = "".join(rng.choice(WORDS) + rng.choice(separators) for _ in range(rng.randrange(500, 900)))
+        if trial % 2:
+            body = json.dumps({"model": "m", "messages": [{"role": "system", "content": text},
+                                                           {"role": "user", "content": "q"}]}).encode()  # fmt: skip
+            api = "chat_completions"
+        else:
+            body, api = json.dumps({"model": "m", "prompt": text}).encode(), "completions"
+        before = tok.stats().encoded_tokens
+        plan = tok.plan(api, body)
+        assert plan.head and plan.known is not None and len(plan.known) >= 32
+        assert tok.stats().encoded_tokens - before < 200  # the head only, not the prompt
+        ids = plan.finish()
+        assert ids[: len(plan.known)].tolist() == plan.known.tolist()
+        assert ids.tolist() == fresh.request_ids(api, body).tolist()
+        assert abs(plan.estimated - len(ids)) < len(ids) / 3
+    short = json.dumps({"model": "m", "prompt": "few words " * 100}).encode()
+    no_space = json.dumps({"model": "m", "prompt": "x" * 4000}).encode()
+    for body in (short, no_space):
+        plan = tok.plan("completions", body)
+        assert plan.known is None and not plan.head

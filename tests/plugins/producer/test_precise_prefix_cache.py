@@ -671,3 +671,41 @@ def test_broken_tokenizer_files_stop_startup_naming_the_file(tmp_path: Path) -> 
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         PrecisePrefixCacheProducer("p", PreciseParameters("p", {"indexerConfig": {"tokenizersPoolConfig": {
             "local": {"autoDiscoveryDir": str(tmp_path)}}}}))  # fmt: skip
+
+
+async def test_a_long_cold_prompt_is_looked_up_by_its_head_and_encoded_after_the_answer_when_nobody_holds_it(
+    models: Path,
+) -> None:
+    """Keys are chained: a pod that does not hold a prompt's first block matches none of it. So a long
+    prompt the tokenizer has not seen is looked up by its head alone; when no pod holds the head's first
+    block every match is 0, as a lookup by the whole ids would say, and the whole is encoded after the
+    answer. A pod holding it (here: the prompt reached it without the picker) has it encoded at once."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
+    producer = _deferring(models, pods)
+    whole = ModelTokenizer.from_dir(models / "org" / "tiny")  # no cache shared with the producer's
+    rng = random.Random(11)
+    try:
+        for pod in pods:
+            producer.index.apply(pod.hostport, [])  # both publish; neither holds anything yet
+        system = {"role": "system", "content": " ".join(rng.choice(("route", "well", "pods", "cache")) for _ in range(600))}
+        request = _chat([system, {"role": "user", "content": "first"}])
+        await producer.prepare_data(request)
+        assert TOKENIZED_PROMPT not in request.state
+        producer.produce(request, pods)
+        assert producer.deferred == 1 and not any(request.state[PREFIX_MATCH].matched.values())
+        producer.pre_request(request, SchedulingResult({"default": [pods[1]]}, "default"))
+        ids = whole.request_ids("chat_completions", request.body)
+        assert request.state[TOKENIZED_PROMPT].tolist() == ids.tolist()
+        assert dict(producer.in_flight.holders(chain_keys(ids, BS, 0, len(ids) // BS)[-1])).keys() == {"pod-b"}
+
+        other = _chat([{**system, "content": "said straight to a pod " + system["content"]}, {"role": "user", "content": "x"}])
+        sent = whole.request_ids("chat_completions", other.body)
+        held = _holds(producer, "127.0.0.1:8000", sent[: len(sent) // 2])  # half of it, bypassing the picker
+        await producer.prepare_data(other)
+        producer.produce(other, pods)
+        assert producer.deferred == 1  # pod-a holds its first block: encoded before the pick, exact
+        assert other.state[TOKENIZED_PROMPT].tolist() == sent.tolist()
+        assert other.state[PREFIX_MATCH].matched == {"pod-a": held}
+        assert producer.head_mismatches == 0
+    finally:
+        await _close(producer)
