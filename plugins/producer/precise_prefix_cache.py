@@ -844,6 +844,8 @@ class PrecisePrefixCacheProducer:
             del request.state[_DEFERRED]  # the rest may tell the holders apart: encoded before the pick
             token_ids = self._finish(request, deferred)
         if token_ids is None or not len(token_ids):
+            if approx is None:  # (left out for ids that then failed to encode)
+                self.approximate.produce(request, candidates)
             return  # the approximate match stands for every pod
         keys, matched, precise, block_size, blocks = self._lookup(request, token_ids, len(token_ids), approx)
         request.state[_LOOKUP] = (keys, precise, block_size)

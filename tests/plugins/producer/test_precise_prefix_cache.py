@@ -709,3 +709,25 @@ async def test_a_long_cold_prompt_is_looked_up_by_its_head_and_encoded_after_the
         assert producer.head_mismatches == 0
     finally:
         await _close(producer)
+
+
+async def test_ids_that_fail_to_encode_before_the_pick_leave_the_approximate_match(models: Path) -> None:
+    """Every pod publishes, so the approximate index was left out; the deferred text then failed to
+    encode (the tokenizer refused it): the approximate match stands, as for any request without ids."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
+    producer = _deferring(models, pods)
+    rng = random.Random(5)
+    try:
+        for pod in pods:
+            producer.index.apply(pod.hostport, [])
+        text = " ".join(rng.choice(("route", "well", "pods")) for _ in range(700))
+        request = _chat([{"role": "system", "content": text}, {"role": "user", "content": "q"}])
+        await producer.prepare_data(request)
+        deferred = request.state[_DEFERRED]
+        _holds(producer, "127.0.0.1:8000", deferred.known)  # a pod holds its head: encoded before the pick...
+        producer._finish = lambda r, d: None  # type: ignore[method-assign]  # ...which the tokenizer refuses
+        producer.produce(request, pods)
+        match = request.state[PREFIX_MATCH]
+        assert match.block_tokens == producer.parameters.approximate.block_size_tokens  # the approximate one
+    finally:
+        await _close(producer)
