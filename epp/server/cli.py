@@ -526,7 +526,7 @@ def _serve(argv: Sequence[str]) -> int:
     from epp.server.server import StartupError, serve
 
     try:
-        _run(serve(settings))
+        _run(serve(settings, freeze=True))
     except (ConfigError, KubeConfigError) as exc:
         log.error("invalid configuration: %s", exc)
         return 2

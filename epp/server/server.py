@@ -67,6 +67,7 @@ from epp.scheduling.registry import load_registry
 from epp.server.debug import DebugViews
 from epp.server.metrics import Metrics, start_metrics_server
 from epp.server.metrics_auth import MetricsAuth
+from epp.server.process import freeze_startup_objects
 from epp.server.settings import Settings
 from epp.server.tls import (
     CertificateReloader,
@@ -501,10 +502,15 @@ def _tracing(settings: Settings) -> Tracing | None:
     return tracing
 
 
-async def serve(settings: Settings, *, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Run a picker until SIGTERM/SIGINT (or until ``shutdown_trigger()`` returns), then stop it gracefully."""
+async def serve(
+    settings: Settings, *, shutdown_trigger: Callable[[], Awaitable[None]] | None = None, freeze: bool = False
+) -> None:
+    """Run a picker until SIGTERM/SIGINT (or until ``shutdown_trigger()`` returns), then stop it gracefully.
+    ``freeze``: :func:`freeze_startup_objects` once it has started."""
     picker = EndpointPicker(settings)
     await picker.start()
+    if freeze:
+        freeze_startup_objects()
     if shutdown_trigger is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

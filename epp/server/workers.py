@@ -121,6 +121,7 @@ from epp.requestcontrol.owner import WorkerRequests
 from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics
 from epp.requestcontrol.tracing import Tracing
 from epp.server.logs import configure_logging
+from epp.server.process import freeze_startup_objects
 from epp.server.tls import CertificateReloader, apply_policy, server_ssl_context, ssl_context_from_pem, tls_policy
 from epp.wire.health import Health
 from epp.wire.server import GrpcServer
@@ -719,6 +720,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
     handoff.setblocking(False)
     loop.add_reader(handoff.fileno(), receive)
     watcher = loop.create_task(watch_connections())
+    freeze_startup_objects()  # (a worker is its own process)
     channel.send(ipc.Ready(os.getpid()))
     grace = await stop
     watcher.cancel()
