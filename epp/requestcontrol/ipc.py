@@ -240,6 +240,21 @@ worker_decoder = msgspec.msgpack.Decoder(list[OwnerMessage])
 _LENGTH = struct.Struct("!I")
 _encoder = msgspec.msgpack.Encoder()
 
+
+def _encodable(messages: list[msgspec.Struct]) -> list[msgspec.Struct]:
+    """``messages`` but those that do not encode (a programming error), each logged: a frame carries
+    many requests' messages, and a bad one lost them all (the other process then waited for answers
+    that never came)."""
+    kept = []
+    for message in messages:
+        try:
+            _encoder.encode(message)
+        except (TypeError, ValueError, OverflowError) as exc:
+            log.error("dropped a %s to the other process that does not encode: %s", type(message).__name__, exc)
+        else:
+            kept.append(message)
+    return kept
+
 LAZY_DELAY = 0.002
 """Seconds a posted message may wait for an urgent one to share its frame. The owner then sees a
 response's start and end up to 2 ms late: in-flight accounting and admission's wake-up by so much,
@@ -315,7 +330,11 @@ class Channel(asyncio.Protocol):
             self._out = []
             if transport is not None and not self.closed:
                 frame = bytearray(4)
-                _encoder.encode_into(out, frame, 4)
+                try:
+                    _encoder.encode_into(out, frame, 4)
+                except (TypeError, ValueError, OverflowError):  # one bad message must not take the others along
+                    frame = bytearray(4)
+                    _encoder.encode_into(_encodable(out), frame, 4)
                 _LENGTH.pack_into(frame, 0, len(frame) - 4)
                 transport.write(frame)
                 self.sent_frames += 1

@@ -523,3 +523,23 @@ async def test_the_owners_spans_join_the_workers_trace_under_its_orchestration_s
     finally:
         worker_tracing.shutdown()
         owner_tracing.shutdown()
+
+
+async def test_a_message_that_does_not_encode_is_dropped_alone_not_with_its_frame(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A frame carries every message of a loop turn: one the channel cannot encode (a programming
+    error, as a bench's stand-in once made) is logged and dropped; the route answered in the same
+    frame still arrives (it waited forever: the whole frame was lost)."""
+    pair = await connect(stack.director)
+    send = pair.owner.send
+
+    def with_a_bad_one(message: Any) -> None:
+        if isinstance(message, ipc.Routed):
+            send(ipc.Failed(0, object()))  # type: ignore[arg-type]  # queued in the same turn: one frame
+        send(message)
+
+    pair.owner.send = with_a_bad_one
+    routed = await asyncio.wait_for(pair.remote.route(request()), 5)
+    assert isinstance(routed, RemoteRouted)
+    assert "dropped a Failed to the other process that does not encode" in caplog.text
