@@ -22,7 +22,7 @@ async def _cli_reports(
     """What ``epp serve`` does when serving raises ``error``: its exit status and what it logs."""
     from epp.server.cli import main
 
-    async def serve(settings: object) -> None:
+    async def serve(settings: object, **options: object) -> None:
         raise error
 
     monkeypatch.setattr(epp.server.server, "serve", serve)
