@@ -825,9 +825,15 @@ class PrecisePrefixCacheProducer:
         token_ids = self._token_ids(request)
         deferred = request.state.get(_DEFERRED) if token_ids is None else None
         approx: PrefixMatch | None = None
-        if (deferred is None and (token_ids is None or not len(token_ids))) or not self._followed(candidates):
+        covered = self._covered()
+        if (deferred is None and (token_ids is None or not len(token_ids))) or not all(
+            endpoint.name in covered for endpoint in candidates
+        ):
             self.approximate.produce(request, candidates)  # (see "Pods without events")
             approx = request.state.get(PREFIX_MATCH)
+            if approx is not None and covered:  # pods the events cover take the precise match only
+                approx = PrefixMatch(approx.blocks, {n: b for n, b in approx.matched.items() if n not in covered},
+                                     approx.block_tokens)  # fmt: skip
         if deferred is not None:
             known = deferred.known
             estimated = deferred.plan.estimated
@@ -866,12 +872,11 @@ class PrecisePrefixCacheProducer:
                           lora_name=request.adapter or None, cache_salt=request.cache_salt or None,
                           known=known)  # fmt: skip
 
-    def _followed(self, candidates: Sequence[Endpoint]) -> bool:
-        """Whether every candidate's events are followed without a hole (the approximate index then has
-        nothing to say about any of them)."""
+    def _covered(self) -> set[str]:
+        """The endpoints whose events are followed without a hole (a DP rank's stream counts for its
+        endpoint): for them the approximate index has nothing to say."""
         index, names = self.index, self._names
-        covered = {names.get(pod.split("@", 1)[0], pod) for pod in index.pods() if index.known(pod)}
-        return all(endpoint.name in covered for endpoint in candidates)
+        return {names.get(pod.split("@", 1)[0], pod) for pod in index.pods() if index.known(pod)}
 
     def _lookup(
         self, request: InferenceRequest, token_ids: Sequence[int] | np.ndarray, tokens: int, approx: PrefixMatch | None
@@ -879,8 +884,8 @@ class PrecisePrefixCacheProducer:
         """The request's keys in the reference block size, each endpoint's match (in those blocks), the
         matches the events gave, that block size, and the prompt's blocks in it. ``tokens``: the prompt's
         length (``token_ids`` may be its start: then the keys are fewer than its blocks), to which
-        ``approx``, the approximate matches (None when every candidate publishes events), is scaled for
-        pods without events."""
+        ``approx``, the approximate matches of the pods whose events are not followed (None when every
+        candidate's are), is scaled."""
         p = self.parameters
         sizes = sorted(self.index.block_sizes()) or [p.block_size]
         block_size = sizes[0]
@@ -896,9 +901,6 @@ class PrecisePrefixCacheProducer:
                 if approx is not None and keys:
                     for name in approx.matched:  # pods the events do not cover keep the approximate match
                         matched[name] = int(approx.share(name) * blocks)
-                for pod in self.index.pods():
-                    if self.index.known(pod):
-                        matched.pop(self._names.get(pod.split("@", 1)[0], pod), None)
             for pod, (_, weighted) in self.index.match(size_keys).items():
                 name = self._names.get(pod.split("@", 1)[0], pod)  # a DP rank's stream counts for its endpoint
                 run = int(weighted * size / block_size + 1e-9)

@@ -155,6 +155,27 @@ def test_the_approximate_index_is_left_out_while_every_candidate_publishes() -> 
     assert request.state[PREFIX_MATCH].matched["pod-b"] > 0  # the approximate index learned the first one
 
 
+def test_a_pod_whose_events_are_followed_is_matched_by_them_even_where_the_approximate_index_says_more() -> None:
+    """In a mixed pool the approximate index runs, and remembers what the picker sent to every pod; for a
+    pod whose events are followed only the events count (here: it evicted most of what it was sent)."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]  # pod-b publishes nothing
+    producer = PrecisePrefixCacheProducer(
+        "p", PreciseParameters("p", {"tokenProcessorConfig": {"blockSize": BS}, "blockSizeTokens": BS, "inFlightTTL": "0s"}),
+        Handle(Datastore(pods)), tokenizer=_tokens,
+    )  # fmt: skip
+    prompt = "a prompt sent to pod-a, which then evicted all but its first block"
+    ids = _tokens(_ask(prompt))
+    producer.index.apply("127.0.0.1:8000", [])  # pod-a's events are followed
+    first = _ask(prompt)
+    producer.produce(first, pods)
+    producer.pre_request(first, SchedulingResult({"default": [pods[0]]}, "default"))  # the approximate index learns
+    producer.index.apply("127.0.0.1:8000", [BlockStored([1], None, ids[:BS], BS)])
+    again = _ask(prompt)
+    producer.produce(again, pods)
+    assert producer.approximate.index.lookup(again.state[producer.approximate._lookup].hashes).matches["pod-a"] > 1
+    assert again.state[PREFIX_MATCH].matched == {"pod-a": 1}
+
+
 def test_without_a_tokenizer_the_approximate_match_stands() -> None:
     pods = [Endpoint("pod-a", "127.0.0.1", 8000)]
     producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", {"blockSizeTokens": BS}), Handle(Datastore(pods)))
