@@ -301,10 +301,10 @@ _LOOKUP: StateKey[tuple[list[int], dict[str, int], int]] = StateKey("precise-pre
 # Text up to this many bytes is encoded on the event loop: ~3k tokens, ~3 ms (HF tokenizers runs at ~1 µs per
 # token here), where a thread hop costs ~0.1 ms; longer text is encoded on the worker threads.
 _INLINE_CHARS = 16 << 10
-# A warm prompt's rest of at least this many bytes (~64 tokens, ~0.1 ms to encode) may be encoded after the
-# answer (see "A warm turn's new text"); a shorter one is encoded at once.
+# A rest of at least this many bytes (~64 tokens, ~0.1 ms to encode) may be encoded after the answer (see
+# "A warm turn's new text" and "A cold prompt's head"); a shorter one is encoded at once.
 _DEFER_CHARS = 256
-# What is left of a warm prompt to encode after the answer: its plan, known start and tokenizer.
+# What is left of a prompt to encode after the answer: its plan, known start (or head) and tokenizer.
 _DEFERRED: StateKey[_Deferred] = StateKey("precise-prefix-cache/deferred")
 _TOKENIZED_APIS = {Api.COMPLETIONS: "completions", Api.CHAT_COMPLETIONS: "chat_completions"}
 
@@ -440,8 +440,8 @@ class TokenizerParameters:
 
 
 class _Deferred:
-    """A warm prompt whose known start is looked up before the rest is encoded (see "A warm turn's new
-    text")."""
+    """A prompt whose known start (a reused prefix, or a cold prompt's head) is looked up before the rest
+    is encoded (see "A warm turn's new text" and "A cold prompt's head")."""
 
     __slots__ = ("plan", "tokenizer")
 
@@ -930,7 +930,7 @@ class PrecisePrefixCacheProducer:
         self.approximate.pre_request(request, result)
         lookup = request.state.get(_LOOKUP)
         deferred = request.state.get(_DEFERRED)
-        if deferred is not None:  # the rest of a warm prompt, encoded now that the answer is written
+        if deferred is not None:  # the rest of the prompt, encoded now that the answer is written
             del request.state[_DEFERRED]
             ids = self._finish(request, deferred)
             if lookup is not None and ids is not None:

@@ -70,7 +70,7 @@ def test_the_harness_moves_a_listener_whose_port_was_taken_before_the_picker_bou
     picker.stop()
 
 
-def test_a_started_picker_process_freezes_its_startup_objects(tmp_path: Path) -> None:
+def test_a_started_picker_process_freezes_its_startup_objects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """epp.server.process: the command line's picker moves what it holds once started out of the
     collector's full passes (a test process starting pickers in-process does not)."""
     report = tmp_path / "frozen"
@@ -84,15 +84,9 @@ def test_a_started_picker_process_freezes_its_startup_objects(tmp_path: Path) ->
         "    threading.Thread(target=later, daemon=True).start()\n"
     )
     previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(tmp_path) + (os.pathsep + previous if previous else "")
-    try:
-        picker = PickerProcess(["127.0.0.1:1"], extra_args=["--scrape-metrics=false"])
-        picker.start()
-    finally:
-        if previous is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = previous
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + previous if previous else ""))
+    picker = PickerProcess(["127.0.0.1:1"], extra_args=["--scrape-metrics=false"])
+    picker.start()
     try:
         deadline = time.monotonic() + 30
         while not report.exists() and time.monotonic() < deadline:
