@@ -12,7 +12,8 @@ published nothing, so the approximate index's hashing and lookup ran too, and it
 turn's new text waits for it, that text's encoding: see the producer's "A warm turn's new text").
 CPU is ``time.process_time()`` (every thread of the process), the median of ``--runs`` requests, each
 a fresh conversation; printed per part in milliseconds: ``path`` is what runs before the answer
-(parse, tokenize, produce), ``after`` the ``pre_request`` hook, ``total`` both. The requests name the served
+(parse, tokenize, produce), ``after`` the ``pre_request`` hook (and the encoding it hands to the
+worker threads, awaited: a rest of 8 KiB or more, see the producer's "After the answer"), ``total`` both. The requests name the served
 model (a base model, as the pool's ``/v1/models`` tells the picker), so they name no LoRA adapter.
 
 Until 2026-12-03 they were parsed without it and so named an adapter (the model's name): the
@@ -166,6 +167,7 @@ class Picker:
         self.producer.produce(request, [POD, OTHER])
         t3 = clock()
         self.producer.pre_request(request, SchedulingResult({"default": [POD]}, "default"))  # after the answer
+        await self.producer.tokenization.settled()  # type: ignore[union-attr]  # (a rest put off to the threads)
         t4 = clock()
         if parts is not None:
             for name, value in (("parse", t1 - t0), ("tokenize", t2 - t1), ("produce", t3 - t2), ("path", t3 - t0),

@@ -96,9 +96,10 @@ director before admission; see :mod:`epp.framework.roles`) computes the ids and 
 ``request.state[TOKENIZED_PROMPT]``; ``produce``, synchronous like every scheduling step, only reads
 them. Decoding the body, rendering the template and looking up the reused prefix run on the event
 loop (they hold the GIL anyway); the encoding of what is left runs there too when it is under 16 KiB
-of text (a thread hop costs more), else on the worker threads, awaited with ``timeout``. The remote
-call is awaited there too. Without ``prepare_data`` (a scheduler that does not call it), ``produce``
-tokenizes locally, inline.
+of text (a thread hop costs more), else on the worker threads, awaited with ``timeout`` - unless it
+can wait for the answer (below: "A warm turn's new text", "A cold prompt's head", "After the
+answer"). The remote call is awaited there too. Without ``prepare_data`` (a scheduler that does not
+call it), ``produce`` tokenizes locally, inline.
 
 A warm turn's new text. The next turn of a conversation starts with what its earlier turns left in the
 tokenizer's cache (:attr:`epp.prefix.tokenize.Plan.known`: the ids through the last cut point reused),
@@ -138,11 +139,31 @@ ids would give, and the whole is encoded in ``pre_request``, after the answer. W
 it, the rest is encoded at once and the lookup is exact, as before: a head says nothing of how much
 more of the prompt that pod holds. Once the whole ids are there, they are checked to start with the
 head; a difference (``epp_tokenize_head_mismatches``: none in the tests' tokenizers, over random
-texts) means the lookup may have missed a holder. Prompts over 16 KiB of text to encode still go
-to the threads before the pick. Over workload b's first turns (``python bench/tokenize_cost.py
---trace-sessions 150``, side by side with 81a9a1e, three alternations, means): CPU before the answer
-0.40-0.44 ms a request against 1.76-2.00; in all 1.97-2.09 against 1.96-2.19 (the head's own
-encoding, ~0.1 ms, is within the runs' scatter).
+texts) means the lookup may have missed a holder. Over workload b's first turns (``python
+bench/tokenize_cost.py --trace-sessions 150``, side by side with 81a9a1e, three alternations, means):
+CPU before the answer 0.40-0.44 ms a request against 1.76-2.00; in all 1.97-2.09 against 1.96-2.19
+(the head's own encoding, ~0.1 ms, is within the runs' scatter).
+
+After the answer. A rest put off (a warm turn's new text, a cold prompt past its head) is encoded in
+``pre_request``: on the event loop under 8 KiB of text, on the worker threads from 8 KiB (a 100k-token
+prompt is ~130 ms of encoding; on the loop it would hold every other request that long). From the
+threads the ids come back to the loop, where they are recorded as ``pre_request`` records them
+itself (``TOKENIZED_PROMPT``, the blocks sent in flight); meanwhile the known start's (or head's)
+blocks are in flight on the pod picked from the moment of the pick, so a request of the same prefix
+arriving in between is still sent there (its match short by the rest, the other pods' 0), and a
+block the pod's events stored before the ids came back is not put in flight. The hop costs CPU:
+with the threshold at 2 KiB, workload b's first turns (1-4.5 KB) cost 2.41-2.60 ms in all against
+2.05-2.14 (``python bench/tokenize_cost.py --trace-sessions 150``, side by side with e245542, twice),
+~0.15-0.4 ms a hop; at 8 KiB the hop is under a tenth of the encoding it moves. A rest over 16 KiB,
+which the loop never encodes, cannot wait for ``produce`` to decide (``produce`` is synchronous): it
+is put off only when ``prepare_data`` has decided it, over the whole pool rather than the
+candidates (every endpoint's events followed, and the head's first block held by none, or the known
+start held whole by at most one), else encoded on the threads before the pick as before. Measured
+side by side with e245542 (``python bench/tokenize_cost.py --sizes 8000,100000 --runs 5``, twice
+each, medians), CPU before the answer for a cold chat prompt: 8k tokens 2.0-2.1 ms against
+12.1-13.8, 100k tokens 5.2-6.2 against 145-150 (in all the same: 11.5-12.3 against 12.2-13.9,
+152-157 against 147-152); cold completions 0.28-0.34 against 8.1-8.4 (8k), 1.3-1.7 against 124-128
+(100k); warm requests and b's turns unchanged.
 
 Measured, side by side in one run (``python bench/precise_routing.py``: 8 simulated pods publishing
 KV events, a real Envoy; 30 s of Poisson arrivals per run; 2 shared cores at load average ~10 from
@@ -239,6 +260,7 @@ publisher-to-index lag); the counter ``epp_kv_event_rejected_total{reason}`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -246,7 +268,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Self
 
@@ -304,6 +326,9 @@ _INLINE_CHARS = 16 << 10
 # A rest of at least this many bytes (~64 tokens, ~0.1 ms to encode) may be encoded after the answer (see
 # "A warm turn's new text" and "A cold prompt's head"); a shorter one is encoded at once.
 _DEFER_CHARS = 256
+# A rest put off to after the answer is encoded on the worker threads from this many bytes (~2 ms of
+# encoding; the hop costs ~0.15-0.4 ms of CPU), on the event loop below it (see "After the answer").
+_THREAD_CHARS = 8 << 10
 # What is left of a prompt to encode after the answer: its plan, known start (or head) and tokenizer.
 _DEFERRED: StateKey[_Deferred] = StateKey("precise-prefix-cache/deferred")
 _TOKENIZED_APIS = {Api.COMPLETIONS: "completions", Api.CHAT_COMPLETIONS: "chat_completions"}
@@ -443,11 +468,12 @@ class _Deferred:
     """A prompt whose known start (a reused prefix, or a cold prompt's head) is looked up before the rest
     is encoded (see "A warm turn's new text" and "A cold prompt's head")."""
 
-    __slots__ = ("plan", "tokenizer")
+    __slots__ = ("decided", "plan", "tokenizer")
 
-    def __init__(self, plan: Plan, tokenizer: ModelTokenizer) -> None:
+    def __init__(self, plan: Plan, tokenizer: ModelTokenizer, decided: bool = False) -> None:
         self.plan = plan
         self.tokenizer = tokenizer
+        self.decided = decided  # prepare_data found that the known start decides (a rest too long for the loop)
 
     @property
     def known(self) -> np.ndarray:
@@ -471,6 +497,7 @@ class _Tokenization:
             except TokenizerError as exc:
                 raise ValueError(f"{name}: indexerConfig.tokenizersPoolConfig: {exc}") from exc
         self._executor: ThreadPoolExecutor | None = None
+        self._pending: set[asyncio.Future[None]] = set()  # finish_later's, until recorded on the loop
         self._turn = itertools.count()
         # A warm turn's new text may wait for the answer once startup has said that no other plugin reads the
         # ids while scheduling (PrecisePrefixCacheProducer.data_consumed); until then it never does.
@@ -538,13 +565,18 @@ class _Tokenization:
             self._fallback("template_error")
         return None
 
-    async def prepare(self, request: InferenceRequest) -> np.ndarray | _Deferred | None:
+    async def prepare(
+        self, request: InferenceRequest, known_decides: Callable[[Plan], bool]
+    ) -> np.ndarray | _Deferred | None:
+        """The request's ids, or a :class:`_Deferred` (its known start; the rest to encode after the answer).
+        ``known_decides(plan)``: whether a rest too long to encode on the loop may wait (see "After the
+        answer")."""
         api = _TOKENIZED_APIS.get(request.api)
         if api is None or not request.body:
             return None
         tokenizer = self.tokenizer_for(request.model)
         if tokenizer is not None:
-            return await self._prepare_local(tokenizer, api, request.body)
+            return await self._prepare_local(tokenizer, api, request.body, known_decides)
         if self.remote is None:
             self._fallback("no_tokenizer")
             return None
@@ -568,16 +600,19 @@ class _Tokenization:
         return f"http://{host}:{endpoint.port}"
 
     async def _prepare_local(
-        self, tokenizer: ModelTokenizer, api: str, body: bytes
+        self, tokenizer: ModelTokenizer, api: str, body: bytes, known_decides: Callable[[Plan], bool]
     ) -> np.ndarray | _Deferred | None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
             try:
                 plan = tokenizer.plan(api, body)  # decoding, rendering, the prefix cache: on the loop
+                if self.defer and plan.known is not None and plan.pending >= _DEFER_CHARS:
+                    if plan.pending <= _INLINE_CHARS:
+                        return _Deferred(plan, tokenizer)  # produce decides, and encodes at once if need be
+                    if known_decides(plan):  # decided here: produce never encodes this much on the loop
+                        return _Deferred(plan, tokenizer, decided=True)
                 if plan.pending <= _INLINE_CHARS:
-                    if self.defer and plan.known is not None and plan.pending >= _DEFER_CHARS:
-                        return _Deferred(plan, tokenizer)
                     return plan.finish()
                 future = loop.run_in_executor(self._pool(), plan.finish)
                 try:
@@ -611,6 +646,43 @@ class _Tokenization:
             return None
         finally:
             self._audit(deferred.tokenizer)
+
+    def finish_later(self, deferred: _Deferred, done: Callable[[np.ndarray], None]) -> None:
+        """:meth:`finish` on the worker threads; ``done(ids)`` is then called on the event loop."""
+        loop = asyncio.get_running_loop()
+        settled = loop.create_future()
+        self._pending.add(settled)
+
+        def on_loop(ids: np.ndarray | None) -> None:
+            self._pending.discard(settled)
+            try:
+                if ids is not None:
+                    done(ids)
+            except Exception:
+                log.exception("the ids of a prompt encoded after the answer could not be recorded")
+            finally:
+                settled.set_result(None)
+
+        def hand_back(future: Future[np.ndarray | None]) -> None:
+            ids = None
+            if not future.cancelled():  # (cancelled: the producer closed)
+                if future.exception() is not None:
+                    log.error("encoding a prompt after the answer failed", exc_info=future.exception())
+                else:
+                    ids = future.result()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is left to record it for
+                loop.call_soon_threadsafe(on_loop, ids)
+
+        self._pool().submit(self.finish, deferred).add_done_callback(hand_back)
+
+    def pending_count(self) -> int:
+        """Prompts put off to the worker threads whose ids are not recorded yet."""
+        return len(self._pending)
+
+    async def settled(self) -> None:
+        """Until the prompts put off to the worker threads (:meth:`finish_later`) are recorded."""
+        while self._pending:
+            await asyncio.gather(*self._pending)
 
     async def close(self) -> None:
         if self.remote is not None:
@@ -804,7 +876,7 @@ class PrecisePrefixCacheProducer:
         if self.tokenization is None:
             return
         request.state[_PREPARED] = True
-        ids = await self.tokenization.prepare(request)
+        ids = await self.tokenization.prepare(request, lambda plan: self._known_decides(request, plan))
         if isinstance(ids, _Deferred):
             request.state[_DEFERRED] = ids
         elif ids is not None:
@@ -835,14 +907,10 @@ class PrecisePrefixCacheProducer:
                 approx = PrefixMatch(approx.blocks, {n: b for n, b in approx.matched.items() if n not in covered},
                                      approx.block_tokens)  # fmt: skip
         if deferred is not None:
-            known = deferred.known
-            estimated = deferred.plan.estimated
-            keys, matched, precise, block_size, blocks = self._lookup(request, known, estimated, approx)
-            if deferred.plan.head:  # nobody holds its first block: nobody holds any (see "A cold prompt's head")
-                wait = any(run > 0 for run in matched.values())
-            else:  # the rest cannot change who holds the most (see "A warm turn's new text")
-                wait = sum(1 for run in matched.values() if run >= len(keys)) >= 2
-            if keys and not wait:
+            keys, matched, precise, block_size, blocks = self._lookup(
+                request, deferred.known, deferred.plan.estimated, approx
+            )
+            if keys and (deferred.decided or not self._rest_matters(deferred.plan, keys, matched)):
                 self.deferred += 1
                 request.state[_LOOKUP] = (keys, precise, block_size)
                 request.state[PREFIX_MATCH] = PrefixMatch(blocks, matched, block_size)
@@ -856,6 +924,25 @@ class PrecisePrefixCacheProducer:
         keys, matched, precise, block_size, blocks = self._lookup(request, token_ids, len(token_ids), approx)
         request.state[_LOOKUP] = (keys, precise, block_size)
         request.state[PREFIX_MATCH] = PrefixMatch(blocks, matched, block_size)
+
+    @staticmethod
+    def _rest_matters(plan: Plan, keys: list[int], matched: Mapping[str, int]) -> bool:
+        """Whether the rest of a prompt (``plan``'s, past its known start, whose ``keys`` gave ``matched``)
+        could change which pod the lookup favours, so that it must be encoded before the pick."""
+        if plan.head:  # nobody holds its first block: nobody holds any (see "A cold prompt's head")
+            return any(run > 0 for run in matched.values())
+        # A pod's match runs into the rest only if it holds all the known start (see "A warm turn's new text").
+        return sum(1 for run in matched.values() if run >= len(keys)) >= 2
+
+    def _known_decides(self, request: InferenceRequest, plan: Plan) -> bool:
+        """For a rest too long to encode on the loop: whether it may wait for the answer, asked before the
+        candidates are known, so of every pool endpoint (all followed by their events, else no)."""
+        covered = self._covered()
+        if not all(name in covered for name in self._pods_by_name):
+            return False  # the approximate match of a pod without events would need the whole ids
+        assert plan.known is not None
+        keys, matched, *_ = self._lookup(request, plan.known, plan.estimated, None)
+        return bool(keys) and not self._rest_matters(plan, keys, matched)
 
     def _finish(self, request: InferenceRequest, deferred: _Deferred) -> np.ndarray | None:
         assert self.tokenization is not None
@@ -930,23 +1017,55 @@ class PrecisePrefixCacheProducer:
         self.approximate.pre_request(request, result)
         lookup = request.state.get(_LOOKUP)
         deferred = request.state.get(_DEFERRED)
+        endpoints = result.endpoints
+        name = endpoints[0].name if endpoints else None
         if deferred is not None:  # the rest of the prompt, encoded now that the answer is written
             del request.state[_DEFERRED]
+            if deferred.plan.pending >= _THREAD_CHARS and self.tokenization is not None:
+                if lookup is not None and name is not None:  # the known start's blocks now, the rest's then
+                    self._add_sent(name, lookup[0], lookup[1])
+                self.tokenization.finish_later(deferred, lambda ids: self._encoded(request, deferred, ids, name))
+                return
             ids = self._finish(request, deferred)
-            if lookup is not None and ids is not None:
-                known = deferred.known
-                same = len(ids) >= len(known) and bool(np.array_equal(ids[: len(known)], known))  # else: unstable
-                if not same and deferred.plan.head:
-                    self.head_mismatches += 1  # the lookup by the head may have missed a holder: counted
-                lookup = (self._keys(request, ids, lookup[2], lookup[0] if same else ()), lookup[1], lookup[2])
-                request.state[_LOOKUP] = lookup
-        endpoints = result.endpoints
-        if lookup is None or not endpoints:
+            if ids is not None:
+                lookup = self._relookup(request, deferred, ids)
+        if lookup is not None and name is not None:
+            self._add_sent(name, lookup[0], lookup[1])
+
+    def _relookup(
+        self, request: InferenceRequest, deferred: _Deferred, ids: np.ndarray
+    ) -> tuple[list[int], dict[str, int], int] | None:
+        """The request's keys once the ids are whole (its lookup had its known start's)."""
+        lookup = request.state.get(_LOOKUP)
+        if lookup is None:
+            return None
+        known = deferred.known
+        same = len(ids) >= len(known) and bool(np.array_equal(ids[: len(known)], known))  # else: unstable
+        if not same and deferred.plan.head:
+            self.head_mismatches += 1  # the lookup by the head may have missed a holder: counted
+        lookup = (self._keys(request, ids, lookup[2], lookup[0] if same else ()), lookup[1], lookup[2])
+        request.state[_LOOKUP] = lookup
+        return lookup
+
+    def _encoded(self, request: InferenceRequest, deferred: _Deferred, ids: np.ndarray, name: str | None) -> None:
+        """A deferred prompt's ids, encoded on the worker threads (on the loop again): the rest's blocks in
+        flight, as :meth:`pre_request` records them when it encodes the rest itself."""
+        request.state[TOKENIZED_PROMPT] = ids
+        lookup = self._relookup(request, deferred, ids)
+        if lookup is not None and name is not None:
+            self._add_sent(name, lookup[0], lookup[1])
+
+    def _add_sent(self, name: str, keys: list[int], precise: Mapping[str, int]) -> None:
+        """The blocks a request sent to ``name`` will compute, past what its events said it held, in flight
+        there; for a pod whose events are followed (only its events can confirm them) and not those it
+        already stored (a request's ids encoded after the answer can come after its prefill)."""
+        pod = self._pods_by_name.get(name)
+        if pod is None:
             return
-        keys, precise, _ = lookup
-        name = endpoints[0].name
-        if name in self._pods_by_name:  # a pod whose events are followed
-            self.in_flight.add(name, keys[precise.get(name, 0) :])
+        start = precise.get(name, 0)
+        while start < len(keys) and self.index.holds(pod, keys[start]):
+            start += 1
+        self.in_flight.add(name, keys[start:])
 
     async def close(self) -> None:
         if self.subscriber is not None:

@@ -25,6 +25,7 @@ from epp.plugins.producer.precise_prefix_cache import (
     PreciseParameters,
     PrecisePrefixCacheProducer,
     _InFlight,
+    _Tokenization,
 )
 from epp.plugins.scorer.prefix_cache import PrefixCacheScorer
 from epp.prefix.kvindex import chain_keys
@@ -507,6 +508,13 @@ def _deferring(models: Path, pods: list[Endpoint]) -> PrecisePrefixCacheProducer
     return producer
 
 
+def _two_pods(models: Path, pods: list[Endpoint]) -> tuple[PrecisePrefixCacheProducer, _Tokenization, ModelTokenizer]:
+    """A deferring producer of ``pods``, its tokenization, and a tokenizer sharing no cache with it."""
+    producer = _deferring(models, pods)
+    assert producer.tokenization is not None
+    return producer, producer.tokenization, ModelTokenizer.from_dir(models / "org" / "tiny")
+
+
 def _holds(producer: PrecisePrefixCacheProducer, hostport: str, ids: np.ndarray) -> int:
     """``hostport``'s pod reports the full blocks of ``ids`` stored; returns how many."""
     n = len(ids) // BS
@@ -702,13 +710,12 @@ async def test_a_long_cold_prompt_is_looked_up_by_its_head_and_encoded_after_the
     block every match is 0, as a lookup by the whole ids would say, and the whole is encoded after the
     answer. A pod holding it (here: the prompt reached it without the picker) has it encoded at once."""
     pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
-    producer = _deferring(models, pods)
-    whole = ModelTokenizer.from_dir(models / "org" / "tiny")  # no cache shared with the producer's
+    producer, tokenization, whole = _two_pods(models, pods)
     rng = random.Random(11)
     try:
         for pod in pods:
             producer.index.apply(pod.hostport, [])  # both publish; neither holds anything yet
-        system = {"role": "system", "content": " ".join(rng.choice(("route", "well", "pods", "cache")) for _ in range(600))}
+        system = {"role": "system", "content": " ".join(rng.choice(("route", "well", "pods", "cache")) for _ in range(1800))}
         request = _chat([system, {"role": "user", "content": "first"}])
         await producer.prepare_data(request)
         assert TOKENIZED_PROMPT not in request.state
@@ -716,8 +723,14 @@ async def test_a_long_cold_prompt_is_looked_up_by_its_head_and_encoded_after_the
         assert producer.deferred == 1 and not any(request.state[PREFIX_MATCH].matched.values())
         producer.pre_request(request, SchedulingResult({"default": [pods[1]]}, "default"))
         ids = whole.request_ids("chat_completions", request.body)
+        keys = chain_keys(ids, BS, 0, len(ids) // BS)
+        # Over 8 KiB: encoded on the worker threads. The head's blocks are in flight on pod-b at once...
+        assert TOKENIZED_PROMPT not in request.state
+        assert dict(producer.in_flight.holders(keys[0])).keys() == {"pod-b"}
+        assert tokenization.pending_count() == 1
+        await tokenization.settled()  # ...the rest's once its ids are back on the loop
         assert request.state[TOKENIZED_PROMPT].tolist() == ids.tolist()
-        assert dict(producer.in_flight.holders(chain_keys(ids, BS, 0, len(ids) // BS)[-1])).keys() == {"pod-b"}
+        assert dict(producer.in_flight.holders(keys[-1])).keys() == {"pod-b"}
 
         other = _chat([{**system, "content": "said straight to a pod " + system["content"]}, {"role": "user", "content": "x"}])
         sent = whole.request_ids("chat_completions", other.body)
@@ -728,6 +741,78 @@ async def test_a_long_cold_prompt_is_looked_up_by_its_head_and_encoded_after_the
         assert other.state[TOKENIZED_PROMPT].tolist() == sent.tolist()
         assert other.state[PREFIX_MATCH].matched == {"pod-a": held}
         assert producer.head_mismatches == 0
+    finally:
+        await _close(producer)
+
+
+async def test_a_cold_prompt_too_long_for_the_loop_waits_for_the_answer_when_every_pod_says_nobody_holds_it(
+    models: Path,
+) -> None:
+    """Over 16 KiB of text, a prompt is never encoded on the event loop. It used to be encoded on the threads
+    before the pick; now, when every pool endpoint's events are followed and none holds (nor has in flight)
+    its head's first block, it is looked up by its head and encoded after the answer. A pod holding that
+    block, or a pod whose events are not followed, has it encoded before the pick, exact, as before."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
+    producer, tokenization, whole = _two_pods(models, pods)
+    rng = random.Random(17)
+
+    def prompt(lead: str) -> InferenceRequest:
+        text = lead + " ".join(rng.choice(("route", "well", "pods", "cache", "blocks")) for _ in range(4000))
+        assert len(text) > 16 << 10
+        return _chat([{"role": "user", "content": text}])
+
+    try:
+        request = prompt("unfollowed ")  # pod-b has published nothing yet: not followed
+        producer.index.apply("127.0.0.1:8000", [])
+        await producer.prepare_data(request)
+        assert TOKENIZED_PROMPT in request.state  # encoded before the pick
+
+        producer.index.apply("127.0.0.2:8000", [])  # now both publish, neither holds anything
+        request = prompt("nobody ")
+        await producer.prepare_data(request)
+        assert TOKENIZED_PROMPT not in request.state
+        producer.produce(request, pods)
+        assert producer.deferred == 1 and not any(request.state[PREFIX_MATCH].matched.values())
+        producer.pre_request(request, SchedulingResult({"default": [pods[0]]}, "default"))
+        await tokenization.settled()
+        ids = whole.request_ids("chat_completions", request.body)
+        assert request.state[TOKENIZED_PROMPT].tolist() == ids.tolist()
+        keys = chain_keys(ids, BS, 0, len(ids) // BS)
+        assert dict(producer.in_flight.holders(keys[-1])).keys() == {"pod-a"}
+
+        request = prompt("held ")
+        sent = whole.request_ids("chat_completions", request.body)
+        held = _holds(producer, "127.0.0.2:8000", sent[: 40 * BS])  # its first blocks reached pod-b directly
+        await producer.prepare_data(request)
+        assert request.state[TOKENIZED_PROMPT].tolist() == sent.tolist()  # encoded before the pick
+        producer.produce(request, pods)
+        assert producer.deferred == 1 and request.state[PREFIX_MATCH].matched == {"pod-b": held}
+    finally:
+        await _close(producer)
+
+
+async def test_blocks_stored_before_the_ids_come_back_from_the_threads_are_not_put_in_flight(models: Path) -> None:
+    """A prompt encoded on the threads after the answer: its head's blocks are in flight on the pod picked
+    at once, the rest's when its ids are back; what the pod's events stored meanwhile is not (in flight, it
+    would stay there for the TTL however the pod evicts it)."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
+    producer, tokenization, whole = _two_pods(models, pods)
+    rng = random.Random(23)
+    try:
+        for pod in pods:
+            producer.index.apply(pod.hostport, [])
+        text = " ".join(rng.choice(("route", "well", "pods", "cache")) for _ in range(2000))
+        request = _chat([{"role": "system", "content": text}, {"role": "user", "content": "q"}])
+        await producer.prepare_data(request)
+        producer.produce(request, pods)
+        producer.pre_request(request, SchedulingResult({"default": [pods[0]]}, "default"))
+        ids = whole.request_ids("chat_completions", request.body)
+        keys = chain_keys(ids, BS, 0, len(ids) // BS)
+        stored = _holds(producer, "127.0.0.1:8000", ids[: len(ids) // 2])  # a quick prefill, before the ids
+        assert not producer.in_flight.holders(keys[0])  # the events confirmed the head's blocks
+        await tokenization.settled()
+        assert not any(producer.in_flight.holders(key) for key in keys[:stored])
+        assert all(dict(producer.in_flight.holders(key)).keys() == {"pod-a"} for key in keys[stored:])
     finally:
         await _close(producer)
 
