@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,6 +163,23 @@ def test_a_growing_conversation_reuses_its_prefix_and_stays_exact(served: tuple[
         messages.append({"role": "assistant", "content": f"answer {turn}"})
     after = tokenizer.stats()
     assert after.cache_hits - before.cache_hits >= 3 and after.reused_tokens > before.reused_tokens
+
+
+def test_a_long_cold_prompts_head_starts_vllms_ids(served: tuple[VllmServer, ModelTokenizer]) -> None:
+    """The head a long prompt never seen is looked up by (its first ~500 bytes encoded alone, the last few
+    ids dropped: the precise producer's "A cold prompt's head") is the start of what vLLM computes."""
+    server, tokenizer = served
+    rng = random.Random(7)
+    words = ["route", "the", "pods,", "cache-aware", "ünïcödé", "1234", "(blocks)", "don't", "\n\n", "tokens."]
+    for i in range(8):
+        text = f"{i} " + " ".join(rng.choice(words) for _ in range(400))
+        for api, body in (("chat_completions", {"model": BASE, "messages": [{"role": "user", "content": text}]}),
+                          ("completions", {"model": BASE, "prompt": text})):  # fmt: skip
+            plan = tokenizer.plan(api, json.dumps(body).encode())
+            assert plan.head and plan.known is not None, (api, i)
+            known = plan.known.tolist()
+            assert _tokenized(server, body)[: len(known)] == known, (api, i)
+            assert plan.finish().tolist()[: len(known)] == known
 
 
 def test_the_remote_fallbacks_give_the_same_ids(served: tuple[VllmServer, ModelTokenizer]) -> None:
