@@ -114,6 +114,14 @@ its own process). Running the ``pre_request`` hooks after the pick's answer was 
 before it, was tried and taken out again: with every request counted the pick was no faster (P50
 approximate 1.53 / 1.52 ms against 1.55 / 1.53; an earlier comparison that seemed to show 0.3-0.6 ms
 had read only the part of Envoy's log flushed while it ran).
+
+``--envoy-concurrency N`` gives Envoy N worker threads (1 by default, as the runs above; the peers run
+at their runtimes' defaults, which take a thread per core). With 2 (``--workloads b --policies
+precise,default,sglang-router --rounds 2 --envoy-timing --envoy-concurrency 2``, at 74df439, a busy
+machine) nothing on the path moved: precise's request phase P50 1.58 / 1.67 ms (1.38 / 1.59 with one
+thread the same day), approximate's 1.10 / 1.13; the same requests' TTFT minus sglang-router's, median,
+precise +2.3 ms, approximate +1.4 (+2.1-2.8 for precise with one thread); TTFT P90 104 / 105 against
+sglang-router's 103 / 107 ms, a tie within the rounds' scatter.
 """
 
 from __future__ import annotations
@@ -476,7 +484,7 @@ def _pin_tree(pid: int, cpus: set[int]) -> None:
 
 
 def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, int, int] = (5, 2, 2),
-               split_cores: bool = False, envoy_timing: bool = False) -> Row:
+               split_cores: bool = False, envoy_timing: bool = False, envoy_concurrency: int = 1) -> Row:
     """One policy on one run; ``weights``: the precise profile's prefix, queue and KV-cache weights;
     ``split_cores``: the simulator alone on CPU 0, the router (Envoy and picker, or the peer) and this
     client on CPU 1, so that the router's CPU cannot slow the simulated pods down. A peer's policy
@@ -537,7 +545,7 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                                                     picker_port=picker.grpc_port))
             if envoy_timing:
                 _log_timing(bootstrap, Path(directory) / "access.log")
-            envoy = EnvoyProcess(bootstrap, concurrency=1)
+            envoy = EnvoyProcess(bootstrap, concurrency=envoy_concurrency)
             envoy.start()
             pids["envoy"] = envoy.pid
             if picker is not None:
@@ -739,6 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the simulator alone on CPU 0, the router and the client on CPU 1 (needs 2 CPUs)")
     parser.add_argument("--envoy-timing", action="store_true",
                         help="print Envoy's request-phase and response-headers times per run (its access log)")
+    parser.add_argument("--envoy-concurrency", type=int, default=1,
+                        help="Envoy's worker threads (the peers' runtimes take one per core)")
     parser.add_argument("--json", type=Path, default=results / "precise_routing.json")
     args = parser.parse_args(argv)
     duration, drain = (3.0, 15.0) if args.quick else (args.duration, args.drain)
@@ -785,7 +795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)  # fmt: skip
         for n in range(args.rounds):
             for policy in policies[n % len(policies):] + policies[: n % len(policies)]:
-                row = run_policy(run, policy, bound, weights, args.split_cores, args.envoy_timing)
+                row = run_policy(run, policy, bound, weights, args.split_cores, args.envoy_timing, args.envoy_concurrency)
                 row = replace(row, result=replace(row.result, round=n))
                 rows.append(row)
                 r = row.result
