@@ -68,7 +68,8 @@ Parameters (llm-d's names where they exist, plus the approximate producer's):
     modelName (str): the served model whose tokenizer is loaded; requests for any model not in
         ``local.modelTokenizerMap`` (its LoRA adapters among them) use it.
     workersCount (int, default 2): threads that tokenize (a long prompt is tokenized off the event
-        loop; HF ``tokenizers`` releases the GIL while it encodes).
+        loop; HF ``tokenizers`` releases the GIL while it encodes); as many again encode what waits
+        for the answer (see "After the answer").
     local.autoDiscoveryDir (str, default "/mnt/models"): where ``<modelName>/tokenizer.json`` is
         looked for (also ``$LOCAL_TOKENIZER_DIR``; a directory holding ``tokenizer.json`` itself, or a
         mounted ConfigMap of the model's tokenizer files, works too).
@@ -151,7 +152,12 @@ threads the ids come back to the loop, where they are recorded as ``pre_request`
 itself (``TOKENIZED_PROMPT``, the blocks sent in flight); meanwhile the known start's (or head's)
 blocks are in flight on the pod picked from the moment of the pick, so a request of the same prefix
 arriving in between is still sent there (its match short by the rest, the other pods' 0), and a
-block the pod's events stored before the ids came back is not put in flight. The hop costs CPU:
+block the pod's events stored before the ids came back is not put in flight. These encodings have
+threads of their own (``workersCount`` more), so that a backlog of them never delays an encoding a
+pick awaits; at most 64 MiB of text waits for them (``epp_tokenize_after_answer_backlog_bytes``), and a
+rest beyond that is not encoded (``epp_tokenize_after_answer_dropped``: its pick was made; its ids
+would come too late to count its blocks in flight, and the next turn of its conversation finds no
+reused prefix). The hop costs CPU:
 with the threshold at 2 KiB, workload b's first turns (1-4.5 KB) cost 2.41-2.60 ms in all against
 2.05-2.14 (``python bench/tokenize_cost.py --trace-sessions 150``, side by side with e245542, twice),
 ~0.15-0.4 ms a hop; at 8 KiB the hop is under a tenth of the encoding it moves. A rest over 16 KiB,
@@ -253,7 +259,9 @@ attempt), ``epp_tokenize_fallbacks_total{reason}`` (requests scored approximatel
 ``unsupported``, ``template_error``, ``timeout``, ``error``, ``status``, ``open``, ``rejected``),
 ``epp_tokenize_breaker_open`` (1 while the remote breaker is open), and gauges
 ``epp_tokenize_reused_tokens`` / ``epp_tokenize_encoded_tokens`` (tokens taken from the prefix cache
-/ tokenized), ``epp_tokenize_cache_bytes``, ``epp_tokenize_audit_mismatches``.
+/ tokenized), ``epp_tokenize_cache_bytes``, ``epp_tokenize_audit_mismatches``,
+``epp_tokenize_after_answer_backlog_bytes`` / ``epp_tokenize_after_answer_dropped`` (see "After the
+answer").
 
 Metrics: gauges over the pool ``epp_kv_events`` (events applied), ``epp_kv_event_gaps``,
 ``epp_kv_event_replays``, ``epp_kv_event_resets``, ``epp_kv_event_decode_errors``,
@@ -335,6 +343,9 @@ _DEFER_CHARS = 256
 # A rest put off to after the answer is encoded on the worker threads from this many bytes (~2 ms of
 # encoding; the hop costs ~0.15-0.4 ms of CPU), on the event loop below it (see "After the answer").
 _THREAD_CHARS = 8 << 10
+# At most this much text waits for those threads; a rest beyond it is not encoded (counted): its pick is made,
+# and past a backlog its blocks would reach the in-flight record after the prefill that stores them.
+_BACKLOG_CHARS = 64 << 20
 # What is left of a prompt to encode after the answer: its plan, known start (or head) and tokenizer.
 _DEFERRED: StateKey[_Deferred] = StateKey("precise-prefix-cache/deferred")
 _TOKENIZED_APIS = {Api.COMPLETIONS: "completions", Api.CHAT_COMPLETIONS: "chat_completions"}
@@ -503,7 +514,10 @@ class _Tokenization:
             except TokenizerError as exc:
                 raise ValueError(f"{name}: indexerConfig.tokenizersPoolConfig: {exc}") from exc
         self._executor: ThreadPoolExecutor | None = None
+        self._after: ThreadPoolExecutor | None = None  # finish_later's own: never ahead of a pick's encoding
         self._pending: set[asyncio.Future[None]] = set()  # finish_later's, until recorded on the loop
+        self.backlog = 0  # bytes of text handed to finish_later's threads, not encoded yet (the loop's count)
+        self.dropped = 0  # rests not encoded: the backlog was full
         self._turn = itertools.count()
         # A warm turn's new text may wait for the answer once startup has said that no other plugin reads the
         # ids while scheduling (PrecisePrefixCacheProducer.data_consumed); until then it never does.
@@ -542,6 +556,10 @@ class _Tokenization:
         m.gauge_sum("epp_tokenize_cache_bytes", "Bytes held by the tokenizer's prefix cache.", total("cache_bytes"))
         m.gauge_sum("epp_tokenize_audit_mismatches", "Reused prefixes that differed from a whole tokenization.",
                     total("audit_mismatches"))  # fmt: skip
+        m.gauge_sum("epp_tokenize_after_answer_backlog_bytes", "Text of prompts put off to after the answer that "
+                    "waits for the tokenizer's threads.", lambda: float(self.backlog))  # fmt: skip
+        m.gauge_sum("epp_tokenize_after_answer_dropped", "Prompts whose rest was not encoded after the answer: the "
+                    "backlog was full.", lambda: float(self.dropped))  # fmt: skip
         m.gauge_sum("epp_tokenize_breaker_open", "1 while the remote tokenizer's circuit breaker is open.",
                     lambda: float(self.remote is not None and self.remote.breaker.state == "open"))  # fmt: skip
 
@@ -654,13 +672,21 @@ class _Tokenization:
             self._audit(deferred.tokenizer)
 
     def finish_later(self, deferred: _Deferred, done: Callable[[np.ndarray], None]) -> None:
-        """:meth:`finish` on the worker threads; ``done(ids)`` is then called on the event loop."""
+        """:meth:`finish` on threads of its own (a backlog of these never delays an encoding a pick
+        awaits); ``done(ids)`` is then called on the event loop. Beyond :data:`_BACKLOG_CHARS` of text
+        waiting, nothing is encoded (``dropped``)."""
+        size = deferred.plan.pending
+        if self.backlog + size > _BACKLOG_CHARS:
+            self.dropped += 1
+            return
         loop = asyncio.get_running_loop()
         settled = loop.create_future()
         self._pending.add(settled)
+        self.backlog += size
 
         def on_loop(ids: np.ndarray | None) -> None:
             self._pending.discard(settled)
+            self.backlog -= size
             try:
                 if ids is not None:
                     done(ids)
@@ -679,7 +705,9 @@ class _Tokenization:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is left to record it for
                 loop.call_soon_threadsafe(on_loop, ids)
 
-        self._pool().submit(self.finish, deferred).add_done_callback(hand_back)
+        if self._after is None:
+            self._after = ThreadPoolExecutor(self.p.workers, thread_name_prefix="epp-tokenize-after")
+        self._after.submit(self.finish, deferred).add_done_callback(hand_back)
 
     def pending_count(self) -> int:
         """Prompts put off to the worker threads whose ids are not recorded yet."""
@@ -693,9 +721,10 @@ class _Tokenization:
     async def close(self) -> None:
         if self.remote is not None:
             await self.remote.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        for executor in (self._executor, self._after):
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = self._after = None
 
 
 class PreciseParameters:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import socket
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+import epp.plugins.producer.precise_prefix_cache as precise_module
 from epp.datalayer.datastore import Datastore
 from epp.framework import PREFIX_MATCH, Api, Endpoint, Handle, InferenceRequest, Profile, SchedulingResult
 from epp.plugins.picker.max_score import MaxScorePicker
@@ -500,10 +502,11 @@ async def test_without_local_files_the_engine_is_asked_and_a_slow_one_is_cut_off
 _TURN1 = [{"role": "system", "content": "route well " * 20}, {"role": "user", "content": "hello there " * 5}]
 
 
-def _deferring(models: Path, pods: list[Endpoint]) -> PrecisePrefixCacheProducer:
+def _deferring(models: Path, pods: list[Endpoint], handle: Handle | None = None, **pool: object) -> PrecisePrefixCacheProducer:
     """A producer that may put a warm turn's new text off: told, as startup tells it of a config where no
     other plugin reads the token ids."""
-    producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), Handle(Datastore(pods)))
+    parameters = PreciseParameters("p", _tokenizing(models, **pool))
+    producer = PrecisePrefixCacheProducer("p", parameters, handle or Handle(Datastore(pods)))
     producer.data_consumed(frozenset())
     return producer
 
@@ -813,6 +816,71 @@ async def test_blocks_stored_before_the_ids_come_back_from_the_threads_are_not_p
         await tokenization.settled()
         assert not any(producer.in_flight.holders(key) for key in keys[:stored])
         assert all(dict(producer.in_flight.holders(key)).keys() == {"pod-a"} for key in keys[stored:])
+    finally:
+        await _close(producer)
+
+
+def _cold(rng: random.Random, words: int, lead: str = "") -> InferenceRequest:
+    text = lead + " ".join(rng.choice(("route", "well", "pods", "cache", "blocks")) for _ in range(words))
+    return _chat([{"role": "user", "content": text}])
+
+
+async def test_a_backlog_of_rests_after_the_answer_never_delays_an_encoding_a_pick_awaits(models: Path) -> None:
+    """The rests put off to after the answer have threads of their own: with one thread each and that
+    one stuck, a prompt that must be encoded before its pick (a pod holds its head) is encoded within
+    the timeout all the same."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
+    producer = _deferring(models, pods, workersCount=1, timeout="2s")
+    rng = random.Random(29)
+    release = threading.Event()
+    try:
+        for pod in pods:
+            producer.index.apply(pod.hostport, [])
+        stuck = _cold(rng, 2000)
+        await producer.prepare_data(stuck)
+        producer.produce(stuck, pods)
+        deferred = stuck.state[_DEFERRED]
+        plan = deferred.plan
+        assert plan.pending >= 8 << 10
+        deferred.plan = Plan(plan.pending, lambda: release.wait(10) and plan.finish(), plan.known, plan.estimated,
+                             plan.head)  # fmt: skip
+        producer.pre_request(stuck, SchedulingResult({"default": [pods[0]]}, "default"))
+
+        awaited = _cold(rng, 4000, "held ")
+        ids = ModelTokenizer.from_dir(models / "org" / "tiny").request_ids("chat_completions", awaited.body)
+        _holds(producer, "127.0.0.2:8000", ids[: 8 * BS])
+        await producer.prepare_data(awaited)
+        assert awaited.state[TOKENIZED_PROMPT].tolist() == ids.tolist()  # not timed out behind the stuck one
+        assert TOKENIZED_PROMPT not in stuck.state
+    finally:
+        release.set()
+        await _close(producer)
+
+
+async def test_rests_beyond_the_backlog_are_not_encoded_and_counted(models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
+    handle = Handle(Datastore(pods))
+    producer = _deferring(models, pods, handle)
+    tokenization = producer.tokenization
+    assert tokenization is not None
+    rng = random.Random(31)
+    try:
+        for pod in pods:
+            producer.index.apply(pod.hostport, [])
+        requests = [_cold(rng, words, f"{i} ") for i, words in enumerate((2000, 2600, 2000))]
+        for request in requests:
+            await producer.prepare_data(request)
+            producer.produce(request, pods)
+        pending = [r.state[_DEFERRED].plan.pending for r in requests]
+        assert pending[2] < pending[1]
+        monkeypatch.setattr(precise_module, "_BACKLOG_CHARS", pending[0] + pending[1] - 1)
+        for request in requests:
+            producer.pre_request(request, SchedulingResult({"default": [pods[0]]}, "default"))
+        assert tokenization.backlog == pending[0] + pending[2]  # the second did not fit behind the first
+        assert _counter(handle, "epp_tokenize_after_answer_backlog_bytes") == pending[0] + pending[2]
+        await tokenization.settled()
+        assert [TOKENIZED_PROMPT in r.state for r in requests] == [True, False, True]
+        assert tokenization.backlog == 0 and _counter(handle, "epp_tokenize_after_answer_dropped") == 1
     finally:
         await _close(producer)
 
