@@ -43,7 +43,10 @@ subscriber, and a removal of a block the index never had is a no-op. Should the 
 overtake the subscription on its way (a sub-millisecond window on one host), a batch in between is
 seen as a gap by the next one and replayed then. Without a replay endpoint, a late start is taken as
 it comes: the stream is followed from its first delivered batch. In bind mode a pod's replay endpoint
-comes with :meth:`allow` (rank r's at its port + r, as vLLM binds them); a connection accepted from a
+comes with :meth:`allow` (rank r's at its port + r, as vLLM binds them). vLLM's rank r also *connects*
+to the configured port + r, so the socket binds the bound port + r too, for as many ranks as the pool
+has endpoints on one ip (``rank_endpoints``; a port already taken is logged, and that rank's events are
+lost). A connection accepted from a
 pod's ip asks, 50 ms later (the peer's handshake and this socket's subscription done by then), for
 the buffer of each pod on that ip whose stream is not known yet (rank 0's: which rank connected
 cannot be told; a later rank's first message starts its replay), and gaps are replayed as above.
@@ -237,6 +240,7 @@ class KVEventSubscriber:
         self._addresses: dict[PodId, str] = {}  # connect mode: pod -> its ip:port, for the topic check
         self._allowed: dict[str, list[tuple[int, str]]] = {}  # bind mode: ip -> [(port, hostport)], by port
         self._named: dict[str, str] = {}  # bind mode: a pod's name -> its hostport
+        self._rank_binds: dict[int, str | None] = {}  # bind mode: rank > 0 -> its bound endpoint (None: failed)
         self._sources: dict[str, _Source] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned: dict[tuple[str, str], float] = {}
@@ -263,7 +267,7 @@ class KVEventSubscriber:
                 monitor.close(0)
                 sock.close(0)
                 raise zmq.ZMQError(error.errno, f"cannot bind KV-event endpoint {self._bind}: {error}") from None
-            source = _Source(sock, None, self._bind)
+            source = _Source(sock, None, sock.getsockopt_string(zmq.LAST_ENDPOINT))  # (before any rank's bind)
             source.monitor = monitor
             source.monitor_fd = int(monitor.getsockopt(zmq.FD))
             self._watch("bind", source)
@@ -271,6 +275,34 @@ class KVEventSubscriber:
             loop.add_reader(source.monitor_fd, self._monitor_readable, source)
             loop.call_soon(self._monitor_readable, source)
             _log.info("KV events: listening on %s for the pool's pods", self.bound_endpoint)
+            self._bind_ranks()
+
+    def _bind_ranks(self) -> None:
+        """Bind mode: vLLM's data-parallel rank r connects to the configured port + r, so the socket also
+        binds the bound port + r for every rank the pool may have: as many as it has endpoints on one ip
+        (one per rank: see :meth:`allow`). A port that cannot be bound loses that rank's events: logged."""
+        source = self._sources.get("bind")
+        if source is None:
+            return
+        base = source.endpoint
+        for rank in range(1, max((len(entries) for entries in self._allowed.values()), default=1)):
+            endpoint = rank_endpoint(base, rank)
+            if rank in self._rank_binds or endpoint == base:
+                continue
+            try:
+                source.sock.bind(endpoint)
+            except zmq.ZMQError as error:
+                self._rank_binds[rank] = None
+                _log.error("KV events: cannot bind %s for data-parallel rank %d (its events will not arrive): %s",
+                           endpoint, rank, error)  # fmt: skip
+            else:
+                self._rank_binds[rank] = endpoint
+                _log.info("KV events: listening on %s for data-parallel rank %d", endpoint, rank)
+
+    @property
+    def rank_endpoints(self) -> dict[int, str | None]:
+        """Bind mode: the endpoint bound for each data-parallel rank past 0 (None: it could not be)."""
+        return dict(self._rank_binds)
 
     def _socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.SUB)
@@ -289,7 +321,7 @@ class KVEventSubscriber:
     @property
     def bound_endpoint(self) -> str | None:
         source = self._sources.get("bind")
-        return None if source is None else source.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return None if source is None else source.endpoint
 
     def allow(self, address: str, names: tuple[str, ...] = (), replay_endpoint: str | None = None) -> None:
         """Accept messages for pod ``ip:port`` on the bound socket; ``names`` are other names its topic
@@ -306,6 +338,7 @@ class KVEventSubscriber:
             entries.sort()
         for name in names:
             self._named[name] = address
+        self._bind_ranks()
 
     def disallow(self, address: str) -> None:
         for name in [n for n, a in self._named.items() if a == address]:

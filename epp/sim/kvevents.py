@@ -8,7 +8,10 @@ extra_keys`` (one entry per block, ``None`` or a tuple such as the adapter's nam
 ``BlockRemoved``: ``block_hashes, medium, group_idx``; checked by encoding vLLM's own classes);
 ``array_events=True``: the old arrays, tag first. ``endpoint`` is bound when it has ``*`` or ``::`` or is
 ``ipc://``/``inproc://`` (vLLM's rule) and connected to otherwise (``bind=True``: bound anyway, so that a
-test can bind a loopback address). An optional ROUTER
+test can bind a loopback address). Data-parallel rank ``r`` uses ``endpoint`` and ``replay_endpoint``
+with their tcp port + ``r`` (:func:`epp.prefix.kvwire.rank_endpoint`: an inproc name gets ``_dp<r>``;
+a port of ``*`` or 0 is the OS's), as vLLM's publisher offsets them, whether it binds or connects. An
+optional ROUTER
 ``replay_endpoint`` answers ``[b"", start seq]`` with every buffered batch from that seq
 (``[b"", topic, seq, payload]``) and the end marker ``[b"", b"", -1 as 8 bytes, b""]``; the last
 ``buffer_batches`` batches are kept for it. Events are queued by :meth:`stored`, :meth:`removed` and
@@ -27,6 +30,8 @@ from typing import Any
 
 import msgspec
 import zmq
+
+from epp.prefix.kvwire import rank_endpoint
 
 __all__ = ["KVEventPublisher"]
 
@@ -49,6 +54,9 @@ class KVEventPublisher:
     ) -> None:
         self.topic = topic.encode()
         self.rank = data_parallel_rank
+        endpoint = rank_endpoint(endpoint, data_parallel_rank)
+        if replay_endpoint is not None:
+            replay_endpoint = rank_endpoint(replay_endpoint, data_parallel_rank)
         self.array_events = array_events
         self.seq = 0
         self._ctx = zmq.Context()

@@ -48,7 +48,9 @@ bench/tokenize_cost.py --sizes 2000,8000 --runs 15``, twice each) a warm 8k-toke
 0.09-0.10 ms against 0.19-0.20, its ``pre_request`` 0.44-0.45 against 0.51-0.53.
 
 Parameters (llm-d's names where they exist, plus the approximate producer's):
-    kvEventsConfig.zmqEndpoint (str): bind this endpoint for pods that connect (default: connect to pods).
+    kvEventsConfig.zmqEndpoint (str): bind this endpoint for pods that connect (default: connect to pods);
+        its port + r too for data-parallel rank r, where vLLM's rank r connects, when the pool has r + 1
+        endpoints on one ip.
     kvEventsConfig.topicFilter (str, default "kv@"): the prefix a message's topic must have.
     kvEventsConfig.concurrency, kvEventsConfig.discoverPods: accepted (llm-d's); one subscriber on the
         picker's event loop serves every pod, and pods are always the pool's.

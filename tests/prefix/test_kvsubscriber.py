@@ -333,12 +333,17 @@ async def test_bound_socket_replays_a_quiet_late_start_and_gaps_from_the_pods_re
 
 
 async def test_bound_socket_resolves_ip_only_topics_by_rank_when_the_pool_has_one_endpoint_per_rank():
+    """vLLM's rank r connects to the configured port + r: the socket binds that port too, once the pool
+    has an endpoint per rank; an ip-only topic then names the rank's endpoint, by port order."""
     sub = KVEventSubscriber(KVEventIndex(), bind="tcp://127.0.0.1:*")
     sub.start()
     ranks = [KVEventPublisher(sub.bound_endpoint, "kv@127.0.0.1@m", data_parallel_rank=r) for r in range(2)]
     try:
+        assert sub.rank_endpoints == {}
         sub.allow("127.0.0.1:8001")  # rank 1's server (by port order)
         sub.allow("127.0.0.1:8000")
+        port = int(sub.bound_endpoint.rsplit(":", 1)[1])
+        assert sub.rank_endpoints == {1: f"tcp://127.0.0.1:{port + 1}"} == {1: ranks[1].endpoint}
         for r, p in enumerate(ranks):
             tokens = [r] * 8
             while f"127.0.0.1:800{r}" not in sub.index.match(chain_keys(tokens, BS)):
@@ -350,6 +355,33 @@ async def test_bound_socket_resolves_ip_only_topics_by_rank_when_the_pool_has_on
         for p in ranks:
             p.close()
         await sub.close()
+
+
+async def test_a_rank_port_already_taken_is_logged_and_rank_0_still_arrives(caplog):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        sub = KVEventSubscriber(KVEventIndex(), bind=f"tcp://127.0.0.1:{port}")
+        sub.start()
+        pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", "kv@127.0.0.1@m")
+        try:
+            sub.allow("127.0.0.1:8000")
+            sub.allow("127.0.0.1:8001")
+            assert sub.rank_endpoints == {1: None}
+            assert f"cannot bind tcp://127.0.0.1:{port + 1} for data-parallel rank 1" in caplog.text
+            tokens = list(range(8))
+            while "127.0.0.1:8000" not in sub.index.match(chain_keys(tokens, BS)):
+                _store_chain(pub, tokens)
+                pub.flush()
+                await asyncio.sleep(0.02)
+        finally:
+            pub.close()
+            await sub.close()
 
 
 async def test_old_array_events_are_followed():

@@ -26,6 +26,24 @@ def _first_message(pub, sock):
     raise AssertionError("nothing received")
 
 
+def test_a_data_parallel_rank_publishes_on_the_port_plus_its_rank_as_vllm_does():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    bound = KVEventPublisher(f"tcp://127.0.0.1:{port}", "kv@x@m", data_parallel_rank=2, bind=True,
+                             replay_endpoint=f"tcp://127.0.0.1:{port + 10}")  # fmt: skip
+    connecting = KVEventPublisher(f"tcp://127.0.0.1:{port}", "kv@x@m", data_parallel_rank=3)
+    try:
+        assert bound.endpoint == f"tcp://127.0.0.1:{port + 2}"
+        assert bound.replay_endpoint == f"tcp://127.0.0.1:{port + 12}"
+        assert connecting.endpoint == f"tcp://127.0.0.1:{port + 3}"
+    finally:
+        bound.close()
+        connecting.close()
+
+
 def test_frames_are_topic_seq_and_a_msgpack_batch_of_maps():
     pub = KVEventPublisher("tcp://127.0.0.1:*", "kv@127.0.0.1:8000@m", data_parallel_rank=1)
     sock = _subscribe(pub.endpoint)
