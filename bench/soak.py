@@ -18,6 +18,14 @@ PNG plot (``--plot``, default soak.png) shows RSS and fds against requests with 
 
 (``--tls``: the picker serves TLS, upstream's default, to an Envoy that uses it.)
 
+``--precise``: the pods publish KV events and the picker runs ``precise-prefix-cache-producer`` with
+the simulated model's own tokenizer files (as ``bench/precise_routing.py`` does), and every prompt is
+new: each client holds a conversation of up to 6 turns under a system prompt of its own (0.5-12 KB,
+every tenth 20 KB: cold heads, rests encoded on the loop and on the threads, prompts over 16 KiB),
+and sends unique completions (1-20 KB) between turns; the pods' caches are small enough to evict.
+What is bounded then fills during the warm-up: the tokenizer's prefix cache (8 MiB here,
+``prefixCacheBytes``), the index (the pods' own blocks), the in-flight record (its TTL).
+
 Talks only to 127.0.0.1; stops by itself. Bounded: ``--workers`` requests in flight at a time.
 
 Measured (``python bench/soak.py --minutes 30``, 2 pods, the 2-core development machine): 1,138,154
@@ -33,15 +41,21 @@ import argparse
 import asyncio
 import json
 import os
+import random
+import shutil
+import string
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
 
 from epp.envoy.bootstrap import BootstrapOptions, render
+from epp.sim.tokens import write_model_files
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
 
@@ -84,13 +98,69 @@ def _mix() -> list[tuple[str, str, bytes | None, int]]:
     ]
 
 
+_PRECISE_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: precise-prefix-cache-producer
+  parameters:
+    tokenProcessorConfig: {blockSize: 16}
+    indexerConfig:
+      tokenizersPoolConfig:
+        modelName: MODEL_NAME
+        local: {autoDiscoveryDir: "TOKENIZER_DIR"}
+        remote: {mode: none}
+        prefixCacheBytes: 8388608
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: prefix-cache-scorer, weight: 5}
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: max-score-picker}
+"""
+
+
+def _text(rng: random.Random, size: int) -> str:
+    """About ``size`` bytes of random three-letter words: the words the simulated model's tokenizer files
+    know (:func:`epp.sim.tokens.write_model_files`), so that the picker's ids are the pods' own."""
+    letters = string.ascii_lowercase
+    return "".join(rng.choice(letters) + rng.choice(letters) + rng.choice(letters) + " " for _ in range(size // 4))
+
+
+def _precise_mix(rng: random.Random, worker: int) -> Iterator[tuple[str, str, bytes | None, int]]:
+    """New prompts forever: a conversation of up to 6 turns per system prompt, a unique completion between
+    turns, and the mix's refusal and model list now and then (see the module docstring)."""
+    session = 0
+    while True:
+        session += 1
+        size = 20_000 if session % 10 == 0 else rng.randint(500, 12_000)
+        messages: list[dict[str, str]] = [{"role": "system", "content": _text(rng, size)}]
+        for turn in range(rng.randint(1, 6)):
+            messages.append({"role": "user", "content": _text(rng, rng.randint(50, 3_000))})
+            chat = {"model": _MODEL, "messages": messages, "max_tokens": 16, "stream": turn % 2 == 1}
+            yield "POST", "/v1/chat/completions", json.dumps(chat).encode(), 200
+            messages.append({"role": "assistant", "content": _text(rng, 80)})
+            prompt = _text(rng, rng.randint(1_000, 20_000))
+            completion = {"model": _MODEL, "prompt": prompt, "max_tokens": 16, "stream": turn % 2 == 0}
+            yield "POST", "/v1/completions", json.dumps(completion).encode(), 200
+        if session % 5 == 0:
+            yield "POST", "/v1/chat/completions", b"{not json", 400
+            yield "GET", "/v1/models", None, 200
+
+
 class _Load:
     """The clients: ``workers`` loops over the mix until ``deadline``; counts answers and surprises."""
 
-    def __init__(self, base_url: str, workers: int, deadline: float) -> None:
+    def __init__(self, base_url: str, workers: int, deadline: float, precise: bool = False) -> None:
         self.base_url = base_url
         self.workers = workers
         self.deadline = deadline
+        self.precise = precise
         self.answered = 0
         self.unexpected: dict[str, int] = {}
 
@@ -102,9 +172,13 @@ class _Load:
     async def _worker(self, session: aiohttp.ClientSession, offset: int) -> None:
         mix = _mix()
         i = offset
+        fresh = _precise_mix(random.Random(offset), offset)
         while time.monotonic() < self.deadline:
-            method, path, body, expected = mix[i % len(mix)]
-            i += 1
+            if self.precise:
+                method, path, body, expected = next(fresh)
+            else:
+                method, path, body, expected = mix[i % len(mix)]
+                i += 1
             headers = {"content-type": "application/json"} if body is not None else {}
             try:
                 async with session.request(method, self.base_url + path, data=body, headers=headers) as response:
@@ -129,7 +203,7 @@ async def _sample(load: _Load, pid: int, interval: float, samples: list[Sample])
 
 
 async def _soak(base_url: str, pid: int, args: argparse.Namespace) -> tuple[list[Sample], _Load]:
-    load = _Load(base_url, args.workers, time.monotonic() + args.minutes * 60)
+    load = _Load(base_url, args.workers, time.monotonic() + args.minutes * 60, args.precise)
     samples: list[Sample] = []
     await asyncio.gather(load.run(), _sample(load, pid, args.interval, samples))
     return samples, load
@@ -183,24 +257,40 @@ def main(argv: list[str] | None = None) -> int:
         help="Envoy half-closes ext_proc streams and waits for the picker's status instead of resetting them",
     )
     parser.add_argument("--tls", action="store_true", help="the picker serves TLS (--secure-serving=true) to Envoy")
+    parser.add_argument("--precise", action="store_true",
+                        help="KV events, precise-prefix-cache-producer and prompts never seen (module docstring)")
     args = parser.parse_args(argv)
 
-    sim = subprocess.Popen(
-        [sys.executable, "-m", "epp.sim", "--pods", str(args.pods), "--time-scale", "0.01"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    directory = tempfile.mkdtemp(prefix="epp-soak-")
+    command = [sys.executable, "-m", "epp.sim", "--pods", str(args.pods), "--time-scale", "0.01"]
+    if args.precise:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+                  "replay_endpoint": "tcp://127.0.0.1:*", "topic": f"kv@127.0.0.1@{_MODEL}"}  # fmt: skip
+        command += ["--num-gpu-blocks", "2048", "--max-model-len", "32768", "--kv-events-config", json.dumps(events)]
+    sim = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert sim.stdout is not None
-    pool = [sim.stdout.readline().split()[1].removeprefix("http://") for _ in range(args.pods)]
-    picker = PickerProcess(pool, tls=args.tls, extra_args=args.picker_arg)
+    lines = [sim.stdout.readline().split() for _ in range(args.pods)]
+    pool = [words[1].removeprefix("http://") for words in lines]
+    extra = list(args.picker_arg)
+    if args.precise:
+        endpoints = Path(directory) / "pool.txt"  # each pod with its publisher's ports
+        endpoints.write_text("".join(
+            f"{words[1].removeprefix('http://')} " + " ".join(f"{k}={v.rpartition(':')[2]}" for k, _, v in
+                                                             (w.partition("=") for w in words[2:])) + "\n"
+            for words in lines))  # fmt: skip
+        model = write_model_files(Path(directory) / "model")
+        config = Path(directory) / "precise.yaml"
+        config.write_text(_PRECISE_CONFIG.replace("MODEL_NAME", _MODEL).replace("TOKENIZER_DIR", str(model)))
+        extra += ["--endpoints-file", str(endpoints), "--config-file", str(config)]
+    picker = PickerProcess([] if args.precise else pool, tls=args.tls, extra_args=extra)
     envoy: EnvoyProcess | None = None
     try:
         picker.start()
         base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
-        config = render(replace(base, picker_port=picker.grpc_port, picker_tls=args.tls))
+        bootstrap = render(replace(base, picker_port=picker.grpc_port, picker_tls=args.tls))
         if args.envoy_graceful_close:
-            config["layered_runtime"] = {"layers": [{"name": "soak", "static_layer": {_GRACEFUL_CLOSE: True}}]}
-        envoy = EnvoyProcess(config, concurrency=1)
+            bootstrap["layered_runtime"] = {"layers": [{"name": "soak", "static_layer": {_GRACEFUL_CLOSE: True}}]}
+        envoy = EnvoyProcess(bootstrap, concurrency=1)
         envoy.start()
         wait_for_picker(envoy)
         cpu_before = cpu_seconds(picker.pid, children=False)
@@ -212,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         picker.stop()
         sim.terminate()
         sim.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
 
     kept = [s for s in samples if s.seconds >= args.warmup * args.minutes * 60]
     if len(kept) < 3:
