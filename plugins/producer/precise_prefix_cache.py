@@ -709,6 +709,7 @@ class _Tokenization:
 
         if self._after is None:
             self._after = ThreadPoolExecutor(self.p.workers, thread_name_prefix="epp-tokenize-after")
+            self._pool()  # made here, on the loop: finish hands a due audit to it from those threads
         self._after.submit(self.finish, deferred).add_done_callback(hand_back)
 
     def pending_count(self) -> int:
