@@ -269,7 +269,10 @@ Metrics: gauges over the pool ``epp_kv_events`` (events applied), ``epp_kv_event
 ``epp_kv_event_replays``, ``epp_kv_event_resets``, ``epp_kv_event_decode_errors``,
 ``epp_kv_event_disconnects``, ``epp_kv_event_pods_tracked`` (pods whose stream is followed without a
 hole), ``epp_kv_event_index_blocks``, ``epp_kv_event_lag_seconds`` (the median of the last batches'
-publisher-to-index lag); the counter ``epp_kv_event_rejected_total{reason}`` and the histogram
+publisher-to-index lag), ``epp_kv_event_in_flight_blocks`` / ``epp_kv_event_in_flight_shed`` (blocks
+sent that no event has announced yet, and requests whose were dropped from that bounded record: a
+count that stays high says the pods announce other keys than this picker computes, see
+:class:`_InFlight`); the counter ``epp_kv_event_rejected_total{reason}`` and the histogram
 ``epp_kv_event_batch_lag_seconds`` (per batch).
 """
 
@@ -362,10 +365,18 @@ class _InFlight:
     again. So the blocks a request will add (those past what the events say the picked pod holds) are
     recorded here for that pod, and dropped as soon as the pod's events store them (``confirm``), or
     after ``ttl`` seconds if they never do (the request failed, or never reached the pod).
+
+    Bounded: beyond ``max_keys`` blocks the oldest requests' are dropped first (``shed`` counts them). A
+    record that stays large is a symptom: blocks no event confirms are blocks the pods never announce
+    with these keys (a tokenizer that is not the served model's, a block size or hash seed that differs):
+    at 260 requests a second of 5k-token prompts such a record held 840k blocks (~200 MB) for its TTL
+    (``python bench/soak.py --precise``, with prompts the tokenizer files did not know).
     """
 
-    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic, max_keys: int = 1 << 20) -> None:
         self.ttl = ttl
+        self.max_keys = max_keys
+        self.shed = 0
         self._clock = clock
         self._where: dict[int, dict[str, float]] = {}  # key -> endpoint name -> expiry
         self._queue: deque[tuple[float, str, list[int]]] = deque()  # in expiry order (one ttl)
@@ -382,6 +393,18 @@ class _InFlight:
             else:
                 holders[name] = expiry
         self._queue.append((expiry, name, keys))
+        while len(where) > self.max_keys and len(self._queue) > 1:
+            self._drop(*self._queue.popleft())
+            self.shed += 1
+
+    def _drop(self, expiry: float, name: str, keys: list[int]) -> None:
+        where = self._where
+        for key in keys:
+            holders = where.get(key)
+            if holders is not None and holders.get(name) == expiry:
+                del holders[name]
+                if not holders:
+                    del where[key]
 
     def confirm(self, name: str, keys: list[int]) -> None:
         where = self._where
@@ -392,15 +415,9 @@ class _InFlight:
 
     def prune(self) -> None:
         now = self._clock()
-        queue, where = self._queue, self._where
+        queue = self._queue
         while queue and queue[0][0] <= now:
-            expiry, name, keys = queue.popleft()
-            for key in keys:
-                holders = where.get(key)
-                if holders is not None and holders.get(name) == expiry:
-                    del holders[name]
-                    if not holders:
-                        del where[key]
+            self._drop(*queue.popleft())
 
     def holders(self, key: int) -> Mapping[str, float]:
         return self._where.get(key) or {}
@@ -830,6 +847,10 @@ class PrecisePrefixCacheProducer:
         lag = m.histogram("epp_kv_event_batch_lag_seconds", "From a KV-event batch's publication to its application.",
                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0))  # fmt: skip
         self._on_lag = lag.observe
+        m.gauge_sum("epp_kv_event_in_flight_blocks", "Blocks sent to pods that their events have not announced "
+                    "yet.", lambda: float(len(self.in_flight)))  # fmt: skip
+        m.gauge_sum("epp_kv_event_in_flight_shed", "Requests whose in-flight blocks were dropped before their TTL: "
+                    "the record was full.", lambda: float(self.in_flight.shed))  # fmt: skip
         m.gauge_sum("epp_tokenize_deferred_requests", "Prompts looked up by their reused start or head, the rest "
                     "encoded after the answer.", lambda: float(self.deferred))  # fmt: skip
         m.gauge_sum("epp_tokenize_head_mismatches", "Cold prompts whose head, encoded alone, did not start their "

@@ -386,6 +386,19 @@ def test_in_flight_blocks_expire_when_no_event_confirms_them() -> None:
     assert len(off) == 0
 
 
+def test_the_in_flight_record_is_bounded_oldest_requests_first() -> None:
+    """Blocks no event confirms (a tokenizer that is not the served model's) must not pile up for the TTL."""
+    in_flight = _InFlight(30.0, max_keys=5)
+    in_flight.add("a", [1, 2, 3])
+    in_flight.add("b", [3, 4])
+    assert len(in_flight) == 4 and in_flight.shed == 0
+    in_flight.add("a", [5, 6])  # 6 keys: the oldest request's go
+    assert len(in_flight) == 4 and in_flight.shed == 1
+    assert not in_flight.holders(1) and dict(in_flight.holders(3)).keys() == {"b"}
+    in_flight.add("c", list(range(10, 20)))  # alone over the bound: kept, the others dropped
+    assert len(in_flight) == 10 and in_flight.shed == 3
+
+
 # --- tokenization: the model's files, else the engine ---------------------------------------------
 
 
