@@ -973,7 +973,8 @@ class PrecisePrefixCacheProducer:
             keys, matched, precise, block_size, blocks = self._lookup(
                 request, deferred.known, deferred.plan.estimated, approx
             )
-            if keys and (deferred.decided or not self._rest_matters(deferred.plan, keys, matched)):
+            # (decided: never encoded here, even should the index's block sizes have changed since, leaving no key)
+            if deferred.decided or (keys and not self._rest_matters(deferred.plan, keys, matched)):
                 self.deferred += 1
                 request.state[_LOOKUP] = (keys, precise, block_size)
                 request.state[PREFIX_MATCH] = PrefixMatch(blocks, matched, block_size)

@@ -807,6 +807,27 @@ async def test_a_cold_prompt_too_long_for_the_loop_waits_for_the_answer_when_eve
         await _close(producer)
 
 
+async def test_a_rest_decided_too_long_for_the_loop_is_never_encoded_in_produce(models: Path) -> None:
+    """prepare_data put a >16 KiB rest off; an event then brought a block size larger than the head, which
+    leaves the head no key: produce still does not encode the rest on the loop (nothing is matched)."""
+    pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
+    producer, tokenization, _ = _two_pods(models, pods)
+    try:
+        for pod in pods:
+            producer.index.apply(pod.hostport, [])
+        request = _cold(random.Random(37), 4000)
+        await producer.prepare_data(request)
+        assert request.state[_DEFERRED].decided
+        producer.index.apply("127.0.0.1:8000", [BlockStored([1], None, list(range(4096)), 4096)])
+        producer.produce(request, pods)
+        assert TOKENIZED_PROMPT not in request.state and not request.state[PREFIX_MATCH].matched
+        producer.pre_request(request, SchedulingResult({"default": [pods[0]]}, "default"))
+        await tokenization.settled()
+        assert len(request.state[TOKENIZED_PROMPT]) > 4096
+    finally:
+        await _close(producer)
+
+
 async def test_blocks_stored_before_the_ids_come_back_from_the_threads_are_not_put_in_flight(models: Path) -> None:
     """A prompt encoded on the threads after the answer: its head's blocks are in flight on the pod picked
     at once, the rest's when its ids are back; what the pod's events stored meanwhile is not (in flight, it
