@@ -13,8 +13,9 @@ turn's new text waits for it, that text's encoding: see the producer's "A warm t
 CPU is ``time.process_time()`` (every thread of the process), the median of ``--runs`` requests, each
 a fresh conversation; printed per part in milliseconds: ``path`` is what runs before the answer
 (parse, tokenize, produce), ``after`` the ``pre_request`` hook (and the encoding it hands to the
-worker threads, awaited: a rest of 8 KiB or more, see the producer's "After the answer"), ``total`` both. The requests name the served
-model (a base model, as the pool's ``/v1/models`` tells the picker), so they name no LoRA adapter.
+worker threads, awaited: a rest of 8 KiB or more, see the producer's "After the answer"), ``total``
+both. The requests name the served model (a base model, as the pool's ``/v1/models`` tells the
+picker), so they name no LoRA adapter.
 
 Until 2026-12-03 they were parsed without it and so named an adapter (the model's name): the
 precise lookup then keyed them with the adapter's extra keys, they matched no stored block, and
