@@ -197,6 +197,28 @@ schedulingProfiles:
 """
 
 
+def precise_config(
+    model: str,
+    tokenizer_dir: str,
+    *,
+    remote_mode: str = "none",
+    remote_url: str = "",
+    weights: Sequence[int] = (5, 2, 2),
+    prefix_cache_bytes: int | None = None,
+) -> str:
+    """The precise policy's EndpointPickerConfig (``bench/soak.py --precise`` runs it too): the model's
+    tokenizer files in ``tokenizer_dir``, the prefix, queue and KV-cache scorers' ``weights``."""
+    where = {"MODEL_NAME": model, "TOKENIZER_DIR": tokenizer_dir, "REMOTE_MODE": remote_mode,
+             "TOKENIZER_URL": remote_url, "PREFIX_WEIGHT": str(weights[0]), "QUEUE_WEIGHT": str(weights[1]),
+             "KV_WEIGHT": str(weights[2])}  # fmt: skip
+    text = _PRECISE_CONFIG
+    for key, value in where.items():
+        text = text.replace(key, value)
+    if prefix_cache_bytes is not None:
+        text = text.replace("        remote:", f"        prefixCacheBytes: {prefix_cache_bytes}\n        remote:")
+    return text
+
+
 @dataclass(frozen=True)
 class Knobs:
     pressure_groups: int = 48
@@ -526,16 +548,11 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                 if base.startswith("precise"):
                     config = Path(directory) / "precise.yaml"
                     if tokenizer is not None:  # the engine's /tokenize, no local files
-                        where = {"TOKENIZER_DIR": "/nonexistent", "REMOTE_MODE": "tokenize",
-                                 "TOKENIZER_URL": f"http://{tokenizer.pods[0]}"}  # fmt: skip
+                        text = precise_config(MODEL, "/nonexistent", remote_mode="tokenize",
+                                              remote_url=f"http://{tokenizer.pods[0]}", weights=weights)  # fmt: skip
                     else:
                         model = write_model_files(Path(directory) / "model")
-                        where = {"TOKENIZER_DIR": str(model), "REMOTE_MODE": "none", "TOKENIZER_URL": ""}
-                    where |= {"MODEL_NAME": MODEL, "PREFIX_WEIGHT": str(weights[0]), "QUEUE_WEIGHT": str(weights[1]),
-                              "KV_WEIGHT": str(weights[2])}  # fmt: skip
-                    text = _PRECISE_CONFIG
-                    for key, value in where.items():
-                        text = text.replace(key, value)
+                        text = precise_config(MODEL, str(model), weights=weights)
                     config.write_text(text)
                     extra += ["--config-file", str(config)]
                 picker = PickerProcess([], extra_args=extra, python=python or sys.executable)

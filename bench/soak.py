@@ -104,31 +104,6 @@ def _mix() -> list[tuple[str, str, bytes | None, int]]:
     ]
 
 
-_PRECISE_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-producer
-  parameters:
-    tokenProcessorConfig: {blockSize: 16}
-    indexerConfig:
-      tokenizersPoolConfig:
-        modelName: MODEL_NAME
-        local: {autoDiscoveryDir: "TOKENIZER_DIR"}
-        remote: {mode: none}
-        prefixCacheBytes: 8388608
-- type: prefix-cache-scorer
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: prefix-cache-scorer, weight: 5}
-  - {pluginRef: queue-scorer, weight: 2}
-  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
-  - {pluginRef: max-score-picker}
-"""
 
 
 def _text(rng: random.Random, size: int) -> str:
@@ -286,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
             for words in lines))  # fmt: skip
         model = write_model_files(Path(directory) / "model")
         config = Path(directory) / "precise.yaml"
-        config.write_text(_PRECISE_CONFIG.replace("MODEL_NAME", _MODEL).replace("TOKENIZER_DIR", str(model)))
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # (bench/ is not a package)
+        from precise_routing import precise_config
+
+        config.write_text(precise_config(_MODEL, str(model), prefix_cache_bytes=8 << 20))
         extra += ["--endpoints-file", str(endpoints), "--config-file", str(config)]
     picker = PickerProcess([] if args.precise else pool, tls=args.tls, extra_args=extra)
     envoy: EnvoyProcess | None = None
