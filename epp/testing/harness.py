@@ -126,9 +126,13 @@ class PickerProcess:
         # PYTHONSAFEPATH: neither the picker nor its scrape worker imports epp from the working
         # directory (another tree's python, in a bench side by side, must get its own tree's).
         environment = {**os.environ, "PYTHONSAFEPATH": "1"}
-        self.process = subprocess.Popen(
-            self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=environment
-        )
+
+        def spawn() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=environment
+            )
+
+        self.process = spawn()
         deadline = time.monotonic() + timeout
         retries = 3
         while self.health("readiness") != health_pb2.HealthCheckResponse.SERVING:
@@ -138,9 +142,7 @@ class PickerProcess:
                     self._log.close()
                     os.unlink(self._log.name)
                     self._log = _new_log()
-                    self.process = subprocess.Popen(
-                        self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=environment
-                    )
+                    self.process = spawn()
                     continue
                 raise RuntimeError(f"the picker exited with status {self.process.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:

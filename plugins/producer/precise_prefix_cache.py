@@ -1085,39 +1085,35 @@ class PrecisePrefixCacheProducer:
         name = endpoints[0].name if endpoints else None
         if deferred is not None:  # the rest of the prompt, encoded now that the answer is written
             del request.state[_DEFERRED]
-            if deferred.plan.pending >= _THREAD_CHARS and self.tokenization is not None:
+            tokenization = self.tokenization
+            assert tokenization is not None  # (only its prepare_data puts a rest off)
+            if deferred.plan.pending >= _THREAD_CHARS:
                 if lookup is not None and name is not None:  # the known start's blocks now, the rest's then
                     self._add_sent(name, lookup[0], lookup[1])
-                self.tokenization.finish_later(deferred, lambda ids: self._encoded(request, deferred, ids, name))
+                tokenization.finish_later(deferred, lambda ids: self._encoded(request, deferred, ids, name))
                 return
-            ids = self._finish(request, deferred)
+            ids = tokenization.finish(deferred)
             if ids is not None:
-                lookup = self._relookup(request, deferred, ids)
+                self._encoded(request, deferred, ids, name)
+                return
         if lookup is not None and name is not None:
             self._add_sent(name, lookup[0], lookup[1])
 
-    def _relookup(
-        self, request: InferenceRequest, deferred: _Deferred, ids: np.ndarray
-    ) -> tuple[list[int], dict[str, int], int] | None:
-        """The request's keys once the ids are whole (its lookup had its known start's)."""
+    def _encoded(self, request: InferenceRequest, deferred: _Deferred, ids: np.ndarray, name: str | None) -> None:
+        """A deferred prompt's ids (on the loop, from the worker threads or ``pre_request``): into
+        ``TOKENIZED_PROMPT``, its keys whole, and the rest's blocks in flight on ``name``."""
+        request.state[TOKENIZED_PROMPT] = ids
         lookup = request.state.get(_LOOKUP)
         if lookup is None:
-            return None
+            return
         known = deferred.known
         same = len(ids) >= len(known) and bool(np.array_equal(ids[: len(known)], known))  # else: unstable
         if not same and deferred.plan.head:
             self.head_mismatches += 1  # the lookup by the head may have missed a holder: counted
-        lookup = (self._keys(request, ids, lookup[2], lookup[0] if same else ()), lookup[1], lookup[2])
-        request.state[_LOOKUP] = lookup
-        return lookup
-
-    def _encoded(self, request: InferenceRequest, deferred: _Deferred, ids: np.ndarray, name: str | None) -> None:
-        """A deferred prompt's ids, encoded on the worker threads (on the loop again): the rest's blocks in
-        flight, as :meth:`pre_request` records them when it encodes the rest itself."""
-        request.state[TOKENIZED_PROMPT] = ids
-        lookup = self._relookup(request, deferred, ids)
-        if lookup is not None and name is not None:
-            self._add_sent(name, lookup[0], lookup[1])
+        keys = self._keys(request, ids, lookup[2], lookup[0] if same else ())
+        request.state[_LOOKUP] = (keys, lookup[1], lookup[2])
+        if name is not None:
+            self._add_sent(name, keys, lookup[1])
 
     def _add_sent(self, name: str, keys: list[int], precise: Mapping[str, int]) -> None:
         """The blocks a request sent to ``name`` will compute, past what its events said it held, in flight
