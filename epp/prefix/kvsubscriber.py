@@ -45,8 +45,9 @@ seen as a gap by the next one and replayed then. Without a replay endpoint, a la
 it comes: the stream is followed from its first delivered batch. In bind mode a pod's replay endpoint
 comes with :meth:`allow` (rank r's at its port + r, as vLLM binds them). vLLM's rank r also *connects*
 to the configured port + r, so the socket binds the bound port + r too, for as many ranks as the pool
-has endpoints on one ip (``rank_endpoints``; a port already taken is logged, and that rank's events are
-lost). A connection accepted from a
+has endpoints on one ip, or as a server says it runs behind one endpoint (:meth:`expect_ranks`, from
+:mod:`epp.prefix.kvsources`) (``rank_endpoints``; a port already taken is logged, and that rank's
+events are lost). A connection accepted from a
 pod's ip asks, 50 ms later (the peer's handshake and this socket's subscription done by then), for
 the buffer of each pod on that ip whose stream is not known yet (rank 0's: which rank connected
 cannot be told; a later rank's first message starts its replay), and gaps are replayed as above.
@@ -241,6 +242,7 @@ class KVEventSubscriber:
         self._allowed: dict[str, list[tuple[int, str]]] = {}  # bind mode: ip -> [(port, hostport)], by port
         self._named: dict[str, str] = {}  # bind mode: a pod's name -> its hostport
         self._rank_binds: dict[int, str | None] = {}  # bind mode: rank > 0 -> its bound endpoint (None: failed)
+        self._ranks_reported = 1  # bind mode: the most ranks a server said it runs (expect_ranks)
         self._sources: dict[str, _Source] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned: dict[tuple[str, str], float] = {}
@@ -280,12 +282,14 @@ class KVEventSubscriber:
     def _bind_ranks(self) -> None:
         """Bind mode: vLLM's data-parallel rank r connects to the configured port + r, so the socket also
         binds the bound port + r for every rank the pool may have: as many as it has endpoints on one ip
-        (one per rank: see :meth:`allow`). A port that cannot be bound loses that rank's events: logged."""
+        (one per rank: see :meth:`allow`), or a server said it runs (:meth:`expect_ranks`). A port that
+        cannot be bound loses that rank's events: logged."""
         source = self._sources.get("bind")
         if source is None:
             return
         base = source.endpoint
-        for rank in range(1, max((len(entries) for entries in self._allowed.values()), default=1)):
+        ranks = max([self._ranks_reported, *(len(entries) for entries in self._allowed.values())])
+        for rank in range(1, ranks):
             endpoint = rank_endpoint(base, rank)
             if rank in self._rank_binds or endpoint == base:
                 continue
@@ -298,6 +302,13 @@ class KVEventSubscriber:
             else:
                 self._rank_binds[rank] = endpoint
                 _log.info("KV events: listening on %s for data-parallel rank %d", endpoint, rank)
+
+    def expect_ranks(self, count: int) -> None:
+        """Bind mode: a server of the pool runs ``count`` data-parallel ranks behind one endpoint
+        (:mod:`epp.prefix.kvsources`); bind a port for each."""
+        if count > self._ranks_reported:
+            self._ranks_reported = count
+            self._bind_ranks()
 
     @property
     def rank_endpoints(self) -> dict[int, str | None]:

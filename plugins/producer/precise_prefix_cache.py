@@ -15,7 +15,11 @@ Pod identity comes from the pool, never from a topic alone. Connecting, the publ
 socket says whose events they are; a topic that names another pod is applied to the socket's pod and
 counted. Binding, a message is taken only when its topic names a pool endpoint (``kv@<ip>[:<port>]@<model>``,
 llm-d's ``kv@<pod ip>@<model>`` included) *and* it came from that endpoint's address; the replay socket,
-which vLLM binds in either mode, is dialled the same way. Each endpoint
+which vLLM binds in either mode, is dialled the same way. A server running data-parallel ranks
+behind one endpoint (``vllm serve --data-parallel-size N``, vLLM balancing among its engines) says so
+at ``GET /kv_event_sources``, which each endpoint's server is asked once (:mod:`epp.prefix.kvsources`):
+the other ranks' publishers are followed too (rank r's blocks count for the endpoint), or, binding,
+their ports (the bound one + r) bound. Each endpoint
 followed is logged (``KV events: following ...``); every message dropped or flagged is logged (at most
 once a minute per pod and reason) and counted in ``epp_kv_event_rejected_total{reason}``: ``topic``
 (not under ``topicFilter``, e.g. vLLM's default empty topic), ``identity`` (names another pod),
@@ -50,7 +54,7 @@ bench/tokenize_cost.py --sizes 2000,8000 --runs 15``, twice each) a warm 8k-toke
 Parameters (llm-d's names where they exist, plus the approximate producer's):
     kvEventsConfig.zmqEndpoint (str): bind this endpoint for pods that connect (default: connect to pods);
         its port + r too for data-parallel rank r, where vLLM's rank r connects, when the pool has r + 1
-        endpoints on one ip.
+        endpoints on one ip or a server reports r + 1 ranks.
     kvEventsConfig.topicFilter (str, default "kv@"): the prefix a message's topic must have.
     kvEventsConfig.concurrency, kvEventsConfig.discoverPods: accepted (llm-d's); one subscriber on the
         picker's event loop serves every pod, and pods are always the pool's.
@@ -309,6 +313,7 @@ from epp.framework import (
     str_parameter,
 )
 from epp.prefix.kvindex import KVEventIndex, chain_keys
+from epp.prefix.kvsources import RankDiscovery, RankSource
 from epp.prefix.kvsubscriber import KVEventSubscriber, pod_id
 from epp.prefix.remote import Breaker, RemoteError, RemoteTokenizer
 from epp.prefix.tokenize import (
@@ -811,6 +816,8 @@ class PrecisePrefixCacheProducer:
         self._names: dict[str, str] = {}  # index pod id (an endpoint's hostport) -> endpoint name
         self._pods_by_name: dict[str, str] = {}  # endpoint name -> index pod id
         self._endpoints: dict[str, Endpoint] = {}  # hostport -> endpoint
+        self._discovery: RankDiscovery | None = None  # each server's data-parallel ranks (epp.prefix.kvsources)
+        self._rank_streams: dict[str, list[str]] = {}  # connect mode: hostport -> the ranks' streams added
         self._on_reject: Callable[[str], None] | None = None
         self._on_lag: Callable[[float], None] | None = None
         self.deferred = 0  # prompts looked up by their known start, the rest encoded after the answer
@@ -901,10 +908,46 @@ class PrecisePrefixCacheProducer:
         else:
             publisher, replay = self.publisher_of(endpoint)
             subscriber.follow(pod_id(endpoint.hostport), publisher, replay, address=endpoint.hostport)
+        if self._discovery is None:
+            self._discovery = RankDiscovery(self._ranks_found)
+        host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
+        self._discovery.watch(endpoint.hostport, f"http://{host}:{endpoint.port}")
+
+    def _ranks_found(self, hostport: str, sources: list[RankSource]) -> None:
+        """A server's ranks (:mod:`epp.prefix.kvsources`): follow those whose publisher is not the one
+        the pool names; binding, bind a port for each."""
+        endpoint, subscriber = self._endpoints.get(hostport), self.subscriber
+        if endpoint is None or subscriber is None:
+            return
+        if self.parameters.bind is not None:
+            ranks = sources[-1].rank + 1
+            if ranks > 1:
+                log.info("KV events: %s (%s) reports %d data-parallel ranks", endpoint.name, hostport, ranks)
+            subscriber.expect_ranks(ranks)
+            return
+        publisher, _ = self.publisher_of(endpoint)
+        own = int(publisher.rpartition(":")[2])
+        host = publisher.removeprefix("tcp://").rpartition(":")[0]
+        for source in sources:
+            if source.port is None or source.port == own:
+                continue
+            pod = pod_id(hostport, source.rank)
+            if source.rank == 0:
+                log.warning("KV events: %s (%s) says its rank 0 publishes on port %d, the pool says %d; "
+                            "following the pool's", endpoint.name, hostport, source.port, own)  # fmt: skip
+                continue
+            replay = f"tcp://{host}:{source.replay_port}" if source.replay_port else None
+            subscriber.follow(pod, f"tcp://{host}:{source.port}", replay, address=hostport)
+            self._rank_streams.setdefault(hostport, []).append(pod)
 
     def _forget(self, endpoint: Endpoint) -> None:
         subscriber = self.subscriber
         pod = pod_id(endpoint.hostport)
+        if self._discovery is not None:
+            self._discovery.cancel(endpoint.hostport)
+        for stream in self._rank_streams.pop(endpoint.hostport, ()):
+            if subscriber is not None:
+                subscriber.unfollow(stream)
         if subscriber is None:
             self.index.remove_pod(pod)
         elif self.parameters.bind is not None:
@@ -1128,6 +1171,9 @@ class PrecisePrefixCacheProducer:
         self.in_flight.add(name, keys[start:])
 
     async def close(self) -> None:
+        if self._discovery is not None:
+            await self._discovery.close()
+            self._discovery = None
         if self.subscriber is not None:
             await self.subscriber.close()
             self.subscriber = None

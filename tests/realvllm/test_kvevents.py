@@ -236,3 +236,53 @@ def test_a_prompt_sent_straight_to_a_server_is_then_routed_to_it_and_matched_as_
     # What the picker predicted the server holds is what the server found in its cache.
     assert record["prefix_match_tokens"][name] == hits[chosen] == (n // _BLOCK) * _BLOCK
 
+
+
+def test_every_data_parallel_rank_of_a_server_is_followed(tmp_path: Path) -> None:
+    """``--data-parallel-size 2`` behind one API server (vLLM's own balancing picks the rank): rank r
+    publishes on the configured port + r; the pool names the server once, and the picker learns the
+    second rank from the server's /kv_event_sources (epp.prefix.kvsources)."""
+    paths = tier_paths()
+    if paths is None:
+        pytest.skip("the real-vLLM tier needs EPP_VLLM_PYTHON and EPP_VLLM_MODELS (tests/realvllm/setup_tier.sh)")
+    python, models = paths
+    events, replay = free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+              "replay_endpoint": f"tcp://*:{replay}", "topic": f"kv@127.0.0.1@{BASE}"}
+    server = start_vllm(python, models, "dp", kv_events=False,
+                        extra_args=["--kv-events-config", json.dumps(config), "--data-parallel-size", "2"])  # fmt: skip
+    picker: PickerProcess | None = None
+    try:
+        server.wait_healthy()
+        pool = tmp_path / "pool.txt"
+        pool.write_text(f"{server.hostport} kv-events={events} kv-replay={replay}\n")
+        config_file = tmp_path / "precise.yaml"
+        config_file.write_text(_config(models))
+        picker = PickerProcess([], extra_args=["--endpoints-file", str(pool), "--config-file", str(config_file)])
+        picker.start()
+
+        def metric(name: str) -> float:
+            page = http_get(f"http://127.0.0.1:{picker.metrics_port}/metrics")[1].decode()  # type: ignore[union-attr]
+            found = re.search(rf"^{re.escape(name)} (\S+)$", page, re.M)
+            return float(found.group(1)) if found else 0.0
+
+        deadline = time.monotonic() + 30
+        while "@1 at" not in picker.log_tail(200):  # "KV events: following <server>@1 at tcp://..."
+            assert time.monotonic() < deadline, picker.log_tail(40)
+            time.sleep(0.2)
+        blocks = 0
+        for seed in range(6):  # one at a time: vLLM's balancing takes the ranks in turn when both are idle
+            prompt = _prompt(300 + seed, 150)
+            status, body = http_post(f"{server.url}/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 1})
+            assert status == 200, body
+            blocks += _tokens(server, prompt) // _BLOCK
+        deadline = time.monotonic() + 30
+        while metric("epp_kv_event_index_blocks") < blocks and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric("epp_kv_event_pods_tracked") == 2, picker.log_tail(40)  # both ranks' streams
+        assert metric("epp_kv_event_index_blocks") >= blocks
+        assert metric('epp_kv_event_rejected_total{reason="identity"}') == 0
+    finally:
+        if picker is not None:
+            picker.stop()
+        server.stop()

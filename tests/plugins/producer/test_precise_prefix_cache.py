@@ -97,6 +97,86 @@ async def test_a_prompt_sent_straight_to_a_pod_is_routed_to_it() -> None:
         await producer.close()
 
 
+async def _ranks_server(sources: dict[str, dict[str, object]]) -> tuple[web.AppRunner, int]:
+    """A stand-in for vLLM's API server in front of data-parallel ranks: its /kv_event_sources."""
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(sources)
+
+    app = web.Application()
+    app.router.add_get("/kv_event_sources", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, int(runner.addresses[0][1])
+
+
+async def _matched_by_rank_1(producer: PrecisePrefixCacheProducer, pods: list[Endpoint],
+                             publishers: list[KVEventPublisher]) -> InferenceRequest:  # fmt: skip
+    """Rank 1 stores a prompt's blocks (rank 0 stays quiet but for clears): the request after it."""
+    request = _ask("held by the second engine behind the server")
+    ids = _tokens(request)
+    n = len(ids) // BS
+    for _ in range(500):
+        producer.produce(request, pods)  # the first call starts the subscriber on this loop
+        if request.state[PREFIX_MATCH].matched.get("pod-a"):
+            break
+        for publisher in publishers:
+            publisher.cleared()
+        publishers[1].stored(list(range(1, n + 1)), None, ids[: n * BS], BS)
+        for publisher in publishers:
+            publisher.flush()
+        await asyncio.sleep(0.02)
+    return request
+
+
+async def test_every_data_parallel_rank_behind_one_server_is_followed() -> None:
+    """vllm serve --data-parallel-size 2 (one API server, rank r publishing on the port + r): the server's
+    /kv_event_sources names both ranks, and rank 1's blocks count for the endpoint."""
+    port = _free_port()
+    publishers = [KVEventPublisher(f"tcp://127.0.0.1:{port}", "kv@127.0.0.1@m", bind=True, data_parallel_rank=r)
+                  for r in range(2)]  # fmt: skip
+    runner, http = await _ranks_server({str(r): {"endpoint": f"tcp://*:{port + r}", "replay_endpoint": None}
+                                        for r in range(2)})  # fmt: skip
+    pods = [Endpoint("pod-a", "127.0.0.1", http, kv_events_port=port)]
+    parameters = PreciseParameters("p", {"tokenProcessorConfig": {"blockSize": BS}})
+    producer = PrecisePrefixCacheProducer("p", parameters, Handle(Datastore(pods)), tokenizer=_tokens)
+    try:
+        request = await _matched_by_rank_1(producer, pods, publishers)
+        assert request.state[PREFIX_MATCH].matched["pod-a"] == len(_tokens(request)) // BS
+        assert producer.subscriber is not None
+        assert set(producer.subscriber.index.pods()) == {f"127.0.0.1:{http}", f"127.0.0.1:{http}@1"}
+    finally:
+        for publisher in publishers:
+            publisher.close()
+        await producer.close()
+        await runner.cleanup()
+
+
+async def test_binding_every_data_parallel_rank_behind_one_server_connects() -> None:
+    """The same server configured to connect to the picker: rank 1 connects to the bound port + 1, which
+    the picker binds once the server says it runs two ranks (the pool has one endpoint on its ip)."""
+    port = _free_port()
+    runner, http = await _ranks_server({str(r): {"endpoint": f"tcp://127.0.0.1:{port + r}"} for r in range(2)})
+    publishers = [KVEventPublisher(f"tcp://127.0.0.1:{port}", f"kv@127.0.0.1:{http}@m", bind=False,
+                                   data_parallel_rank=r) for r in range(2)]  # fmt: skip
+    pods = [Endpoint("pod-a", "127.0.0.1", http)]
+    parameters = PreciseParameters(
+        "p", {"kvEventsConfig": {"zmqEndpoint": f"tcp://127.0.0.1:{port}"}, "tokenProcessorConfig": {"blockSize": BS}}
+    )
+    producer = PrecisePrefixCacheProducer("p", parameters, Handle(Datastore(pods)), tokenizer=_tokens)
+    try:
+        request = await _matched_by_rank_1(producer, pods, publishers)
+        assert request.state[PREFIX_MATCH].matched["pod-a"] == len(_tokens(request)) // BS
+        assert producer.subscriber is not None
+        assert producer.subscriber.rank_endpoints == {1: f"tcp://127.0.0.1:{port + 1}"}
+    finally:
+        for publisher in publishers:
+            publisher.close()
+        await producer.close()
+        await runner.cleanup()
+
+
 async def test_binding_a_pod_that_published_before_it_connected_is_caught_up_from_its_replay_socket() -> None:
     """Bind mode (kvEventsConfig.zmqEndpoint): the pool's kv-replay port is dialled as when connecting."""
     port = _free_port()
