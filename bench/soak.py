@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=0.2, help="fraction of the run left out of the fit")
     parser.add_argument("--pods", type=int, default=2)
     parser.add_argument("--plot", default="soak.png", help="PNG file to write ('' for none)")
+    parser.add_argument("--samples", default="", help="a JSON file to write the samples to (to fit them again)")
     parser.add_argument("--picker-arg", action="append", default=[], help="an extra flag for the picker")
     parser.add_argument(
         "--envoy-graceful-close",
@@ -288,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         sim.wait(10)
         shutil.rmtree(directory, ignore_errors=True)
 
+    if args.samples:
+        Path(args.samples).write_text(json.dumps([vars(s) for s in samples]))
     kept = [s for s in samples if s.seconds >= args.warmup * args.minutes * 60]
     if len(kept) < 3:
         print("too few samples after the warm-up: run longer or sample more often")
