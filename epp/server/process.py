@@ -25,7 +25,10 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> int | None:
     new prompts only: cold heads, rests on the threads, prompts over 16 KiB; at edda848), without a
     cap and with ``MALLOC_ARENA_MAX=2``: RSS 116.3 -> 118.4 MiB after the warm-up, **18.4 bytes a
     request**, against 112.8 -> 112.6 MiB, **-3.1**; picker CPU 2.88 and 2.83 ms a request
-    (138 and 142 requests/s). The growth was in the thread arenas (in ``/proc/PID/smaps`` six
+    (138 and 142 requests/s). Over 30 minutes, the same two side by side (edda848 against fa5dfc6,
+    which caps here): 115.1 -> 118.9 MiB, **8.6 bytes a request**, against 111.1 -> 112.1 MiB, **3.0**
+    (the capped picker's RSS still rose until ~60k requests, then stayed level); CPU 3.28 and 3.41
+    ms a request (110 requests/s each). The growth was in the thread arenas (in ``/proc/PID/smaps`` six
     minutes apart, two of the three grew by 0.8 and 2.6 MiB; the main heap stayed at 35.5 MiB).
     With two arenas every thread shares one of two, and what one frees is reused by the others.
     The default path, which encodes nothing on threads, was already flat (0.07 bytes a request,
