@@ -11,6 +11,7 @@ then routed by the picker to that server, and the match the picker predicted (it
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -151,6 +152,23 @@ def _decision(precise: Precise, request_id: str, timeout: float = 10.0) -> dict:
     raise AssertionError(f"no decision record for {request_id}:\n{precise.picker.log_tail(20)}")
 
 
+def _picker(tmp_path: Path, pool_line: str, config: str) -> PickerProcess:
+    """A picker (no Envoy) of the one server ``pool_line`` names, configured by ``config``."""
+    pool = tmp_path / "pool.txt"
+    pool.write_text(pool_line + "\n")
+    config_file = tmp_path / "precise.yaml"
+    config_file.write_text(config)
+    picker = PickerProcess([], extra_args=["--endpoints-file", str(pool), "--config-file", str(config_file)])
+    picker.start()
+    return picker
+
+
+def _metric(picker: PickerProcess, name: str) -> float:
+    page = http_get(f"http://127.0.0.1:{picker.metrics_port}/metrics")[1].decode()
+    found = re.search(rf"^{re.escape(name)} (\S+)$", page, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_a_picker_that_binds_catches_up_with_what_a_server_published_before_it_listened(tmp_path: Path) -> None:
     """vLLM connecting to the picker (``kvEventsConfig.zmqEndpoint``, the picker binds): what the server
     published before the picker listened was dropped (no subscriber), and the server then stays quiet;
@@ -171,18 +189,8 @@ def test_a_picker_that_binds_catches_up_with_what_a_server_published_before_it_l
         assert status == 200, body
         blocks = _tokens(server, prompt) // _BLOCK
         assert blocks >= 2
-        pool = tmp_path / "pool.txt"
-        pool.write_text(f"{server.hostport} kv-replay={replay}\n")
-        config_file = tmp_path / "precise.yaml"
-        config_file.write_text(_config(models, bind=f"tcp://127.0.0.1:{bind}"))
-        picker = PickerProcess([], extra_args=["--endpoints-file", str(pool), "--config-file", str(config_file)])
-        picker.start()
-
-        def metric(name: str) -> float:
-            page = http_get(f"http://127.0.0.1:{picker.metrics_port}/metrics")[1].decode()  # type: ignore[union-attr]
-            found = re.search(rf"^{re.escape(name)} (\S+)$", page, re.M)
-            return float(found.group(1)) if found else 0.0
-
+        picker = _picker(tmp_path, f"{server.hostport} kv-replay={replay}", _config(models, bind=f"tcp://127.0.0.1:{bind}"))
+        metric = functools.partial(_metric, picker)
         deadline = time.monotonic() + 30
         while metric("epp_kv_event_index_blocks") < blocks and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -254,18 +262,8 @@ def test_every_data_parallel_rank_of_a_server_is_followed(tmp_path: Path) -> Non
     picker: PickerProcess | None = None
     try:
         server.wait_healthy()
-        pool = tmp_path / "pool.txt"
-        pool.write_text(f"{server.hostport} kv-events={events} kv-replay={replay}\n")
-        config_file = tmp_path / "precise.yaml"
-        config_file.write_text(_config(models))
-        picker = PickerProcess([], extra_args=["--endpoints-file", str(pool), "--config-file", str(config_file)])
-        picker.start()
-
-        def metric(name: str) -> float:
-            page = http_get(f"http://127.0.0.1:{picker.metrics_port}/metrics")[1].decode()  # type: ignore[union-attr]
-            found = re.search(rf"^{re.escape(name)} (\S+)$", page, re.M)
-            return float(found.group(1)) if found else 0.0
-
+        picker = _picker(tmp_path, f"{server.hostport} kv-events={events} kv-replay={replay}", _config(models))
+        metric = functools.partial(_metric, picker)
         deadline = time.monotonic() + 30
         while "@1 at" not in picker.log_tail(200):  # "KV events: following <server>@1 at tcp://..."
             assert time.monotonic() < deadline, picker.log_tail(40)

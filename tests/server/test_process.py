@@ -1,5 +1,5 @@
-"""epp.server.process: what a started picker process does to itself (glibc malloc's arenas here; the
-collector's freeze is tested with the started picker in test_server)."""
+"""epp.server.process: what a started picker process does to itself (glibc malloc's arenas, the
+collector's freeze)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from epp.testing.harness import PickerProcess
 
-pytestmark = pytest.mark.skipif(
+glibc = pytest.mark.skipif(
     not sys.platform.startswith("linux") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""),
     reason="per-thread arenas are glibc's",
 )
@@ -58,39 +58,55 @@ def _arenas(tmp_path: Path, limit: bool, env: dict[str, str] | None = None) -> t
     return out[0], int(out[1])
 
 
+@glibc
 def test_threads_share_two_arenas_once_capped(tmp_path: Path) -> None:
     assert _arenas(tmp_path, limit=False) == ("uncalled", 7)  # glibc's default: one per thread here
     assert _arenas(tmp_path, limit=True) == ("2", 2)
 
 
+@glibc
 def test_the_operators_setting_wins(tmp_path: Path) -> None:
     assert _arenas(tmp_path, limit=True, env={"MALLOC_ARENA_MAX": "4"}) == ("None", 4)
     assert _arenas(tmp_path, limit=True, env={"GLIBC_TUNABLES": "glibc.malloc.arena_max=3"}) == ("None", 3)
 
 
-def test_the_command_lines_picker_caps_its_arenas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once the picker has started (its collector frozen), six more threads still share two arenas."""
-    report = tmp_path / "arenas"
+def _once_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prelude: str, expression: str) -> str:
+    """``str(expression)`` evaluated in the command line's picker once it has started (its collector
+    frozen), by a sitecustomize module on its PYTHONPATH after ``prelude``."""
+    report = tmp_path / "report"
     (tmp_path / "sitecustomize.py").write_text(
-        _ARENAS_PROBE + "import gc, sys, time\n"
+        prelude + "import gc, os, sys, threading, time\n"
         "if 'serve' in sys.argv:\n"
         "    def later():\n"
         "        while gc.get_freeze_count() == 0:\n"
         "            time.sleep(0.05)\n"
-        f"        count = arenas_after_threads({str(tmp_path / 'info.xml')!r})\n"
-        f"        open({str(report)!r}, 'w').write(str(count))\n"
+        f"        open({str(report)!r} + '.part', 'w').write(str({expression}))\n"
+        f"        os.replace({str(report)!r} + '.part', {str(report)!r})\n"  # whole when it appears
         "    threading.Thread(target=later, daemon=True).start()\n"
     )
     previous = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + previous if previous else ""))
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     picker = PickerProcess(["127.0.0.1:1"], extra_args=["--scrape-metrics=false"])
     picker.start()
     try:
         deadline = time.monotonic() + 30
         while not report.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert report.read_text() == "2"
+        return report.read_text()
     finally:
         picker.stop()
+
+
+def test_a_started_picker_process_freezes_its_startup_objects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line's picker moves what it holds once started out of the collector's full passes
+    (a test process starting pickers in-process does not)."""
+    assert int(_once_started(tmp_path, monkeypatch, "", "gc.get_freeze_count()")) > 10_000
+
+
+@glibc
+def test_the_command_lines_picker_caps_its_arenas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the picker has started, six more threads still share two arenas."""
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    info = str(tmp_path / "info.xml")
+    assert _once_started(tmp_path, monkeypatch, _ARENAS_PROBE, f"arenas_after_threads({info!r})") == "2"

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2
@@ -68,29 +65,3 @@ def test_the_harness_moves_a_listener_whose_port_was_taken_before_the_picker_bou
         with pytest.raises(RuntimeError, match="--grpc-port"):
             picker.start()
     picker.stop()
-
-
-def test_a_started_picker_process_freezes_its_startup_objects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """epp.server.process: the command line's picker moves what it holds once started out of the
-    collector's full passes (a test process starting pickers in-process does not)."""
-    report = tmp_path / "frozen"
-    (tmp_path / "sitecustomize.py").write_text(
-        "import gc, sys, threading, time\n"
-        "if 'serve' in sys.argv:\n"
-        "    def later():\n"
-        "        while gc.get_freeze_count() == 0:\n"
-        "            time.sleep(0.05)\n"
-        f"        open({str(report)!r}, 'w').write(str(gc.get_freeze_count()))\n"
-        "    threading.Thread(target=later, daemon=True).start()\n"
-    )
-    previous = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + previous if previous else ""))
-    picker = PickerProcess(["127.0.0.1:1"], extra_args=["--scrape-metrics=false"])
-    picker.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not report.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert int(report.read_text()) > 10_000
-    finally:
-        picker.stop()
