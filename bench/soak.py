@@ -27,7 +27,11 @@ What is bounded then fills during the warm-up: the tokenizer's prefix cache (8 M
 ``prefixCacheBytes``), the index (the pods' own blocks), the in-flight record (its TTL).
 Measured (``python bench/soak.py --precise --minutes 30``, at aaa15f4, 2 pods): 409,457 requests
 (227/s), picker CPU 3.05 ms a request; RSS 96.0 MiB at start, 142.6 after warm-up, 146.9 at the end: a
-slope of 3.95 bytes a request over the 327,881 after warm-up, fds 37-39. Its first version wrote words
+slope of 3.95 bytes a request over the 327,881 after warm-up, fds 37-39. Again at e43b67b, whose picker
+caps glibc malloc at 2 arenas (``epp/server/process.py``: without the cap the tokenizer threads' arenas
+crept; side by side, 8.6 bytes a request against 3.0): 403,979 requests (224/s), CPU 3.03 ms a request,
+RSS 95.8 MiB at start, 115.2 after warm-up, 114.2 at the end, a slope of 1.81 bytes a request (fitted
+after 30 / 40 / 50% of the run instead of 20: 2.24 / 2.41 / 3.11). Its first version wrote words
 the model files do not know: the picker's ids were then not the pods', no event confirmed a block sent,
 and the in-flight record held every request's blocks for its TTL (RSS 95 -> 410 MiB in a minute),
 which is what bounds that record now.
