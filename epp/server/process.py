@@ -31,6 +31,12 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> int | None:
     ms a request (110 requests/s each). The growth was in the thread arenas (in ``/proc/PID/smaps`` six
     minutes apart, two of the three grew by 0.8 and 2.6 MiB; the main heap stayed at 35.5 MiB).
     With two arenas every thread shares one of two, and what one frees is reused by the others.
+    Alone for 30 minutes at e43b67b: 1.81 bytes a request over 332,752 requests (the issue's target is
+    1: not met on this path; ``bench/soak.py``'s docstring). A ``malloc_trim(0)`` every 10 s on a
+    thread, tried beside the cap (a sitecustomize probe, the two soaks side by side on a machine also
+    running the test suite): 4.8 against 10.5 bytes a request, the RSS jumping by MiBs either way;
+    each trim cost 0.9 ms of CPU and held the arenas' locks up to 35 ms (wall), a stall for any
+    thread that allocates meanwhile, the event loop's included: not adopted.
     The default path, which encodes nothing on threads, was already flat (0.07 bytes a request,
     ``python bench/soak.py``).
 
