@@ -14,6 +14,7 @@ left a file in /dev/shm behind (84 after one run of the test suite).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import shutil
 import socket
@@ -58,6 +59,23 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def free_port_run(count: int, *, away_from: tuple[int, ...] = ()) -> int:
+    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that were all free a moment ago, none
+    of them within ``count`` of a port in ``away_from`` (a data-parallel server's rank r binds its
+    configured port + r)."""
+    while True:
+        first = free_port()
+        if first + count > 65536 or any(abs(first - other) < count for other in away_from):
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first + 1, first + count):
+                    held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
 
 
 class EnvoyProcess:

@@ -8,6 +8,7 @@ import pytest
 from epp.prefix.kvindex import KVEventIndex, chain_keys
 from epp.prefix.kvsubscriber import KVEventSubscriber, topic_address
 from epp.sim.kvevents import KVEventPublisher
+from epp.testing.envoy import free_port_run
 
 BS = 4
 POD = "127.0.0.1:8000"
@@ -335,7 +336,7 @@ async def test_bound_socket_replays_a_quiet_late_start_and_gaps_from_the_pods_re
 async def test_bound_socket_resolves_ip_only_topics_by_rank_when_the_pool_has_one_endpoint_per_rank():
     """vLLM's rank r connects to the configured port + r: the socket binds that port too, once the pool
     has an endpoint per rank; an ip-only topic then names the rank's endpoint, by port order."""
-    sub = KVEventSubscriber(KVEventIndex(), bind="tcp://127.0.0.1:*")
+    sub = KVEventSubscriber(KVEventIndex(), bind=f"tcp://127.0.0.1:{free_port_run(2)}")  # and the port + 1
     sub.start()
     ranks = [KVEventPublisher(sub.bound_endpoint, "kv@127.0.0.1@m", data_parallel_rank=r) for r in range(2)]
     try:

@@ -15,7 +15,6 @@ import functools
 import json
 import random
 import re
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from epp.envoy.bootstrap import BootstrapOptions, render
-from epp.testing.envoy import EnvoyProcess, free_port
+from epp.testing.envoy import EnvoyProcess, free_port, free_port_run
 from epp.testing.harness import PickerProcess, wait_for_picker
 from epp.testing.vllm import BASE, VllmServer, http_get, http_post, start_vllm, tier_paths
 
@@ -247,32 +246,21 @@ def test_a_prompt_sent_straight_to_a_server_is_then_routed_to_it_and_matched_as_
 
 
 
-def _port_pair(*taken: int) -> int:
-    """A free port whose next one is free too, neither of them next to ``taken``'s pairs."""
-    while True:
-        port = free_port()
-        if port + 1 >= 65536 or any(abs(port - other) <= 1 for other in taken):
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-
-
-def test_every_data_parallel_rank_of_a_server_is_followed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["connect", "bind"])
+def test_every_data_parallel_rank_of_a_server_is_followed(tmp_path: Path, mode: str) -> None:
     """``--data-parallel-size 2`` behind one API server (vLLM's own balancing picks the rank): rank r
-    publishes on the configured port + r; the pool names the server once, and the picker learns the
-    second rank from the server's /kv_event_sources (epp.prefix.kvsources)."""
+    publishes on the configured port + r (binds it, or, the picker binding, connects to it); the pool
+    names the server once, and the picker learns the second rank from the server's
+    /kv_event_sources (epp.prefix.kvsources)."""
     paths = tier_paths()
     if paths is None:
         pytest.skip("the real-vLLM tier needs EPP_VLLM_PYTHON and EPP_VLLM_MODELS (tests/realvllm/setup_tier.sh)")
     python, models = paths
     for attempt in range(2):
-        events = _port_pair()  # rank 1 binds each + 1
-        replay = _port_pair(events)
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+        events = free_port_run(2)  # rank 1 binds (or the picker binds) each + 1
+        replay = free_port_run(2, away_from=(events,))
+        publish = f"tcp://*:{events}" if mode == "connect" else f"tcp://127.0.0.1:{events}"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": publish,
                   "replay_endpoint": f"tcp://*:{replay}", "topic": f"kv@127.0.0.1@{BASE}"}
         server = start_vllm(python, models, "dp", kv_events=False,
                             extra_args=["--kv-events-config", json.dumps(config), "--data-parallel-size", "2"])  # fmt: skip
@@ -288,10 +276,16 @@ def test_every_data_parallel_rank_of_a_server_is_followed(tmp_path: Path) -> Non
                 raise
     picker: PickerProcess | None = None
     try:
-        picker = _picker(tmp_path, f"{server.hostport} kv-events={events} kv-replay={replay}", _config(models))
+        if mode == "connect":
+            pool, picker_config = f"{server.hostport} kv-events={events} kv-replay={replay}", _config(models)
+            followed = "@1 at"  # "KV events: following <server>@1 at tcp://..."
+        else:
+            pool, picker_config = f"{server.hostport} kv-replay={replay}", _config(models, bind=publish)
+            followed = f"listening on tcp://127.0.0.1:{events + 1} for data-parallel rank 1"
+        picker = _picker(tmp_path, pool, picker_config)
         metric = functools.partial(_metric, picker)
         deadline = time.monotonic() + 30
-        while "@1 at" not in picker.log_tail(200):  # "KV events: following <server>@1 at tcp://..."
+        while followed not in picker.log_tail(200):
             assert time.monotonic() < deadline, picker.log_tail(40)
             time.sleep(0.2)
         blocks = 0
@@ -305,7 +299,8 @@ def test_every_data_parallel_rank_of_a_server_is_followed(tmp_path: Path) -> Non
             time.sleep(0.2)
         assert metric("epp_kv_event_pods_tracked") == 2, picker.log_tail(40)  # both ranks' streams
         assert metric("epp_kv_event_index_blocks") >= blocks
-        assert metric('epp_kv_event_rejected_total{reason="identity"}') == 0
+        page = http_get(f"http://127.0.0.1:{picker.metrics_port}/metrics")[1].decode()
+        assert not re.search(r"^epp_kv_event_rejected_total\{[^}]*\} [1-9]", page, re.M), page
     finally:
         if picker is not None:
             picker.stop()

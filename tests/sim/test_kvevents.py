@@ -6,6 +6,7 @@ import msgspec
 import zmq
 
 from epp.sim.kvevents import KVEventPublisher
+from epp.testing.envoy import free_port_run
 
 
 def _subscribe(endpoint):
@@ -27,11 +28,7 @@ def _first_message(pub, sock):
 
 
 def test_a_data_parallel_rank_publishes_on_the_port_plus_its_rank_as_vllm_does():
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port_run(13)  # rank 2 binds the port + 2 and its replay socket the port + 12
     bound = KVEventPublisher(f"tcp://127.0.0.1:{port}", "kv@x@m", data_parallel_rank=2, bind=True,
                              replay_endpoint=f"tcp://127.0.0.1:{port + 10}")  # fmt: skip
     connecting = KVEventPublisher(f"tcp://127.0.0.1:{port}", "kv@x@m", data_parallel_rank=3)

@@ -41,6 +41,7 @@ from epp.sim.config import KVEventsConfig
 from epp.sim.kvcache import block_hashes, model_seed
 from epp.sim.kvevents import KVEventPublisher
 from epp.sim.tokens import render_chat, render_completion, write_model_files
+from epp.testing.envoy import free_port_run
 from epp.testing.tokenizer import write_tokenizer_dir
 
 BS = 4
@@ -133,7 +134,7 @@ async def _matched_by_rank_1(producer: PrecisePrefixCacheProducer, pods: list[En
 async def test_every_data_parallel_rank_behind_one_server_is_followed() -> None:
     """vllm serve --data-parallel-size 2 (one API server, rank r publishing on the port + r): the server's
     /kv_event_sources names both ranks, and rank 1's blocks count for the endpoint."""
-    port = _free_port()
+    port = free_port_run(2)  # rank 1 binds the port + 1
     publishers = [KVEventPublisher(f"tcp://127.0.0.1:{port}", "kv@127.0.0.1@m", bind=True, data_parallel_rank=r)
                   for r in range(2)]  # fmt: skip
     runner, http = await _ranks_server({str(r): {"endpoint": f"tcp://*:{port + r}", "replay_endpoint": None}
@@ -156,7 +157,7 @@ async def test_every_data_parallel_rank_behind_one_server_is_followed() -> None:
 async def test_binding_every_data_parallel_rank_behind_one_server_connects() -> None:
     """The same server configured to connect to the picker: rank 1 connects to the bound port + 1, which
     the picker binds once the server says it runs two ranks (the pool has one endpoint on its ip)."""
-    port = _free_port()
+    port = free_port_run(2)  # the picker binds the port + 1 for rank 1
     runner, http = await _ranks_server({str(r): {"endpoint": f"tcp://127.0.0.1:{port + r}"} for r in range(2)})
     publishers = [KVEventPublisher(f"tcp://127.0.0.1:{port}", f"kv@127.0.0.1:{http}@m", bind=False,
                                    data_parallel_rank=r) for r in range(2)]  # fmt: skip
