@@ -108,8 +108,6 @@ def _mix() -> list[tuple[str, str, bytes | None, int]]:
     ]
 
 
-
-
 def _text(rng: random.Random, size: int) -> str:
     """About ``size`` bytes of random three-letter words: the words the simulated model's tokenizer files
     know (:func:`epp.sim.tokens.write_model_files`), so that the picker's ids are the pods' own."""

@@ -647,9 +647,7 @@ class _Tokenization:
         endpoints = self.handle.pool.endpoints() if self.handle is not None else ()
         if not endpoints:
             return None
-        endpoint = endpoints[next(self._turn) % len(endpoints)]
-        host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
-        return f"http://{host}:{endpoint.port}"
+        return f"http://{endpoints[next(self._turn) % len(endpoints)].hostport}"
 
     async def _prepare_local(
         self, tokenizer: ModelTokenizer, api: str, body: bytes, known_decides: Callable[[Plan], bool]
@@ -794,6 +792,11 @@ class PreciseParameters:
         self.approximate = PrefixParameters.parse(name, {k: v for k, v in parameters.items() if k not in _OWN})
 
 
+def _host(endpoint: Endpoint) -> str:
+    """The endpoint's address as a URL's host (an IPv6 one in brackets)."""
+    return f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
+
+
 class PrecisePrefixCacheProducer:
     produces = (PREFIX_MATCH, TOKENIZED_PROMPT)
 
@@ -892,10 +895,13 @@ class PrecisePrefixCacheProducer:
 
     def publisher_of(self, endpoint: Endpoint) -> tuple[str, str | None]:
         """Where ``endpoint``'s KV events are followed: its publisher, and its replay socket (or None)."""
-        host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
-        port = endpoint.kv_events_port or self.parameters.socket_port
+        host = _host(endpoint)
         replay = f"tcp://{host}:{endpoint.kv_replay_port}" if endpoint.kv_replay_port else None
-        return f"tcp://{host}:{port}", replay
+        return f"tcp://{host}:{self._events_port(endpoint)}", replay
+
+    def _events_port(self, endpoint: Endpoint) -> int:
+        """The port of ``endpoint``'s publisher as the pool names it (else ``socketPort``)."""
+        return endpoint.kv_events_port or self.parameters.socket_port
 
     def _follow(self, endpoint: Endpoint) -> None:
         subscriber = self.subscriber
@@ -910,8 +916,7 @@ class PrecisePrefixCacheProducer:
             subscriber.follow(pod_id(endpoint.hostport), publisher, replay, address=endpoint.hostport)
         if self._discovery is None:
             self._discovery = RankDiscovery(self._ranks_found)
-        host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
-        self._discovery.watch(endpoint.hostport, f"http://{host}:{endpoint.port}")
+        self._discovery.watch(endpoint.hostport, f"http://{endpoint.hostport}")
 
     def _ranks_found(self, hostport: str, sources: list[RankSource]) -> None:
         """A server's ranks (:mod:`epp.prefix.kvsources`): follow those whose publisher is not the one
@@ -925,9 +930,8 @@ class PrecisePrefixCacheProducer:
                 log.info("KV events: %s (%s) reports %d data-parallel ranks", endpoint.name, hostport, ranks)
             subscriber.expect_ranks(ranks)
             return
-        publisher, _ = self.publisher_of(endpoint)
-        own = int(publisher.rpartition(":")[2])
-        host = publisher.removeprefix("tcp://").rpartition(":")[0]
+        own = self._events_port(endpoint)
+        host = _host(endpoint)
         for source in sources:
             if source.port is None or source.port == own:
                 continue
