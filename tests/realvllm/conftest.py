@@ -17,6 +17,7 @@ in a warning with Envoy's health-check counters, and a failing test's report car
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from collections.abc import Iterator
@@ -27,23 +28,67 @@ import pytest
 from epp.envoy.bootstrap import EPP_CLUSTER, BootstrapOptions, render
 from epp.testing.envoy import EnvoyProcess
 from epp.testing.harness import PickerProcess, wait_for_picker
-from epp.testing.vllm import VllmServer, running, start_vllm, tier_paths
+from epp.testing.vllm import VllmServer, http_get, running, start_vllm, tier_paths
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
-    """A failing test here shows each running server's state and the tail of its log: a server (or its
-    engine) that died says why only there, and CI keeps nothing else."""
+    """A failing test here shows each running server's state and the tail of its log (a server, or its
+    engine, that died says why only there, and CI keeps nothing else), the picker's log, its last
+    decision records and its view of the pool (why requests went where they went)."""
     report = yield
     if report.failed:
         for server in running():
             state = "running" if server.alive() else f"EXITED with {server.process.returncode}"
-            report.sections.append((f"vLLM {server.name} ({server.hostport}, {state})", server.log_tail(60)))
+            tail = [ln for ln in server.log_tail(600).splitlines() if _SCRAPE not in ln][-40:]
+            report.sections.append((f"vLLM {server.name} ({server.hostport}, {state})", "\n".join(tail)))
         tier = getattr(item, "funcargs", {}).get("tier")
         if isinstance(tier, Tier):
-            report.sections.append(("the tier's picker", tier.picker.log_tail(40)))
+            log = tier.picker.log_tail(2000).splitlines()
+            quiet = [ln for ln in log if _DECISION not in ln and " DEBUG epp.scheduling.registry: " not in ln]
+            report.sections.append(("the tier's picker", "\n".join(quiet[-30:])))
+            report.sections.append(("the picker's last decisions", _decisions(log, 12)))
+            report.sections.append(("the picker's view of the pool", _pool_view(tier.picker)))
             report.sections.append(("Envoy's view of the picker", _picker_health(tier.envoy)))
     return report
+
+
+_DECISION = " epp.decisions: decision "
+_SCRAPE = '"GET /metrics/?name[]='  # the picker's scrapes, 20 a second: noise in a server's log tail
+
+
+def _decisions(log: list[str], count: int) -> str:
+    """The last ``count`` decision records (the picker runs at -v 4), a line each: the model, each top
+    candidate's total and scores, and the pick; what says why a request went where it went."""
+    lines = []
+    for line in [ln for ln in log if _DECISION in ln][-count:]:
+        try:
+            record = json.loads(line.split(_DECISION, 1)[1])
+            profile = record["profiles"][0]
+            top = "; ".join(
+                f"{c['endpoint']} {c['total']:g} {c['scores']}" for c in profile.get("top", [])
+            )
+            kept = {f["filter"]: len(f["kept"]) for f in profile.get("filters", [])}
+            lines.append(f"{record.get('model')}: candidates {profile['candidates']} kept {kept} | {top} "
+                         f"-> {profile.get('picked')}")  # fmt: skip
+        except (ValueError, KeyError, IndexError) as exc:
+            lines.append(f"(unreadable record: {exc!r}) {line[:300]}")
+    return "\n".join(lines)
+
+
+def _pool_view(picker: PickerProcess) -> str:
+    """``/debug/pool``, an endpoint a line: what the scorers read of each."""
+    try:
+        pool = json.loads(http_get(f"http://127.0.0.1:{picker.metrics_port}/debug/pool")[1])["endpoints"]
+    except Exception as exc:  # the report must not fail on a picker that is gone
+        return f"/debug/pool could not be read: {exc!r}"
+    return "\n".join(
+        f"{e['address']}: stale {e['metrics']['stale']} error {e['metrics']['error']!r} "
+        f"scraped {e['scraped_seconds_ago']} s ago, queue_depth {e['queue_depth']} kv_usage {e['kv_usage']} "
+        f"waiting {e['metrics']['waiting_queue_size']} running {e['metrics']['running_requests']} "
+        f"in_flight {e['in_flight']} served {e['served']}"
+        for e in pool
+    )
 
 
 @dataclass
@@ -94,7 +139,8 @@ def tier() -> Iterator[Tier]:
         servers["b"] = start_vllm(python, models, "b")
         for server in servers.values():
             server.wait_healthy()
-        picker = PickerProcess([s.hostport for s in servers.values()], extra_args=["--enable-debug-endpoints"])
+        # -v 4: a decision record for each request, which a failing test's report shows (its scores).
+        picker = PickerProcess([s.hostport for s in servers.values()], extra_args=["--enable-debug-endpoints", "-v", "4"])
         picker.start()
         envoy = EnvoyProcess(
             render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
