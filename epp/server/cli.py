@@ -29,7 +29,7 @@ from epp.scheduling.registry import disabled_from_env
 from epp.server.flags import FlagError, FlagSet, HelpRequested, make_flag, print_usage_error
 from epp.server.logs import TIME_ENCODINGS, configure_logging, stack_level, zap_level
 from epp.server.pool_flags import ENDPOINTS_FILE_HELP, static_endpoints
-from epp.server.process import tune_malloc
+from epp.server.process import limit_malloc_arenas
 from epp.server.settings import DEFAULT_MAX_REQUEST_BODY_BYTES, Settings
 from epp.server.tls import tls_policy
 
@@ -495,9 +495,9 @@ def _serve(argv: Sequence[str]) -> int:
         settings.verbosity, settings.log_format, settings.log_floor,
         time_encoding=settings.log_time_encoding, stacks_from=settings.log_stacks_from,
     )  # fmt: skip
-    tuned = tune_malloc()  # before any thread allocates (epp.server.process)
-    if tuned:
-        log.debug("glibc malloc: %s (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_ override)", tuned)
+    arenas = limit_malloc_arenas()  # before any thread allocates (epp.server.process)
+    if arenas is not None:
+        log.debug("glibc malloc: at most %d arenas (MALLOC_ARENA_MAX overrides)", arenas)
     for name in not_yet:
         log.warning("flag --%s is accepted for compatibility with the upstream picker but has no effect yet", name)
     # A TLS/plaintext mismatch with Envoy shows only as grpc's own handshake errors (or nothing, the

@@ -121,7 +121,7 @@ from epp.requestcontrol.owner import WorkerRequests
 from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics
 from epp.requestcontrol.tracing import Tracing
 from epp.server.logs import configure_logging
-from epp.server.process import freeze_startup_objects, tune_malloc
+from epp.server.process import freeze_startup_objects, limit_malloc_arenas
 from epp.server.tls import CertificateReloader, apply_policy, server_ssl_context, ssl_context_from_pem, tls_policy
 from epp.wire.health import Health
 from epp.wire.server import GrpcServer
@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)  # the owner decides when a worker ends (see the module docstring)
-    tune_malloc()  # before any thread allocates (the owner's policy: epp.server.process)
+    limit_malloc_arenas()  # before any thread allocates (the owner's policy: epp.server.process)
     sock = socket.socket(fileno=int(args[0]))
     handoff = socket.socket(fileno=int(args[1]))
     spec = _read_spec(sock)

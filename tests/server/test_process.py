@@ -1,5 +1,5 @@
-"""epp.server.process: what a started picker process does to itself (glibc malloc's arenas and mmap
-threshold, the collector's freeze)."""
+"""epp.server.process: what a started picker process does to itself (glibc malloc's arenas, the
+collector's freeze)."""
 
 from __future__ import annotations
 
@@ -46,16 +46,13 @@ def arenas_after_threads(path):
 """
 
 
-_MALLOC_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
-
-
 def _arenas(tmp_path: Path, limit: bool, env: dict[str, str] | None = None) -> tuple[str, int]:
     script = _ARENAS_PROBE + (
-        "from epp.server.process import tune_malloc\n"
-        f"result = tune_malloc().get('arena_max') if {limit} else 'uncalled'\n"
+        "from epp.server.process import limit_malloc_arenas\n"
+        f"result = limit_malloc_arenas() if {limit} else 'uncalled'\n"
         f"print(result, arenas_after_threads({str(tmp_path / 'info.xml')!r}))\n"
     )
-    environment = {k: v for k, v in os.environ.items() if k not in _MALLOC_SETTINGS}
+    environment = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX" and k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", script], env={**environment, **(env or {})},
                          capture_output=True, text=True, check=True, timeout=60).stdout.split()  # fmt: skip
     return out[0], int(out[1])
@@ -71,55 +68,6 @@ def test_threads_share_two_arenas_once_capped(tmp_path: Path) -> None:
 def test_the_operators_setting_wins(tmp_path: Path) -> None:
     assert _arenas(tmp_path, limit=True, env={"MALLOC_ARENA_MAX": "4"}) == ("None", 4)
     assert _arenas(tmp_path, limit=True, env={"GLIBC_TUNABLES": "glibc.malloc.arena_max=3"}) == ("None", 3)
-
-
-# A 1 MiB block mapped and freed, then a 512 KiB one: is it mapped too (mallinfo2's count of mapped
-# blocks), or carved from the heap because the first free raised the threshold to 1 MiB?
-_THRESHOLD_PROBE = """
-import ctypes
-
-def mapped_after_a_larger_free():
-    libc = ctypes.CDLL(None)
-    class Info(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-    libc.mallinfo2.restype = Info
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.free(libc.malloc(1 << 20))
-    before = libc.mallinfo2().hblks
-    block = libc.malloc(512 << 10)
-    mapped = libc.mallinfo2().hblks - before
-    libc.free(block)
-    return mapped
-"""
-
-
-def _threshold(tune: bool, env: dict[str, str] | None = None) -> tuple[str, int]:
-    script = _THRESHOLD_PROBE + (
-        "from epp.server.process import tune_malloc\n"
-        f"result = tune_malloc().get('mmap_threshold') if {tune} else 'uncalled'\n"
-        "print(result, mapped_after_a_larger_free())\n"
-    )
-    environment = {k: v for k, v in os.environ.items() if k not in _MALLOC_SETTINGS}
-    out = subprocess.run([sys.executable, "-c", script], env={**environment, **(env or {})},
-                         capture_output=True, text=True, check=True, timeout=60).stdout.split()  # fmt: skip
-    return out[0], int(out[1])
-
-
-@glibc
-def test_the_mmap_threshold_is_held_where_glibc_starts_it() -> None:
-    # glibc's default: the freed 1 MiB block raised the threshold, the 512 KiB one came from the heap.
-    assert _threshold(tune=False) == ("uncalled", 0)
-    assert _threshold(tune=True) == ("131072", 1)
-
-
-@glibc
-def test_the_operators_mmap_threshold_wins() -> None:
-    assert _threshold(tune=True, env={"MALLOC_MMAP_THRESHOLD_": "2000000"}) == ("None", 0)
-    assert _threshold(tune=True, env={"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=2000000"}) == ("None", 0)
-    # Setting the other one leaves this one to the picker.
-    assert _threshold(tune=True, env={"MALLOC_ARENA_MAX": "4"}) == ("131072", 1)
 
 
 def _once_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prelude: str, expression: str) -> str:
@@ -158,16 +106,7 @@ def test_a_started_picker_process_freezes_its_startup_objects(tmp_path: Path, mo
 @glibc
 def test_the_command_lines_picker_caps_its_arenas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the picker has started, six more threads still share two arenas."""
-    for name in _MALLOC_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     info = str(tmp_path / "info.xml")
     assert _once_started(tmp_path, monkeypatch, _ARENAS_PROBE, f"arenas_after_threads({info!r})") == "2"
-
-
-@glibc
-def test_the_command_lines_picker_holds_its_mmap_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once the picker has started (its prompts' buffers come and go), a freed large block does not
-    move the threshold: a smaller block above it is still mapped on its own."""
-    for name in _MALLOC_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
-    assert _once_started(tmp_path, monkeypatch, _THRESHOLD_PROBE, "mapped_after_a_larger_free()") == "1"
