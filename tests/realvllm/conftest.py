@@ -76,6 +76,21 @@ def _decisions(log: list[str], count: int) -> str:
     return "\n".join(lines)
 
 
+def _wait_until_scraped(picker: PickerProcess, count: int, timeout: float) -> None:
+    """Until the picker's view (``/debug/pool``) has every server fresh (scraped, not stale) with its
+    cache size read: the tests compare servers, and a server the picker has not scraped yet scores as
+    fully loaded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pool = json.loads(http_get(f"http://127.0.0.1:{picker.metrics_port}/debug/pool")[1])["endpoints"]
+        fresh = [e for e in pool if not e["metrics"]["stale"] and e["metrics"]["kv_cache_size_tokens"]]
+        if len(fresh) == count == len(pool):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the picker had not scraped every server after {timeout:g} s:\n{_pool_view(picker)}")
+        time.sleep(0.1)
+
+
 def _pool_view(picker: PickerProcess) -> str:
     """``/debug/pool``, an endpoint a line: what the scorers read of each."""
     try:
@@ -149,7 +164,7 @@ def tier() -> Iterator[Tier]:
         )  # fmt: skip
         envoy.start()
         wait_for_picker(envoy, timeout=60)
-        time.sleep(1.0)  # a few scrapes: every server's numbers are fresh
+        _wait_until_scraped(picker, len(servers), timeout=30)
         yield Tier(servers, picker, envoy)
     finally:
         if envoy is not None:
