@@ -31,7 +31,12 @@ slope of 3.95 bytes a request over the 327,881 after warm-up, fds 37-39. Again a
 caps glibc malloc at 2 arenas (``epp/server/process.py``: without the cap the tokenizer threads' arenas
 crept; side by side, 8.6 bytes a request against 3.0): 403,979 requests (224/s), CPU 3.03 ms a request,
 RSS 95.8 MiB at start, 115.2 after warm-up, 114.2 at the end, a slope of 1.81 bytes a request (fitted
-after 30 / 40 / 50% of the run instead of 20: 2.24 / 2.41 / 3.11). Its first version wrote words
+after 30 / 40 / 50% of the run instead of 20: 2.24 / 2.41 / 3.11). For an hour at 46a054f (``--minutes
+60``, beside a default-path soak: 121 requests/s): 435,275 requests, CPU 3.60 ms a request, RSS 113.2
+MiB two minutes in and 110.8-114.2 from the warm-up to the end, no trend (the medians of the first and
+last thirds after the warm-up 113.30 and 113.32 MiB), a slope of **0.72 bytes a request** (fitted after
+30 / 40 / 50% of the run: 0.05 / 1.28 / 3.90: the heaps' wandering, MiBs either way, outweighs any
+trend at this length). Its first version wrote words
 the model files do not know: the picker's ids were then not the pods', no event confirmed a block sent,
 and the in-flight record held every request's blocks for its TTL (RSS 95 -> 410 MiB in a minute),
 which is what bounds that record now.
@@ -40,7 +45,10 @@ Talks only to 127.0.0.1; stops by itself. Bounded: ``--workers`` requests in fli
 
 Measured (``python bench/soak.py --minutes 30``, 2 pods, the 2-core development machine): 1,138,154
 requests (632/s), picker CPU 0.41 ms per request; RSS 76.6 MiB after warm-up, 76.7 at the end: a slope
-of **0.07 bytes per request** over the 922,447 requests after warm-up, fds 19-21 throughout. Under
+of **0.07 bytes per request** over the 922,447 requests after warm-up, fds 19-21 throughout. For an
+hour at 46a054f (glibc's arenas capped since fa5dfc6; ``--minutes 60``, beside a precise soak): 1,427,176
+requests (396/s), CPU 0.42 ms a request, RSS 77.4 MiB after warm-up and at the end: **0.01 bytes a
+request**, fds 20-23. Under
 grpc.aio (c519aee and before) the same bench grew 95-108 bytes per request (grpc/grpc#43360: the
 native ops of every batch a reset cancels), 14 with a workaround; ``epp.wire`` has no such path.
 """
