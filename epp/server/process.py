@@ -31,21 +31,21 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> int | None:
     ms a request (110 requests/s each). The growth was in the thread arenas (in ``/proc/PID/smaps`` six
     minutes apart, two of the three grew by 0.8 and 2.6 MiB; the main heap stayed at 35.5 MiB).
     With two arenas every thread shares one of two, and what one frees is reused by the others.
-    Alone for 30 minutes at e43b67b: 1.81 bytes a request over 332,752 requests (the issue's target is
-    1: not met on this path; ``bench/soak.py``'s docstring). A ``malloc_trim(0)`` every 10 s on a
-    thread, tried beside the cap (a sitecustomize probe, the two soaks side by side on a machine also
-    running the test suite): 4.8 against 10.5 bytes a request, the RSS jumping by MiBs either way;
-    each trim cost 0.9 ms of CPU and held the arenas' locks up to 35 ms (wall), a stall for any
-    thread that allocates meanwhile, the event loop's included: not adopted. Nor holding glibc's mmap
-    threshold at its starting 128 KiB (``M_MMAP_THRESHOLD``; glibc raises it to the size of each
-    mapped block freed, and here it rose above the Rust tokenizer's passing buffers, its pre-tokenizer's
-    splits and alignments of 150-650 KiB, which then come from the heap: ``perf`` counted no mmap in
-    20 s of the capped picker, and 3,210 with the threshold held, 98% of them from inside
-    ``tokenizers``). Side by side with the cap alone, ``bench/soak.py --precise``: over 15 minutes
-    3.8 against 14.3 bytes a request, but over 30 (72e3a7f against 18a3d6d, 108 and 103 requests/s)
-    3.48 against 1.00, its RSS 5 MiB lower yet still rising (106.1 -> 107.1 MiB after the warm-up,
-    where the cap alone wandered 108.8-113.5 with no trend), for 10% more CPU (4.24 against 3.85 ms a
-    request: ~88 page faults a request, every mapped block's pages fresh).
+    Alone for 30 minutes at e43b67b: 1.81 bytes a request over 332,752 requests; for an hour at 46a054f,
+    0.72, the RSS wandering 110.8-114.2 MiB with no trend (``bench/soak.py``'s docstring). A
+    ``malloc_trim(0)`` every 10 s on a thread, tried beside the cap (a sitecustomize probe, the two
+    soaks side by side on a machine also running the test suite): 4.8 against 10.5 bytes a request, the
+    RSS jumping by MiBs either way; each trim cost 0.9 ms of CPU and held the arenas' locks up to 35 ms
+    (wall), a stall for any thread that allocates meanwhile, the event loop's included: not adopted. Nor
+    holding glibc's mmap threshold at its starting 128 KiB (``M_MMAP_THRESHOLD``; glibc raises it to the
+    size of each mapped block freed, and here it rose above the Rust tokenizer's passing buffers, its
+    pre-tokenizer's splits and alignments of 150-650 KiB, which then come from the heap: ``perf``
+    counted no mmap in 20 s of the capped picker, and 3,210 with the threshold held, 98% of them from
+    inside ``tokenizers``). Side by side with the cap alone, ``bench/soak.py --precise``: over 15
+    minutes 3.8 against 14.3 bytes a request, but over 30 (72e3a7f against 18a3d6d, 108 and 103
+    requests/s) 3.48 against 1.00, its RSS 5 MiB lower yet still rising (106.1 -> 107.1 MiB after the
+    warm-up, where the cap alone wandered 108.8-113.5 with no trend), for 10% more CPU (4.24 against
+    3.85 ms a request: ~88 page faults a request, every mapped block's pages fresh).
     The default path, which encodes nothing on threads, was already flat (0.07 bytes a request,
     ``python bench/soak.py``).
 

@@ -82,7 +82,7 @@ def _wait_until_scraped(picker: PickerProcess, count: int, timeout: float) -> No
     fully loaded."""
     deadline = time.monotonic() + timeout
     while True:
-        pool = json.loads(http_get(f"http://127.0.0.1:{picker.metrics_port}/debug/pool")[1])["endpoints"]
+        pool = _pool(picker)
         fresh = [e for e in pool if not e["metrics"]["stale"] and e["metrics"]["kv_cache_size_tokens"]]
         if len(fresh) == count == len(pool):
             return
@@ -91,10 +91,15 @@ def _wait_until_scraped(picker: PickerProcess, count: int, timeout: float) -> No
         time.sleep(0.1)
 
 
+def _pool(picker: PickerProcess) -> list[dict]:
+    """The picker's ``/debug/pool`` endpoints."""
+    return json.loads(http_get(f"http://127.0.0.1:{picker.metrics_port}/debug/pool")[1])["endpoints"]
+
+
 def _pool_view(picker: PickerProcess) -> str:
     """``/debug/pool``, an endpoint a line: what the scorers read of each."""
     try:
-        pool = json.loads(http_get(f"http://127.0.0.1:{picker.metrics_port}/debug/pool")[1])["endpoints"]
+        pool = _pool(picker)
     except Exception as exc:  # the report must not fail on a picker that is gone
         return f"/debug/pool could not be read: {exc!r}"
     return "\n".join(

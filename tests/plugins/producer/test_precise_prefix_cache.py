@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -41,16 +40,10 @@ from epp.sim.config import KVEventsConfig
 from epp.sim.kvcache import block_hashes, model_seed
 from epp.sim.kvevents import KVEventPublisher
 from epp.sim.tokens import render_chat, render_completion, write_model_files
-from epp.testing.envoy import free_port_run
+from epp.testing.envoy import free_port, free_port_run
 from epp.testing.tokenizer import write_tokenizer_dir
 
 BS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ask(prompt: str) -> InferenceRequest:
@@ -62,7 +55,7 @@ def _tokens(request: InferenceRequest) -> list[int]:
 
 
 async def test_a_prompt_sent_straight_to_a_pod_is_routed_to_it() -> None:
-    port = _free_port()
+    port = free_port()
     # Two pods on distinct loopback addresses, the publisher port the same on both (socketPort).
     pods = [Endpoint("pod-a", "127.0.0.1", 8000), Endpoint("pod-b", "127.0.0.2", 8000)]
     # pod-b publishes nothing; pod-a's publisher binds the port as vLLM's tcp://*:PORT would (loopback here).
@@ -180,7 +173,7 @@ async def test_binding_every_data_parallel_rank_behind_one_server_connects() -> 
 
 async def test_binding_a_pod_that_published_before_it_connected_is_caught_up_from_its_replay_socket() -> None:
     """Bind mode (kvEventsConfig.zmqEndpoint): the pool's kv-replay port is dialled as when connecting."""
-    port = _free_port()
+    port = free_port()
     pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", "kv@127.0.0.1:8000@m", replay_endpoint="tcp://127.0.0.1:*")
     assert pub.replay_endpoint is not None
     replay_port = int(pub.replay_endpoint.rsplit(":", 1)[1])
