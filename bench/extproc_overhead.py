@@ -8,6 +8,8 @@ Two Envoys run at once in front of the same echo backends (one worker thread eac
   picks an endpoint and streams the request and response bodies back;
 * ``base``:   the same with another tree's picker (``--baseline-python``: that tree's virtualenv's
   python), to compare two versions side by side in one run;
+* ``observe`` (``--observe``): this tree's picker behind an Envoy that observes responses
+  (``epp envoy-config --observe-responses``: no picker round trip on the response's path);
 * ``tls``, ``tls-uv`` (``--tls``): this tree's picker serving TLS (``--secure-serving=true``,
   upstream's default) to an Envoy that uses it, its records in C and (``tls-uv``) the event loop's
   (``--native-tls=false``).
@@ -123,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--baseline-python", help="another tree's python: its picker runs beside this one (mode base)")
     parser.add_argument("--tls", action="store_true", help="also modes tls and tls-uv: the picker serving TLS")
+    parser.add_argument(
+        "--observe",
+        action="store_true",
+        help="also mode observe: a picker behind an Envoy that observes responses (--observe-responses)",
+    )
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("wrk is needed: apt-get install wrk", file=sys.stderr)
@@ -139,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tls:
         tls_pickers["tls"] = PickerProcess(pool, tls=True)
         tls_pickers["tls-uv"] = PickerProcess(pool, tls=True, extra_args=["--native-tls=false"])
+    if args.observe:
+        tls_pickers["observe"] = PickerProcess(pool)
     envoys: list[EnvoyProcess] = []
     runs: list[Run] = []
     try:
@@ -156,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             via_base = EnvoyProcess(render(replace(base, picker_port=baseline.grpc_port)), concurrency=1)
             targets["base"] = (via_base, baseline.pid)
         for mode, tls_picker in tls_pickers.items():
-            options = replace(base, picker_port=tls_picker.grpc_port, picker_tls=True)
+            observe = mode == "observe"
+            options = replace(base, picker_port=tls_picker.grpc_port, picker_tls=not observe, observe_responses=observe)
             targets[mode] = (EnvoyProcess(render(options), concurrency=1), tls_picker.pid)
         if args.floor:
             floor_port = free_port()
@@ -238,7 +248,7 @@ def _print_table(runs: list[Run], args: argparse.Namespace) -> None:
     for size in sorted({r.prompt_bytes for r in runs}):
         direct = [r for r in runs if r.prompt_bytes == size and r.mode == "direct"]
         rps_d, p50_d, p99_d = med(direct, "rps"), med(direct, "p50_ms"), med(direct, "p99_ms")
-        for mode in ("epp", "base", "tls", "tls-uv", "floor"):
+        for mode in ("epp", "base", "tls", "tls-uv", "observe", "floor"):
             rows = [r for r in runs if r.prompt_bytes == size and r.mode == mode]
             if not rows:
                 continue

@@ -10,6 +10,10 @@ SSE event is one ext_proc message each way. This bench measures that cost throug
   python), to compare two versions side by side in one run.
 * ``none``:   (``--none``) this tree's picker behind an Envoy with response body mode NONE: the
   picker sees the response headers and the stream's end, no chunk (and so no usage tokens).
+* ``observe``: (``--observe``) this tree's picker behind an Envoy that observes responses
+  (``epp envoy-config --observe-responses``): the picker's filter skips the response, a second
+  one in Envoy's observability mode sends it the response's headers, chunks and end, answered by
+  nothing;
 * ``tls``:    (``--tls``) this tree's picker serving TLS (``--secure-serving=true``, upstream's
   default, its self-signed certificate) to an Envoy that connects to it over TLS; and beside it
   ``tls-uv``, the same with ``--native-tls=false`` (the event loop's TLS instead of C's).
@@ -18,7 +22,7 @@ The echo backends (:mod:`epp.testing.backends`) answer ``"stream": true`` with `
 events, ``--token-interval`` seconds apart (default 2 ms, so that Envoy forwards events one by one,
 as a decoding engine's are). For each number of events and each concurrency (``--streams``: 1 stream
 at a time, then 16 at once), both modes run the same requests, alternating for ``--rounds`` rounds;
-the table gives medians of: the picker's CPU ms per request and µs per ext_proc message it answered
+the table gives medians of: the picker's CPU ms per request, µs per SSE chunk and µs per ext_proc message it answered
 (from ``/proc``, user + system, worker processes included) and the kernel's share of it (system over
 user + system in the run: at one stream most of a chunk's cost is the kernel's, the wake-up, the
 syscalls and, on loopback, the TCP work of Envoy's side that the picker's sends run), Envoy's CPU ms
@@ -151,13 +155,13 @@ def _print(runs: list[Run], args: argparse.Namespace) -> None:
         f"{args.requests} requests per round, {args.rounds} rounds, medians\n"
     )
     header = (
-        f"{'picker':>6} {'events':>6} {'streams':>7} | {'picker ms/req':>13} {'µs/message':>10} {'messages/req':>12} "
+        f"{'picker':>7} {'events':>6} {'streams':>7} | {'picker ms/req':>13} {'µs/chunk':>8} {'µs/message':>10} {'messages/req':>12} "
         f"{'kernel':>6} | "
         f"{'Envoy ms/req (epp)':>18} {'(direct)':>9} | {'SSE lines/req':>13} | errors"
     )
     print(header)
     print("-" * len(header))
-    for mode in ("epp", "base", "none", "tls", "tls-uv"):
+    for mode in ("epp", "base", "none", "observe", "tls", "tls-uv"):
         for events in sorted({r.events for r in runs}):
             for streams in sorted({r.streams for r in runs}):
                 picked = [r for r in runs if (r.events, r.streams, r.mode) == (events, streams, mode)]
@@ -168,8 +172,9 @@ def _print(runs: list[Run], args: argparse.Namespace) -> None:
                 messages = statistics.median(r.messages or 0.0 for r in picked)
                 per_message = statistics.median((r.picker_cpu_ms or 0.0) * 1e3 / (r.messages or 1.0) for r in picked)
                 kernel = statistics.median(r.kernel_share or 0.0 for r in picked)
+                per_chunk = statistics.median((r.picker_cpu_ms or 0.0) * 1e3 / (r.chunks or 1.0) for r in picked)
                 print(
-                    f"{mode:>6} {events:>6} {streams:>7} | {picker:13.2f} {per_message:10.1f} {messages:12.1f} "
+                    f"{mode:>7} {events:>6} {streams:>7} | {picker:13.2f} {per_chunk:8.1f} {per_message:10.1f} {messages:12.1f} "
                     f"{kernel:6.0%} | "
                     f"{statistics.median(r.envoy_cpu_ms for r in picked):18.2f} "
                     f"{statistics.median(r.envoy_cpu_ms for r in direct):9.2f} | "
@@ -195,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         help="also mode 'none': this tree's picker behind an Envoy whose response body mode is NONE",
     )  # fmt: skip
     parser.add_argument(
+        "--observe", action="store_true",
+        help="also mode 'observe': this tree's picker behind an Envoy that observes responses (--observe-responses)",
+    )  # fmt: skip
+    parser.add_argument(
         "--tls", action="store_true",
         help="also modes 'tls' and 'tls-uv': this tree's picker serving TLS (--secure-serving=true) to an Envoy "
         "that uses it, in C and (tls-uv) with the event loop's TLS",
@@ -213,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         pickers["base"] = PickerProcess(pool, python=args.baseline_python, extra_args=args.picker_arg)
     if args.none:
         pickers["none"] = PickerProcess(pool, extra_args=args.picker_arg)
+    if args.observe:
+        pickers["observe"] = PickerProcess(pool, extra_args=args.picker_arg)
     if args.tls:
         pickers["tls"] = PickerProcess(pool, tls=True, extra_args=args.picker_arg)
         pickers["tls-uv"] = PickerProcess(pool, tls=True, extra_args=[*args.picker_arg, "--native-tls=false"])
@@ -224,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         for mode, picker in pickers.items():
             picker.start(timeout=120)  # a shared, loaded machine can take more than the default 20 s
             body_mode = "NONE" if mode == "none" else base.response_body_mode
-            options = replace(base, picker_port=picker.grpc_port, response_body_mode=body_mode, picker_tls=mode.startswith("tls"))
+            options = replace(
+                base,
+                picker_port=picker.grpc_port,
+                response_body_mode=body_mode,
+                picker_tls=mode.startswith("tls"),
+                observe_responses=mode == "observe",
+            )
             envoys[mode] = EnvoyProcess(render(options), concurrency=1)
         for mode, envoy in envoys.items():
             envoy.start()

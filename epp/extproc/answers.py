@@ -16,6 +16,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
+from epp.envoy.bootstrap import OBSERVE_NAMESPACE
 from epp.errors import EppError, http_answer
 from epp.requestcontrol.lifecycle import RoutedRequest
 
@@ -33,15 +34,18 @@ __all__ = [
     "FULL_DUPLEX",
     "MAX_STREAMED_CHUNK",
     "NONE",
+    "OBSERVE_KEY",
     "SUBSET_HINT_KEY",
     "SUBSET_HINT_NAMESPACE",
     "headers_of",
     "immediate",
     "mode_name",
+    "observed_token",
     "response_headers_answer",
     "routing_answer",
     "streamed_body",
     "subset_hint",
+    "token_metadata",
 ]
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -49,6 +53,7 @@ DESTINATION_NAMESPACE = "envoy.lb"
 SCORES_KEY = "x-gateway-destination-endpoint-scores"  # (--emit-endpoint-scores: ip:port -> score, a struct)
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
+OBSERVE_KEY = "request"  # under OBSERVE_NAMESPACE: the picker's token for a request whose response Envoy observes
 # The upstream picker streams bodies back in pieces of at most this size; Envoy's default buffer
 # limits (64 KiB) sit just above it.
 MAX_STREAMED_CHUNK = 62_000
@@ -197,3 +202,35 @@ def headers_of(message: pb.HttpHeaders) -> dict[str, str]:
 def mode_name(mode: int) -> str:
     """The name of a body send mode (for messages)."""
     return str(_Mode.BodySendMode.Name(mode))
+
+
+TOKEN_LENGTH = 24  # (token_metadata's bytes are built for this length: their length prefixes are fixed)
+
+
+def _token_parts() -> tuple[bytes, bytes]:
+    answer = pb.ProcessingResponse()
+    placeholder = "\x00" * TOKEN_LENGTH
+    answer.dynamic_metadata.fields[OBSERVE_NAMESPACE].struct_value.fields[OBSERVE_KEY].string_value = placeholder
+    before, after = answer.SerializeToString().split(placeholder.encode())
+    return before, after
+
+
+_TOKEN_BEFORE, _TOKEN_AFTER = _token_parts()
+
+
+def token_metadata(token: str) -> bytes:
+    """Bytes to append to a serialized routing answer: its dynamic metadata gets ``token`` under
+    :data:`OBSERVE_NAMESPACE` (protobuf merges a message field given twice, and a map's entries), so
+    that the filter observing the response (``epp envoy-config --observe-responses``) can name the
+    request. ``token`` is :data:`TOKEN_LENGTH` ASCII characters. A gateway that does not list the
+    namespace among ext_proc's receiving namespaces drops it."""
+    return _TOKEN_BEFORE + token.encode() + _TOKEN_AFTER
+
+
+def observed_token(request: pb.ProcessingRequest) -> str | None:
+    """The picker's token in an observed stream's metadata (see :func:`token_metadata`), if any."""
+    namespaces = request.metadata_context.filter_metadata
+    if OBSERVE_NAMESPACE not in namespaces:
+        return None
+    value = namespaces[OBSERVE_NAMESPACE].fields.get(OBSERVE_KEY)
+    return value.string_value if value is not None and value.WhichOneof("kind") == "string_value" else None

@@ -159,6 +159,30 @@ response by a reset, so those requests count as cancelled (0 of 10 with a durati
 the gateways that implement InferencePool use FULL_DUPLEX_STREAMED, and the bootstraps here keep it;
 ``epp envoy-config --response-body-mode NONE`` is there for an operator who wants the CPU more.
 
+Observed responses (``epp envoy-config --observe-responses``; our extension, off by default): the
+same response accounting without the round trips. The picker's filter skips the response and a
+second ext_proc filter in Envoy's observability mode sends the picker the response unanswered
+(epp/envoy/bootstrap.py has the configuration and what was verified of Envoy). Every routing answer
+carries a token for its request (:func:`~epp.extproc.answers.token_metadata`: dynamic metadata, a
+few bytes appended to the serialized answer); the observing stream's first message names it, and
+that stream (``_Stream.observed``) takes over the routed request: response headers, the first chunk
+(the response-start signal), the middle chunks taken in C without an answer (``echo`` 2 in
+:mod:`epp.wire._fast`; the I/O thread takes them too, and a routed stream that waits for nothing but
+its end, ``echo`` 3, does not keep a connection from it), the last chunk's usage, and the finish.
+Envoy ends the routing stream right after the route; told so by its gRPC metadata, that stream
+leaves the finish to its observer, or finishes the request itself after :data:`OBSERVER_WAIT` if no
+observer came (one that reached another process: a ``--workers`` sibling or another replica, which
+ends such a stream at once). Measured side by side (``python bench/streaming_cost.py --events
+256,1024 --streams 1,16 --requests 10 --rounds 2 --observe``, 2 shared cores, medians), picker CPU
+per SSE chunk, processed / observed: 1,024 events at 1 stream 30.2 / **13.7 µs** (31.0 / 14.0 ms a
+request), at 16 streams 7.3 / 4.0; 256 events 44.2 / 26.7 and 7.3 / 4.0 (a stream's first 32 chunks
+are the loop's); Envoy's CPU per 1,024-event request 129.5 / 110.0 ms at 1 stream (69 with no
+ext_proc). A non-streamed request costs more observed: ``python bench/extproc_overhead.py --sizes
+1024 --connections 1 --rounds 5 --floor --observe``: picker CPU 0.390 / 0.506 ms a request (a second
+gRPC stream, and the request's headers parsed on it), P50 added 0.69 / 0.67 ms (the floor's 0.62),
+and the observed run's P99 read 17.4 ms against 1.4 (not explained). So it stays an option, for
+pools whose traffic is long streamed outputs.
+
 Security: the picker overwrites ``x-gateway-destination-endpoint`` and removes every other
 client-sent ``x-gateway-destination-endpoint*`` header; it only ever names pool members. (The
 Envoy configs in deploy/ also strip the header before ext_proc, for when the picker is down.)
@@ -167,7 +191,9 @@ Envoy configs in deploy/ also strip the header before ext_proc, for when the pic
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -175,6 +201,7 @@ from typing import Protocol
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from epp.envoy.bootstrap import OBSERVED_HEADER
 from epp.errors import EppError, Reason
 from epp.extproc.answers import (
     BUFFERED,
@@ -191,10 +218,12 @@ from epp.extproc.answers import (
     headers_of,
     immediate,
     mode_name,
+    observed_token,
     response_headers_answer,
     routing_answer,
     streamed_body,
     subset_hint,
+    token_metadata,
 )
 from epp.extproc.models import is_models_request, models_answer
 from epp.extproc.parsing import parse_request
@@ -213,6 +242,11 @@ __all__ = ["METHOD", "ExternalProcessor"]
 log = logging.getLogger(__name__)
 
 _Answers = list[pb.ProcessingResponse]
+
+OBSERVER_WAIT = 10.0
+"""Seconds a routed stream of an observed response waits, after it ended, for its observer (which Envoy
+opens right after the route): past that the request is finished without it (see _Call._finish)."""
+_OBSERVED = OBSERVED_HEADER.encode()
 
 
 _REQUEST_HEADERS = pb.ProcessingRequest.DESCRIPTOR.fields_by_name["request_headers"].number
@@ -244,6 +278,8 @@ class _Stream:
         "hooks",
         "later",
         "model",
+        "observed",
+        "observer",
         "outcome",
         "pending",
         "request_mode",
@@ -253,6 +289,7 @@ class _Stream:
         "sse",
         "subset",
         "subset_filter",
+        "token",
         "trace",
     )  # fmt: skip
 
@@ -282,6 +319,11 @@ class _Stream:
         self.sse = False
         self.body_ended = False
         self.trace: RequestTrace | None = None  # only with --tracing (epp.requestcontrol.tracing)
+        # Observed responses (see the module docstring): a routed stream's token, and the call that
+        # observes its response; an observing stream's ``observed`` is set (it answers nothing).
+        self.token: str | None = None
+        self.observer: _Call | None = None
+        self.observed = False
 
     # -- the request phase ---------------------------------------------------------------------
 
@@ -429,7 +471,9 @@ class _Stream:
             if not tally.response_bytes:  # the first chunk: the response has started
                 if routed is not None:
                     routed.response_body_started()
-                if self.response_mode == FULL_DUPLEX:
+                if self.observed:
+                    tally.echo_response_bodies(observed=True)  # the chunks up to the last are taken in C
+                elif self.response_mode == FULL_DUPLEX:
                     tally.echo_response_bodies()  # the chunks up to the last are answered in C
             tally.tally(chunk)
         if body.end_of_stream:
@@ -453,6 +497,20 @@ class _Stream:
             usage = _usage(tally.tail(), self.sse)
             tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else None
             routed.response_ended(tally.response_bytes, tokens)
+
+
+_dropped_headers_logged = False
+
+
+def _headers_dropped() -> None:
+    global _dropped_headers_logged
+    if not _dropped_headers_logged:
+        _dropped_headers_logged = True
+        log.warning(
+            "a plugin's response_received hook sets response headers, which an observed response cannot "
+            "carry (Envoy's observability mode reads no answer): they are dropped. Process responses "
+            "instead (epp envoy-config --observe-responses=false) where the client needs them"
+        )
 
 
 def _usage(tail: list[bytes], sse: bool) -> Usage | None:
@@ -490,16 +548,44 @@ class ExternalProcessor:
         self._max_body = max_request_body_bytes
         self._subset_filter = subset_filter  # False: every pool endpoint is a candidate, whatever the hint
         self._streams = streams  # --enable-grpc-stream-metrics: told of each stream's start and end
+        self._observed = _Observed()
 
     def methods(self) -> dict[str, Handler]:
         return {METHOD: self.open}
 
     def open(self, wire: Stream) -> _Call:
         """A call for the new ext_proc stream ``wire``."""
-        call = _Call(_Stream(self._director, self._max_body, wire, self._subset_filter), wire, self._metrics)
+        stream = _Stream(self._director, self._max_body, wire, self._subset_filter)
+        call = _Call(stream, wire, self._metrics, self._observed)
         if self._streams is not None:
             call.count(self._streams)
         return call
+
+
+class _Observed:
+    """The routed streams whose responses another stream may observe, by their tokens.
+
+    A token is this process's (a random prefix: a token from a picker before a restart names nothing
+    here) and unique in it (a counter), :data:`~epp.extproc.answers.TOKEN_LENGTH` characters. A
+    stream is here from its routing answer to its end, or, once observed, to its observer's."""
+
+    __slots__ = ("_calls", "_counter", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(4).hex()
+        self._counter = itertools.count(1)
+        self._calls: dict[str, _Call] = {}
+
+    def add(self, call: _Call) -> str:
+        token = f"{self._prefix}{next(self._counter):016x}"
+        self._calls[token] = call
+        return token
+
+    def pop(self, token: str) -> _Call | None:
+        return self._calls.pop(token, None)
+
+    def __len__(self) -> int:
+        return len(self._calls)
 
 
 class StreamSink(Protocol):
@@ -523,12 +609,15 @@ class _Call:
     it then works off.
     """
 
-    __slots__ = ("_code", "_finished", "_metrics", "_opened", "_queue", "_stream", "_streams", "_task", "_wire")
+    __slots__ = (
+        "_code", "_finished", "_metrics", "_observed", "_opened", "_queue", "_stream", "_streams", "_task", "_wire",
+    )  # fmt: skip
 
-    def __init__(self, stream: _Stream, wire: Stream, metrics: RequestMetrics) -> None:
+    def __init__(self, stream: _Stream, wire: Stream, metrics: RequestMetrics, observed: _Observed) -> None:
         self._stream = stream
         self._wire = wire
         self._metrics = metrics
+        self._observed = observed
         self._queue: deque[bytes | None] | None = None  # while a task runs: what came in meanwhile (None: half-close)
         self._task: asyncio.Task[None] | None = None
         self._finished = False
@@ -572,7 +661,9 @@ class _Call:
         try:
             message = pb.ProcessingRequest.FromString(data)
             kind = message.WhichOneof("request")
-            if kind == "response_body":  # the common message of a streamed response first
+            if message.observability_mode:  # Envoy watches the response here and reads no answer
+                self._observe(message, kind, data)
+            elif kind == "response_body":  # the common message of a streamed response first
                 self._wire.send(stream.response_body(message.response_body).SerializeToString())
             elif kind == "request_body":
                 answers = stream.request_body(message.request_body)
@@ -604,6 +695,35 @@ class _Call:
             self._end()
         return False
 
+    def _observe(self, message: pb.ProcessingRequest, kind: str | None, data: bytes) -> None:
+        """A message of an observed response (``epp envoy-config --observe-responses``): the same
+        accounting as the response phase's, and no answer. The first names the routed stream."""
+        stream = self._stream
+        if not stream.observed:
+            token = observed_token(message)
+            routed_call = self._observed.pop(token) if token else None
+            routed = routed_call._stream if routed_call is not None else None
+            if routed is None or routed.routed is None:  # (a routed stream is here until it is finished)
+                # Not routed here (another replica or worker, a picker before a restart), or already
+                # ended: nothing to account; the stream ends at once rather than carry the response.
+                self._end()
+                return
+            stream.observed = True
+            stream.done = True
+            stream.routed, stream.trace, stream.model = routed.routed, routed.trace, routed.model
+            stream.token = token
+            routed.observer = self
+            routed.trace = None  # (the observer ends the trace with the response)
+        if kind == "response_body":
+            stream.response_body(message.response_body)
+        elif kind == "response_headers":
+            answer = stream.response_headers(message.response_headers, data)
+            if answer is not CONTINUE_RESPONSE_HEADERS:  # (a hook's future or headers: Envoy takes none here)
+                stream.pending = stream.later = None
+                _headers_dropped()
+        elif kind == "response_trailers":
+            stream.response_trailers()
+
     async def _run(self) -> None:
         try:
             await self._route()
@@ -630,7 +750,14 @@ class _Call:
             return
         # The routing answer goes now, not after what else this loop turn runs; one write (send_all).
         serialized = [answer.SerializeToString() for answer in answers]
-        if self._stream.outcome == "complete":
+        stream = self._stream
+        if stream.routed is not None and stream.token is None and serialized:
+            # Its token, for a filter that observes the response (dropped by a gateway that has none).
+            stream.token = self._observed.add(self)
+            serialized[0] += token_metadata(stream.token)
+            if stream.response_mode == NONE:
+                self._wire.idle()  # (Envoy sends no response here: the I/O thread may hold the connection)
+        if stream.outcome == "complete":
             self._end(*serialized)
         else:
             self._wire.send_all(serialized)
@@ -642,8 +769,10 @@ class _Call:
             send(answer.SerializeToString())
 
     def _half_closed(self) -> None:
-        if self._stream.done:
+        if self._stream.done and not self._stream.observed:
             self._stream.outcome = "complete"  # Envoy closed the stream cleanly after the request phase
+        # (An observed response completes with its end_of_stream or trailers; its stream closed before
+        # that, the HTTP stream went away first.)
         self._end()
 
     def _failed(self, error: Exception) -> None:
@@ -689,12 +818,34 @@ class _Call:
             self._wire.after_write(hooks)
 
     def _finish(self) -> None:
-        """Finish the routed request exactly once, with the stream's outcome."""
+        """Finish the routed request exactly once, with the stream's outcome (or leave that to the
+        stream that observes its response, if that has not ended)."""
         if self._finished:
             return
         self._finished = True
         if self._streams is not None:
             self._streams.closed(self._code, time.monotonic() - self._opened)
+        stream = self._stream
+        if stream.token is not None and not stream.observed:
+            if stream.observer is None and _OBSERVED in self._wire.headers:
+                # Envoy ends this stream once the request is routed; the observing stream opens right
+                # after (its request headers) and finishes the request when the response ends.
+                asyncio.get_running_loop().call_later(OBSERVER_WAIT, self._not_observed)
+                return
+            self._observed.pop(stream.token)
+        observer = stream.observer
+        if observer is not None and not observer._finished:
+            return  # the observer finishes the request when the response ends
+        self._finish_request()
+
+    def _not_observed(self) -> None:
+        """No stream came to observe this routed request's response (it went to another process): the
+        request is finished as its own stream ended, without the response's accounting."""
+        stream = self._stream
+        if stream.token is not None and self._observed.pop(stream.token) is not None and stream.observer is None:
+            self._finish_request()
+
+    def _finish_request(self) -> None:
         stream = self._stream
         if stream.routed is not None:
             stream.account_response_end()

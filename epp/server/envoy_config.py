@@ -44,6 +44,13 @@ ENVOY_CONFIG_FLAGS = FlagSet(
         make_flag("pool-endpoints", "", "comma-separated ip:port of the pool, for the fail-open fallback only"),
         make_flag("request-body-mode", _DEFAULTS.request_body_mode, "ext_proc request body mode"),
         make_flag("response-body-mode", _DEFAULTS.response_body_mode, "ext_proc response body mode"),
+        make_flag(
+            "observe-responses",
+            _DEFAULTS.observe_responses,
+            "the picker watches responses without holding them (a second ext_proc filter in Envoy's "
+            "observability mode; our extension): no picker round trip per chunk, and streams outlive a picker "
+            "restart; plugins cannot set response headers",
+        ),
         make_flag("output", "", "write the bootstrap to this file instead of stdout"),
     ],
 )

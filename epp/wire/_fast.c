@@ -52,6 +52,10 @@
 #include "structmember.h"
 
 #define MAX_TAIL 16
+/* StreamBase.echo: what C does with a stream's response body chunks (see the member) */
+#define ECHO 1
+#define OBSERVE 2
+#define IDLE 3
 #define HALF_WINDOW (((int64_t)1 << 30) - 1) /* (2^31 - 1) / 2: top a receive window up past this */
 
 /* ---- StreamBase: one stream's windows and its response tally ------------------------------------ */
@@ -67,7 +71,9 @@ typedef struct {
     long long received;       /* bytes received since our last WINDOW_UPDATE for it */
     long long response_bytes; /* response body bytes seen, by C and Python alike */
     long long chunks;         /* response body chunks seen */
-    int echo;                 /* 1: non-empty response body chunks are answered in C */
+    int echo;                 /* ECHO: non-empty response body chunks are answered in C; OBSERVE: taken in C,
+                               * unanswered (an observability-mode stream); IDLE: nothing but its end is
+                               * expected (a routed stream whose response phase Envoy skips) */
     int tail_cap, tail_start, tail_len;
     Piece tail[MAX_TAIL];     /* copies of the last chunks, oldest first from tail_start (a ring); plain
                                * memory, so that the I/O thread can keep them without the GIL */
@@ -168,7 +174,8 @@ static PyMemberDef stream_members[] = {
     {"received", T_LONGLONG, offsetof(StreamBase, received), 0, "bytes received since our last WINDOW_UPDATE"},
     {"response_bytes", T_LONGLONG, offsetof(StreamBase, response_bytes), READONLY, "response body bytes tallied"},
     {"response_chunks", T_LONGLONG, offsetof(StreamBase, chunks), READONLY, "response body chunks tallied"},
-    {"echo", T_INT, offsetof(StreamBase, echo), 0, "1: answer non-empty response body chunks in C"},
+    {"echo", T_INT, offsetof(StreamBase, echo), 0,
+     "0: Python's; 1: answer non-empty response body chunks in C; 2: take them unanswered; 3: idle"},
     {NULL},
 };
 
@@ -205,8 +212,11 @@ static int buf_reserve(Buffer *b, size_t more) {
 
 /* A connection is lent only with at most this many streams open: past that its reads carry several
  * chunks each, which the loop answers as cheaply, and it would be handed back and forth at every new
- * stream and last chunk (measured with 64: 16 streams cost more; epp/extproc/processor.py). */
+ * stream and last chunk (measured with 64: 16 streams cost more; epp/extproc/processor.py). Idle
+ * streams (a routed request's, when Envoy observes its response on another stream) do not count
+ * toward it, up to LEND_MAX_OPEN streams in all. */
 #define LEND_MAX_STREAMS 4
+#define LEND_MAX_OPEN 8
 /* A connection is lent only once each open stream has had this many response chunks: a lend and its
  * hand-back cost about two wake-ups of the event loop, which a short stream's chunks do not repay
  * (measured: bench/routing_quality.py's 16-token streams cost the picker 7-15% more CPU when lent at
@@ -232,8 +242,8 @@ typedef struct {
     int fd;
     uint32_t slot;
     int n_lent;
-    uint32_t lent_ids[LEND_MAX_STREAMS];
-    StreamBase *lent_streams[LEND_MAX_STREAMS]; /* strong references while lent */
+    uint32_t lent_ids[LEND_MAX_OPEN];
+    StreamBase *lent_streams[LEND_MAX_OPEN]; /* strong references while lent */
     Buffer in;          /* bytes the thread read and has not answered (a partial frame, or what it hands back) */
     Buffer unsent;      /* answers the thread could not write (the socket was full): Python writes them first;
                          * on a TLS connection they are TLS records already */
@@ -317,15 +327,23 @@ static inline unsigned char *put_varint(unsigned char *p, uint64_t v) {
 /* If msg is a ProcessingRequest whose response_body(5) is HttpBody{body(1) non-empty} and nothing
  * else, the chunk's offset and length (1); else 0. Besides response_body, the message may carry
  * metadata_context(8), attributes(9) and protocol_config(11), which the response phase does not read
- * (Envoy sends an empty metadata_context with every body chunk); any other field is Python's. */
-static int response_chunk(const unsigned char *msg, size_t size, size_t *offset, size_t *length) {
+ * (Envoy sends an empty metadata_context with every body chunk), and on an observed stream (observed:
+ * Envoy's observability mode) must carry observability_mode(10) true; any other field is Python's. */
+static int response_chunk(const unsigned char *msg, size_t size, size_t *offset, size_t *length, int observed) {
     const unsigned char *end = msg + size, *p = msg;
-    int found = 0;
+    int found = 0, flagged = 0;
     while (p < end) {
         unsigned char tag = *p++;
         uint64_t n;
         int k = varint(p, end, &n);
-        if (!k || (size_t)(end - (p + k)) < n) return 0;
+        if (!k) return 0;
+        if (tag == 0x50) { /* observability_mode: true, which an observed stream's chunks all carry */
+            if (!observed || n != 1) return 0;
+            flagged = 1;
+            p += k;
+            continue;
+        }
+        if ((size_t)(end - (p + k)) < n) return 0;
         p += k;
         if (tag == 0x2A && !found) { /* response_body: HttpBody{body} exactly */
             const unsigned char *body = p, *body_end = p + n;
@@ -342,7 +360,7 @@ static int response_chunk(const unsigned char *msg, size_t size, size_t *offset,
         }
         p += n;
     }
-    return found;
+    return found && flagged == observed;
 }
 
 /* Write the answer for a chunk of `n` bytes at `body` (frame header, gRPC prefix, message) to dst;
@@ -412,22 +430,28 @@ static int echo_core(ConnectionBase *self, StreamBase *stream, const unsigned ch
     const unsigned char *payload = frame + 9;
     if (flags & 0x09) return 0; /* END_STREAM or PADDED: Python's */
     if (length < 5 || payload[0] != 0 || be32(payload + 1) != length - 5) return 0;
-    if (!stream->echo || stream->response_bytes == 0) return 0;
+    int observed = stream->echo == OBSERVE;
+    if ((stream->echo != ECHO && !observed) || stream->response_bytes == 0) return 0;
     size_t offset = 0, n = 0;
-    if (!response_chunk(payload + 5, length - 5, &offset, &n)) return 0;
-    size_t message;
-    size_t size = answer_size(n, &message);
-    long long sent = (long long)(5 + message);
-    if (sent > self->max_frame || sent > stream->window || sent > self->window) return 0;
+    if (!response_chunk(payload + 5, length - 5, &offset, &n, observed)) return 0;
     const unsigned char *body = payload + 5 + offset;
-    if (buf_reserve(out, size + 26) < 0) return 0; /* the answer and two WINDOW_UPDATEs */
-    if (tail_push(stream, (const char *)body, n) < 0) return 0;
-    write_answer(out->data + out->len, stream_id, body, n, message);
-    out->len += size;
+    if (observed) { /* Envoy ignores answers here: the chunk is tallied, nothing is sent but windows */
+        if (buf_reserve(out, 26) < 0) return 0;
+        if (tail_push(stream, (const char *)body, n) < 0) return 0;
+    } else {
+        size_t message;
+        size_t size = answer_size(n, &message);
+        long long sent = (long long)(5 + message);
+        if (sent > self->max_frame || sent > stream->window || sent > self->window) return 0;
+        if (buf_reserve(out, size + 26) < 0) return 0; /* the answer and two WINDOW_UPDATEs */
+        if (tail_push(stream, (const char *)body, n) < 0) return 0;
+        write_answer(out->data + out->len, stream_id, body, n, message);
+        out->len += size;
+        stream->window -= sent;
+        self->window -= sent;
+    }
     stream->response_bytes += (long long)n;
     stream->chunks++;
-    stream->window -= sent;
-    self->window -= sent;
     /* The frame counts against our receive windows; top them up past half (room reserved above). */
     self->received += (long long)length;
     if (self->received > HALF_WINDOW) {
@@ -1211,7 +1235,8 @@ static int io_start(void) {
 }
 
 /* The connection may be lent now: not lent or closed, no partial frame or header block, and 1 to
- * LEND_MAX_STREAMS streams open, each echoing and past lend_after chunks. */
+ * LEND_MAX_STREAMS streams open, each echoing or observed and past lend_after chunks, beside idle ones
+ * (LEND_MAX_OPEN streams in all). */
 static int lendable(ConnectionBase *self) {
     if (self->lent || self->closed || !self->plain) return 0;
     if (Py_TYPE(self->transport) == &TlsTransportType) { /* an open session whose end nobody read yet */
@@ -1219,15 +1244,18 @@ static int lendable(ConnectionBase *self) {
         if (tls->state != 1 || tls->ended) return 0;
     }
     Py_ssize_t count = PyDict_GET_SIZE(self->streams);
-    if (count == 0 || count > LEND_MAX_STREAMS) return 0;
+    if (count == 0 || count > LEND_MAX_OPEN) return 0;
     Py_ssize_t position = 0;
     PyObject *key, *value;
+    int busy = 0; /* streams with chunks to take: lending a connection of idle streams only would pay nothing */
     while (PyDict_Next(self->streams, &position, &key, &value)) {
         if (!PyObject_TypeCheck(value, &StreamBaseType)) return 0;
         StreamBase *stream = (StreamBase *)value;
-        if (!stream->echo || stream->chunks < lend_after) return 0;
+        if (stream->echo == IDLE) continue;
+        if ((stream->echo != ECHO && stream->echo != OBSERVE) || stream->chunks < lend_after) return 0;
+        busy++;
     }
-    return 1;
+    return busy > 0 && busy <= LEND_MAX_STREAMS;
 }
 
 /* lend(fd, loop_epoll=-1): give the connection to the I/O thread if every open stream echoes; True if
@@ -1335,7 +1363,7 @@ static PyObject *conn_reclaim(ConnectionBase *self, PyObject *unused) {
     io_slots[self->slot].gen++;
     self->lent = 0;
     int n = self->n_lent;
-    StreamBase *streams[LEND_MAX_STREAMS];
+    StreamBase *streams[LEND_MAX_OPEN];
     memcpy(streams, self->lent_streams, (size_t)n * sizeof streams[0]);
     self->n_lent = 0;
     PyObject *unsent = PyBytes_FromStringAndSize((const char *)self->unsent.data, (Py_ssize_t)self->unsent.len);

@@ -196,6 +196,9 @@ def _trailers(status: int, message: str) -> bytes:
     return block
 
 
+_ECHO, _OBSERVE, _IDLE = 1, 2, 3  # StreamBase.echo: C answers chunks, takes them unanswered, expects none
+
+
 class Stream(StreamBase):
     """The server side of one RPC: what its call sends, and how it ends.
 
@@ -233,23 +236,29 @@ class Stream(StreamBase):
         self.ended = False  # finish() was called: nothing more is sent
         self.pending: deque[bytes | memoryview] = deque()  # framed gRPC messages waiting for the peer's window
         self.trailers_pending: bytes | None = None
-        self._echo = False
+        self._echo = 0  # what C is to do with this stream's chunks once it may (the values of ``echo``)
 
-    def echo_response_bodies(self) -> None:
-        """From now on, the connection answers this ext_proc stream's response body chunks in C.
+    def echo_response_bodies(self, *, observed: bool = False) -> None:
+        """From now on, the connection takes this ext_proc stream's response body chunks in C.
 
-        Each non-empty chunk without end_of_stream, once a first chunk was tallied, is answered with
-        itself as a streamed body mutation and tallied (see :mod:`epp.wire._fast`); the rest still
-        reach the call.
+        Each non-empty chunk without end_of_stream, once a first chunk was tallied, is tallied and
+        answered with itself as a streamed body mutation, or with nothing if ``observed`` (a stream of
+        Envoy's observability mode, whose messages all say so and whose answers Envoy ignores); see
+        :mod:`epp.wire._fast`. The rest still reach the call.
         """
-        self._echo = True
+        self._echo = _OBSERVE if observed else _ECHO
+        self._sync_echo()
+
+    def idle(self) -> None:
+        """Nothing but this stream's end is expected: it does not keep its connection from the I/O thread."""
+        self._echo = _IDLE
         self._sync_echo()
 
     def _sync_echo(self) -> None:
         # C may answer only while nothing waits to go out before its answer, the peer still sends, and
         # no message is half read (the next frame continues it).
-        self.echo = int(
-            self._echo and not self.pending and not self.remote_closed and not self.ended and not self.buffer
+        self.echo = (
+            self._echo if not self.pending and not self.remote_closed and not self.ended and not self.buffer else 0
         )
 
     @property

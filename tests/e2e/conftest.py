@@ -82,6 +82,7 @@ async def make_stack(backends: list[EchoServer]) -> AsyncIterator[StackFactory]:
         config_text: str | None = None,
         max_request_body_bytes: int | None = None,
         picker_port: int | None = None,
+        observe_responses: bool = False,
     ) -> Stack:
         pool = backends[:2] if pool is None else pool
         recorder = None
@@ -113,6 +114,7 @@ async def make_stack(backends: list[EchoServer]) -> AsyncIterator[StackFactory]:
             fail_open=fail_open,
             pool_endpoints=tuple(b.hostport for b in pool),
             request_body_mode=request_body_mode,
+            observe_responses=observe_responses,
         )
         envoy = EnvoyProcess(render(options), concurrency=1)
         envoys.append(envoy)
@@ -153,11 +155,13 @@ async def start_sim_picker(
     members: int | None = None,
     before_start: Callable[[EndpointPicker], None] | None = None,
     settings: Mapping[str, Any] | None = None,
+    observe_responses: bool = False,
 ) -> SimPicker:
     """Start one simulated pod per config, the picker (static pool: the first ``members`` pods, all
     by default; scraping in-process) and an Envoy in front; return once Envoy sees the picker
     healthy and every pool member has been scraped. ``before_start`` may wrap the scheduler;
-    ``settings`` overrides fields of the picker's :class:`Settings`."""
+    ``settings`` overrides fields of the picker's :class:`Settings`; ``observe_responses``: Envoy's
+    (:class:`BootstrapOptions`)."""
     pool = SimulatedPool(len(configs), list(configs))
     await pool.start()
     ports = pool.ports if members is None else pool.ports[:members]
@@ -172,10 +176,14 @@ async def start_sim_picker(
     if before_start is not None:
         before_start(picker)
     await picker.start()
-    envoy = EnvoyProcess(
-        render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, picker_port=picker.grpc_port)),
-        concurrency=1,
+    options = BootstrapOptions(
+        listen_address="127.0.0.1",
+        listen_port=0,
+        admin_port=0,
+        picker_port=picker.grpc_port,
+        observe_responses=observe_responses,
     )
+    envoy = EnvoyProcess(render(options), concurrency=1)
     parts = SimPicker(pool, picker, envoy)
     try:
         await asyncio.to_thread(envoy.start)

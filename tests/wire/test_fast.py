@@ -170,6 +170,46 @@ def _observability(chunk: bytes) -> bytes:
     return message.SerializeToString()
 
 
+class _Watching:
+    """A call for an observed response (Envoy's observability mode): it tallies, never answers."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.seen: list[pb.ProcessingRequest] = []
+        stream.keep_tail(4)
+
+    def message(self, data: bytes) -> None:
+        request = pb.ProcessingRequest.FromString(data)
+        self.seen.append(request)
+        if request.response_body.body and not self.stream.response_bytes:
+            self.stream.echo_response_bodies(observed=True)
+        self.stream.tally(request.response_body.body)
+
+    def half_close(self) -> None: ...
+
+    def cancel(self) -> None: ...
+
+
+async def test_an_observed_stream_s_middle_chunks_are_taken_in_c_and_never_answered() -> None:
+    calls: list[_Watching] = []
+    loop = Loopback({PATH: lambda stream: calls.append(_Watching(stream)) or calls[-1]}, connection_class=Counting)
+    loop.open(1, PATH)
+    chunks = [f"data: {{'token': {i}}}\n\n".encode() for i in range(12)]
+    loop.send(data(1, grpc(_observability(chunks[0]))))  # the first: Python's
+    stream = loop.connection.streams[1]
+    assert stream.echo == 2
+    frames = loop.send(b"".join(data(1, grpc(_observability(c))) for c in chunks[1:]))
+    assert len(calls[0].seen) == 1  # C took the middle chunks
+    assert stream.response_chunks == 12 and stream.response_bytes == sum(map(len, chunks))
+    assert stream.tail() == chunks[-4:]
+    assert not [f for f in frames if f.kind == 0]  # and answered none (Envoy reads no answer here)
+    assert loop.response(1).messages == []
+    # A chunk without observability_mode on an observed stream is not C's to take (nor the reverse:
+    # NOT_FOR_C's "observability_mode" case, on an answering stream).
+    loop.send(data(1, grpc(chunk_message(b"plain"))))
+    assert len(calls[0].seen) == 2
+
+
 def _twice(chunk: bytes) -> bytes:  # response_body twice: protobuf merges them, C must not choose
     return chunk_message(chunk, metadata=False) + chunk_message(b"", metadata=False)
 
