@@ -80,7 +80,8 @@ while a picker that routes nothing scrapes the pods as it would behind Envoy.
 Run: ``python bench/precise_routing.py`` (about 22 minutes for six workloads and six policies on
 the 2-core development machine), ``--workloads p,u,h`` for the three, ``--quick`` for a smoke run,
 ``--rounds N`` to run each (workload, policy) N times and report medians (the policies' order rotated
-each round), ``POLICY@PATH`` (``precise@/tmp/py-old``) to run a picker policy under another interpreter
+each round), ``precise+observe`` or ``default+observe`` for a picker behind an Envoy that observes
+responses (``epp envoy-config --observe-responses``), ``POLICY@PATH`` (``precise@/tmp/py-old``) to run a picker policy under another interpreter
 (a wrapper that puts another checkout first: two trees side by side in one run), ``--precise-weights
 P,Q,K`` to give the precise profile other scorer weights (prefix, queue, KV cache; 5,2,2 by default, as
 ``deploy/config/precise-prefix-cache.yaml``: see the results below).
@@ -167,6 +168,8 @@ POLICIES = {"rr": "round robin", "default": "approximate", "precise": "precise (
 _PEERS = ("sglang-router", "vllm-router")
 _SCRAPED = "+scraped"  # a peer whose pods a picker that routes nothing scrapes all the same
 POLICIES |= {f"{p}{_SCRAPED}": f"{p} {_SCRAPED}" for p in _PEERS}
+_OBSERVE = "+observe"  # a picker behind an Envoy that observes responses (epp envoy-config --observe-responses)
+POLICIES |= {f"{p}{_OBSERVE}": f"{POLICIES[p]}, observed" for p in ("default", "precise")}
 _HOT_SYSTEM_TOKENS = (1536, 2560)
 _HOT_QUESTION_TOKENS = (1024, 2048)
 _SETTLE_S = 0.5
@@ -514,6 +517,7 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
     routes nothing (the simulator's pods share one event loop, which serves the scrapes too)."""
     opts = run.opts
     base, _, python = policy.partition("@")  # precise@PATH: the picker under another interpreter
+    observe, base = base.endswith(_OBSERVE), base.removesuffix(_OBSERVE)
     sim = _Simulator(opts, run.blocks)
     # precise-remote's token ids come from /tokenize, of a pod of its own (an idle engine: the answer is
     # not queued behind the pool's work), as llm-d runs its tokenizer beside the picker; precise's from
@@ -559,7 +563,7 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                 picker.start()
                 pids["picker"] = picker.pid
                 bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
-                                                    picker_port=picker.grpc_port))
+                                                    picker_port=picker.grpc_port, observe_responses=observe))
             if envoy_timing:
                 _log_timing(bootstrap, Path(directory) / "access.log")
             envoy = EnvoyProcess(bootstrap, concurrency=envoy_concurrency)
@@ -720,11 +724,15 @@ def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = N
         goal = 0.8 if kind == "h" else 1.0
         line = (f"{kind} {WORKLOADS[kind]}: precise TTFT P90 {precise.ttft_p90_ms:.0f} ms = {ratio:.2f}x the best "
                 f"peer's ({best.policy}, {best.ttft_p90_ms:.0f} ms); target <= {goal:.1f}x")
+        observed = by.get((kind, "precise" + _OBSERVE))
+        if observed is not None and math.isfinite(observed.ttft_p90_ms):
+            line += f"; observed responses {observed.ttft_p90_ms:.0f} ms = {observed.ttft_p90_ms / best.ttft_p90_ms:.2f}x"
         scraped = by.get((kind, best.policy + _SCRAPED))
         if scraped is not None and scraped.ttft_p90_ms > 0:
             line += (f"; {precise.ttft_p90_ms / scraped.ttft_p90_ms:.2f}x the same peer's with its pods scraped "
                      f"as the picker scrapes them ({scraped.ttft_p90_ms:.0f} ms)")
-        pickers = [p for k, p in by if k == kind and p.partition("@")[0] in ("precise", "precise-remote", "default")]
+        names = ("precise", "precise-remote", "default", "precise" + _OBSERVE, "default" + _OBSERVE)
+        pickers = [p for k, p in by if k == kind and p.partition("@")[0] in names]
         paired = {p: d for p in pickers if (d := _paired(runs, kind, p, best.policy)) is not None}
         if paired:
             line += ("; the same requests' TTFT minus the peer's, median: "

@@ -54,6 +54,8 @@ from epp.wire.http2 import Connection
 class _Wire(StreamBase):
     """An ext_proc stream's wire side that keeps nothing: the answers are counted, the end noted."""
 
+    headers: dict[bytes, bytes] = {}  # the gRPC request metadata: none
+
     def __init__(self) -> None:
         super().__init__()
         self.answers = 0
@@ -70,7 +72,10 @@ class _Wire(StreamBase):
     def finish(self, status: int = 0, message: str = "") -> None:
         self.ended = True
 
-    def echo_response_bodies(self) -> None:
+    def echo_response_bodies(self, *, observed: bool = False) -> None:
+        pass
+
+    def idle(self) -> None:
         pass
 
     def after_write(self, work: Callable[[], object]) -> None:

@@ -50,7 +50,10 @@ about half the picker's CPU per streamed chunk (it reads a chunk and sends nothi
 that outlive the picker: a picker killed mid-stream cut the client's stream with processed
 responses (227 of 1,000 events arrived) and did not with observed ones (all 1,000). What it costs:
 plugins cannot set response headers (a `response_received` hook's headers are dropped, logged once),
-and the picker cannot end a response. Verified against Envoy 1.40:
+and the picker cannot end a response. Not yet for `epp serve --workers N` or several picker
+replicas behind one Envoy cluster: the two streams of a request may reach different processes, and
+the one that routed it then finishes it 10 s after the route, without its response's accounting
+(logged). Verified against Envoy 1.40:
 
 * The routing answer's dynamic metadata carries the picker's token for the request under namespace
   `epp` (the picker's filter lists it among its receiving namespaces, the observing filter among its
