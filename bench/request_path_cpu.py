@@ -54,10 +54,9 @@ from epp.wire.http2 import Connection
 class _Wire(StreamBase):
     """An ext_proc stream's wire side that keeps nothing: the answers are counted, the end noted."""
 
-    headers: dict[bytes, bytes] = {}  # the gRPC request metadata: none
-
     def __init__(self) -> None:
         super().__init__()
+        self.headers: dict[bytes, bytes] = {}  # the gRPC request metadata: none
         self.answers = 0
         self.ended = False
 
