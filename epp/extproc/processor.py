@@ -172,16 +172,28 @@ its end, ``echo`` 3, does not keep a connection from it), the last chunk's usage
 Envoy ends the routing stream right after the route; told so by its gRPC metadata, that stream
 leaves the finish to its observer, or finishes the request itself after :data:`OBSERVER_WAIT` if no
 observer came (one that reached another process: a ``--workers`` sibling or another replica, which
-ends such a stream at once). Measured side by side (``python bench/streaming_cost.py --events
-256,1024 --streams 1,16 --requests 10 --rounds 2 --observe``, 2 shared cores, medians), picker CPU
-per SSE chunk, processed / observed: 1,024 events at 1 stream 30.2 / **13.7 µs** (31.0 / 14.0 ms a
-request), at 16 streams 7.3 / 4.0; 256 events 44.2 / 26.7 and 7.3 / 4.0 (a stream's first 32 chunks
-are the loop's); Envoy's CPU per 1,024-event request 129.5 / 110.0 ms at 1 stream (69 with no
-ext_proc). A non-streamed request costs more observed: ``python bench/extproc_overhead.py --sizes
-1024 --connections 1 --rounds 5 --floor --observe``: picker CPU 0.390 / 0.506 ms a request (a second
-gRPC stream, and the request's headers parsed on it), P50 added 0.69 / 0.67 ms (the floor's 0.62),
-and the observed run's P99 read 17.4 ms against 1.4 (not explained). So it stays an option, for
-pools whose traffic is long streamed outputs.
+ends such a stream at once). Measured side by side, processed / observed (2 shared cores, medians):
+
+* streamed, ``python bench/streaming_cost.py --events 1024 --streams 1 --requests 10 --rounds 3
+  --observe`` at 879605d: picker CPU per SSE chunk at one stream 27.8 / **20.9 µs** (28.5 / 21.4 ms a
+  request); two more runs of ``--events 16,256,1024 --streams 1,16``: 30.2 / 13.7 (aac5ee9) and 26.2
+  / 28.3 (879605d; the observed picker's figures there are whole milliseconds a request, its idle
+  rate read 0 and the clock ticks 10 ms) at one stream, 7.3 / 4.0 and 6.9 / 5.9 at 16. By /proc's
+  ticks of each thread over 10 s of one stream (~4,500 chunks): processed 14 ticks (the I/O thread 2
+  user, 10 system), observed 10 (0 and 9): what is left at one stream is the wake-up, as with a C
+  echo. Envoy's own CPU per 1,024-event request 120-136 / 93-110 ms (no ext_proc: 65-72).
+* non-streamed, ``python bench/extproc_overhead.py --sizes 1024 --connections 1 --rounds 5 --floor
+  --observe`` at 879605d: P50 added 0.62 / **0.52 ms** (the no-work floor, which processes
+  responses, 0.52), P99 1.41 / 1.25 ms, picker CPU 0.347 / 0.374 ms a request (a second stream, and
+  the request's headers parsed on it), 1,061 / 1,162 requests a second.
+* a timer per waiting routed stream (aac5ee9, before the sweep of :class:`_Observed`) held every
+  request for the timer's 10 s: at ~1,100 requests a second 5,890 of them alive at once, 171,000
+  objects for the collector against 21,500 processed, and its full collections took 13-71 ms
+  (``gc.callbacks`` in the picker): P99 15.9-17.4 ms, 0.42-0.51 ms of CPU a request. None since.
+
+Not the default: upstream's configurations and the gateways process responses, plugins cannot set
+response headers on an observed one, and with ``--workers`` or several replicas behind one Envoy
+cluster a request's two streams may reach different processes (see epp/envoy/bootstrap.py).
 
 Security: the picker overwrites ``x-gateway-destination-endpoint`` and removes every other
 client-sent ``x-gateway-destination-endpoint*`` header; it only ever names pool members. (The
@@ -589,9 +601,9 @@ class _Observed:
     its observer comes (at once, normally) or :data:`OBSERVER_WAIT` has passed (:meth:`wait`).
 
     No timer per request: one sweep a second over the waiting tokens, oldest first, so that an
-    observed stream is let go as soon as its observer takes it (a timer would hold each routed
-    stream, with its request, for the whole wait: 10,000 of them at 1,000 requests a second, whose
-    garbage collections stalled the loop; the first measurement of this mode read a P99 of 17 ms).
+    observed stream is let go as soon as its observer takes it (a timer holds each routed stream,
+    with its request, for the whole wait: measured, its full collections stalled the loop for up to
+    71 ms; the module docstring has the figures).
     """
 
     __slots__ = ("_calls", "_counter", "_prefix", "_sweep", "_waiting")

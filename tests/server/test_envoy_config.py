@@ -82,11 +82,19 @@ def test_help_documents_every_flag_on_stdout(capsys: pytest.CaptureFixture[str])
 
 
 @needs_envoy
-def test_the_output_passes_envoy_validation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("observe", [False, True])
+def test_the_output_passes_envoy_validation(tmp_path: Path, observe: bool) -> None:
     target = tmp_path / "envoy.yaml"
     argv = ["--picker-tls", "--fail-open", "--pool-endpoints", "127.0.0.1:8000", "--output", str(target)]
-    assert main(["envoy-config", *argv]) == 0
+    assert main(["envoy-config", *argv, f"--observe-responses={str(observe).lower()}"]) == 0
+    filters = [f["name"] for f in _http_filters(yaml.safe_load(target.read_text()))]
+    assert ("epp.observe_responses" in filters) is observe
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(target)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def _http_filters(bootstrap: dict) -> list[dict]:  # type: ignore[type-arg]
+    listener = bootstrap["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]  # type: ignore[no-any-return]
