@@ -174,14 +174,19 @@ leaves the finish to its observer, or finishes the request itself after :data:`O
 observer came (one that reached another process: a ``--workers`` sibling or another replica, which
 ends such a stream at once). Measured side by side, processed / observed (2 shared cores, medians):
 
-* streamed, ``python bench/streaming_cost.py --events 1024 --streams 1 --requests 10 --rounds 3
-  --observe`` at 879605d: picker CPU per SSE chunk at one stream 27.8 / **20.9 µs** (28.5 / 21.4 ms a
-  request); two more runs of ``--events 16,256,1024 --streams 1,16``: 30.2 / 13.7 (aac5ee9) and 26.2
-  / 28.3 (879605d; the observed picker's figures there are whole milliseconds a request, its idle
-  rate read 0 and the clock ticks 10 ms) at one stream, 7.3 / 4.0 and 6.9 / 5.9 at 16. By /proc's
-  ticks of each thread over 10 s of one stream (~4,500 chunks): processed 14 ticks (the I/O thread 2
-  user, 10 system), observed 10 (0 and 9): what is left at one stream is the wake-up, as with a C
-  echo. Envoy's own CPU per 1,024-event request 120-136 / 93-110 ms (no ext_proc: 65-72).
+* streamed, ``python bench/streaming_cost.py --events 1024 --observe`` (picker CPU per SSE chunk,
+  above its idle rate, medians of 3 rounds): at 879605d, before the coalescing below, one stream 27.8
+  / 20.9 µs (``--requests 10``). Then the I/O thread reads an observed connection at most every 5
+  ms (:mod:`epp.wire._fast`, ``set_observe_coalesce``; the observer has a cluster of its own, so
+  such a connection carries no routing stream): strace over 10 s of one stream (a chunk every 2 ms)
+  counts 1,871 epoll_wait and as many recvfrom, against 4,498 epoll_wait, recvfrom and sendto each
+  processed. Four runs with it (the first two with earlier forms of it: the whole thread asleep,
+  then each window's end watched again with epoll_ctl), processed / observed, one stream: 30.2 / 12.7,
+  28.8 / 12.7, 27.8 / 16.1 (``--requests 10``), 18.0 / 20.7 (``--requests 16``); 16 streams: 8.8 /
+  4.9, 5.4 / 3.0, 4.1 / 3.4 (``--requests 48``). At one stream what is left is the wake-up, whose price on these shared
+  virtual cores swings from run to run (no other load: the last pair is the outlier); the medians
+  over the runs, 28.3 / 14.4 µs at one stream (a 1,024-token stream ~14.7 ms of picker CPU) and 5.4
+  / 3.4 at 16. Envoy's own CPU per 1,024-event request 113-136 / 80-98 ms (no ext_proc: 56-72).
 * non-streamed, ``python bench/extproc_overhead.py --sizes 1024 --connections 1 --rounds 5 --floor
   --observe`` at 879605d: P50 added 0.62 / **0.52 ms** (the no-work floor, which processes
   responses, 0.52), P99 1.41 / 1.25 ms, picker CPU 0.347 / 0.374 ms a request (a second stream, and

@@ -22,6 +22,10 @@
  *   ConnectionBase.frames(data, position) is the same loop, for the Python side's reads (after the
  *   preface, or a buffered partial frame).
  *
+ * A stream Envoy's observability mode sends (epp envoy-config --observe-responses) reads no answer:
+ * with its echo OBSERVE its chunks (which all carry observability_mode) are tallied the same way and
+ * answered with nothing, and the I/O thread reads a connection of such streams in batches (below).
+ *
  * What a stream's echo does not take (the first body chunk: its response-start signal; the last:
  * end_of_stream and the usage; an empty chunk; anything with other fields; a message split over
  * frames, and every frame of that stream until the message is whole, since one of them could read
@@ -46,6 +50,7 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 #include <openssl/err.h>
 #include <openssl/ssl.h>
@@ -241,6 +246,7 @@ typedef struct {
     int lent;           /* 0 Python's; 1 the thread's; 2 handed back, waiting for Python's reclaim */
     int fd;
     uint32_t slot;
+    int paused;         /* 1: its socket is out of the thread's epoll until the coalescing window ends */
     int n_lent;
     uint32_t lent_ids[LEND_MAX_OPEN];
     StreamBase *lent_streams[LEND_MAX_OPEN]; /* strong references while lent */
@@ -1051,6 +1057,16 @@ typedef struct {
 } Slot;
 
 static long long lend_after = LEND_AFTER_CHUNKS; /* (tests lower it: set_lend_after) */
+/* Observed connections (every lent stream OBSERVE: nobody waits for what the thread reads there) are
+ * read at most this often: once the thread has served one, it leaves the thread's epoll (its
+ * registration kept, waiting for no event) until the window ends, and what came meanwhile is read in
+ * one wake-up; while it keeps streaming, the thread reads it at each window's end without watching
+ * it in between. Their response ends (handed back) come up to this late; any other connection is
+ * served at once, a new lend included (set_observe_coalesce). */
+static long observe_coalesce_us = 5000;
+static struct timespec io_resume; /* when the paused connections are watched again (0: none is paused) */
+
+
 static pthread_mutex_t io_mutex = PTHREAD_MUTEX_INITIALIZER;
 static int io_epoll = -1, io_event = -1;
 static pid_t io_pid = 0;
@@ -1172,24 +1188,79 @@ static int io_serve(ConnectionBase *c, Buffer *out) {
     return back;
 }
 
+static int observed_only(ConnectionBase *c) {
+    for (int j = 0; j < c->n_lent; j++)
+        if (c->lent_streams[j]->echo != OBSERVE) return 0;
+    return c->n_lent > 0;
+}
+
+/* Leave c unread until the window ends (its registration waits for no event: the caller's io_watch). */
+static void io_pause(ConnectionBase *c) {
+    c->paused = 1;
+    if (io_resume.tv_sec == 0 && io_resume.tv_nsec == 0) {
+        clock_gettime(CLOCK_MONOTONIC, &io_resume);
+        io_resume.tv_nsec += observe_coalesce_us * 1000;
+        io_resume.tv_sec += io_resume.tv_nsec / 1000000000;
+        io_resume.tv_nsec %= 1000000000;
+    }
+}
+
+static void io_watch(ConnectionBase *c, uint32_t events) {
+    struct epoll_event event = {.events = events};
+    event.data.u64 = (uint64_t)c->slot | ((uint64_t)io_slots[c->slot].gen << 32);
+    epoll_ctl(io_epoll, EPOLL_CTL_MOD, c->fd, &event);
+}
+
+/* The epoll_wait timeout, in ms, until the paused connections are watched again (-1: none is). */
+static int io_timeout(void) {
+    if (io_resume.tv_sec == 0 && io_resume.tv_nsec == 0) return -1;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long long ns = (io_resume.tv_sec - now.tv_sec) * 1000000000LL + (io_resume.tv_nsec - now.tv_nsec);
+    return ns <= 0 ? 0 : (int)((ns + 999999) / 1000000);
+}
+
 static void *io_main(void *arg) {
     int epoll = (int)(intptr_t)arg;
     pthread_setname_np(pthread_self(), "epp-io");
     struct epoll_event events[64];
     Buffer out = {0};
     for (;;) {
-        int n = epoll_wait(epoll, events, 64, -1);
+        pthread_mutex_lock(&io_mutex);
+        int timeout = io_timeout();
+        pthread_mutex_unlock(&io_mutex);
+        int n = epoll_wait(epoll, events, 64, timeout);
         if (n < 0) {
             if (errno == EINTR) continue;
             return NULL;
         }
         int wake = 0;
         pthread_mutex_lock(&io_mutex);
+        if (io_timeout() == 0) { /* the window is over: what the paused connections got meanwhile is read */
+            io_resume.tv_sec = io_resume.tv_nsec = 0;
+            for (uint32_t i = 0; i < io_slots_len; i++) {
+                ConnectionBase *c = io_slots[i].conn;
+                if (c == NULL || !c->paused) continue;
+                c->paused = 0;
+                if (c->lent != 1) continue;
+                unsigned long long chunks = c->thread_chunks;
+                size_t kept = c->in.len;
+                wake |= io_serve(c, &out);
+                if (c->lent != 1) continue;
+                if (c->thread_chunks != chunks || c->in.len != kept) io_pause(c); /* still streaming */
+                else io_watch(c, EPOLLIN); /* quiet: woken by its next bytes */
+            }
+        }
         for (int i = 0; i < n; i++) {
             uint32_t slot = (uint32_t)events[i].data.u64, gen = (uint32_t)(events[i].data.u64 >> 32);
             if (slot >= io_slots_len || io_slots[slot].gen != gen) continue; /* reclaimed meanwhile */
             ConnectionBase *c = io_slots[slot].conn;
-            if (c != NULL && c->lent == 1) wake |= io_serve(c, &out);
+            if (c == NULL || c->lent != 1) continue; /* (a paused one here: its peer's hang-up, or an error) */
+            wake |= io_serve(c, &out);
+            if (c->lent == 1 && observe_coalesce_us > 0 && observed_only(c)) {
+                io_watch(c, 0); /* read again once the window is over (see observe_coalesce_us) */
+                io_pause(c);
+            }
         }
         pthread_mutex_unlock(&io_mutex);
         if (wake) {
@@ -1317,6 +1388,7 @@ static PyObject *conn_lend(ConnectionBase *self, PyObject *args) {
     struct epoll_event event = {.events = EPOLLIN};
     event.data.u64 = (uint64_t)slot | ((uint64_t)io_slots[slot].gen << 32);
     self->lent = 1;
+    self->paused = 0;
     if (epoll_ctl(io_epoll, EPOLL_CTL_ADD, (int)fd, &event) < 0) {
         int error = errno;
         self->lent = 0;
@@ -1410,6 +1482,16 @@ static PyObject *io_set_lend_after(PyObject *module, PyObject *arg) {
     long long previous = lend_after;
     lend_after = n < 1 ? 1 : n;
     return PyLong_FromLongLong(previous);
+}
+
+/* set_observe_coalesce(us): how often at most the thread reads connections whose lent streams are all
+ * observed (0: at once); the previous value. */
+static PyObject *io_set_observe_coalesce(PyObject *module, PyObject *arg) {
+    long us = PyLong_AsLong(arg);
+    if (us == -1 && PyErr_Occurred()) return NULL;
+    long previous = observe_coalesce_us;
+    observe_coalesce_us = us < 0 ? 0 : us > 1000000 ? 1000000 : us;
+    return PyLong_FromLong(previous);
 }
 
 /* event_fd(): the eventfd the thread signals when it hands a connection back (starts the thread). */
@@ -1713,6 +1795,8 @@ static PyMethodDef module_methods[] = {
     {"event_fd", (PyCFunction)io_event_fd, METH_NOARGS, "The eventfd the I/O thread signals when it hands back."},
     {"set_lend_after", (PyCFunction)io_set_lend_after, METH_O,
      "Lend a connection once each open stream has had this many chunks; returns the previous value."},
+    {"set_observe_coalesce", (PyCFunction)io_set_observe_coalesce, METH_O,
+     "Read connections whose lent streams are all observed at most every this many µs; the previous value."},
     {NULL},
 };
 
