@@ -41,16 +41,16 @@ Why each piece is there:
 Observed responses (`observe_responses`, `epp envoy-config --observe-responses`; our extension,
 off by default: upstream's configurations and the gateways' process responses). The picker's filter
 skips the response (header and trailer modes SKIP, body NONE), and a second ext_proc filter to the
-same cluster, in Envoy's observability mode ("send and go": it never waits for an answer and ignores
+same picker, in Envoy's observability mode ("send and go": it never waits for an answer and ignores
 any), sends the picker the request's headers once routed, then the response's headers, each chunk
 (STREAMED, the one body mode that mode sends) and its end. What it buys, measured side by side
 (`python bench/streaming_cost.py --observe`, see epp/extproc/processor.py): no picker round trip on
 the response's path (its headers and first chunk reach the client without waiting for the picker:
 P50 added 0.52 against 0.62 ms on a non-streamed request), less of the picker's CPU per streamed
 chunk (it sends nothing, and reads observed connections in batches: 14.4 against 28.3 µs at one
-stream, medians of four runs) and of Envoy's, and
-streams that outlive the picker: a picker killed mid-stream cut the client's stream with processed
-responses (227 of 1,000 events arrived) and did not with observed ones (all 1,000). What it costs:
+stream, medians of four runs) and of Envoy's, and streams that outlive the picker: a picker killed
+mid-stream cut the client's stream with processed responses (227 of 1,000 events arrived) and did
+not with observed ones (all 1,000). What it costs:
 plugins cannot set response headers (a `response_received` hook's headers are dropped, logged once),
 and the picker cannot end a response. Not yet for `epp serve --workers N` or several picker
 replicas behind one Envoy cluster: the two streams of a request may reach different processes, and
@@ -61,9 +61,9 @@ the one that routed it then finishes it 10 s after the route, without its respon
   `epp` (the picker's filter lists it among its receiving namespaces, the observing filter among its
   forwarding ones): every message of the observing stream names the request it watches.
 * With its response phase skipped, Envoy ends the picker's stream as soon as the routing answer is
-  in (its half-close comes before the response starts), so the picker's stream carries gRPC
-  metadata `x-epp-observed-responses: true` telling the picker to wait for the observer rather than
-  finish the request there. The observer opens at once (its request headers, sent as the request
+  in (a reset, before the response starts), so the picker's stream carries gRPC metadata
+  `x-epp-observed-responses: true` telling the picker to wait for the observer rather than finish
+  the request there. The observer opens at once (its request headers, sent as the request
   goes on) and ends with the response: its last chunk (end_of_stream, often empty) or trailers;
   the picker then ends it. A response that never ends there (the client gone) is seen when Envoy
   closes the stream, which its source does `deferred_close_timeout` (5 s) after the HTTP stream (not
@@ -148,6 +148,7 @@ __all__ = [
     "EPP_CLUSTER",
     "FALLBACK_CLUSTER",
     "OBSERVED_HEADER",
+    "OBSERVER_CLUSTER",
     "OBSERVE_NAMESPACE",
     "ORIGINAL_DST_CLUSTER",
     "PICKER_UNAVAILABLE_BODY",
@@ -169,9 +170,9 @@ _EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 _OBSERVER_FILTER = "epp.observe_responses"  # the second ext_proc filter (observe_responses)
 OBSERVE_NAMESPACE = "epp"
+"""The dynamic metadata namespace of the picker's request token (``request``), for the observing filter."""
 OBSERVED_HEADER = "x-epp-observed-responses"
 """gRPC metadata on the picker's streams when another filter observes the responses (observe_responses)."""
-"""The dynamic metadata namespace of the picker's request token (``request``), for the observing filter."""
 _BODY_MODES = ("NONE", "STREAMED", "BUFFERED", "BUFFERED_PARTIAL", "FULL_DUPLEX_STREAMED")
 # Far above any realistic gateway concurrency: the picker and the model servers apply back-pressure.
 _MAX_CONCURRENCY = 100_000

@@ -37,6 +37,7 @@ __all__ = [
     "OBSERVE_KEY",
     "SUBSET_HINT_KEY",
     "SUBSET_HINT_NAMESPACE",
+    "TOKEN_LENGTH",
     "headers_of",
     "immediate",
     "mode_name",
