@@ -361,9 +361,7 @@ async def test_bound_socket_resolves_ip_only_topics_by_rank_when_the_pool_has_on
 async def test_a_rank_port_already_taken_is_logged_and_rank_0_still_arrives(caplog):
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port_run(2)  # (a free port whose next was free too: a probe's port + 1 could be taken)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port + 1))
         taken.listen()
