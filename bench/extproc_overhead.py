@@ -142,20 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     picker = PickerProcess(pool)
     baseline = PickerProcess(pool, python=args.baseline_python) if args.baseline_python else None
     floor: subprocess.Popen[bytes] | None = None
-    tls_pickers: dict[str, PickerProcess] = {}
+    more_pickers: dict[str, PickerProcess] = {}  # mode -> this tree's picker in another setting (--tls, --observe)
     if args.tls:
-        tls_pickers["tls"] = PickerProcess(pool, tls=True)
-        tls_pickers["tls-uv"] = PickerProcess(pool, tls=True, extra_args=["--native-tls=false"])
+        more_pickers["tls"] = PickerProcess(pool, tls=True)
+        more_pickers["tls-uv"] = PickerProcess(pool, tls=True, extra_args=["--native-tls=false"])
     if args.observe:
-        tls_pickers["observe"] = PickerProcess(pool)
+        more_pickers["observe"] = PickerProcess(pool)
     envoys: list[EnvoyProcess] = []
     runs: list[Run] = []
     try:
         picker.start()
         if baseline is not None:
             baseline.start()
-        for tls_picker in tls_pickers.values():
-            tls_picker.start()
+        for other in more_pickers.values():
+            other.start()
         base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
         direct = EnvoyProcess(render_round_robin(base), concurrency=1)
         via_epp = EnvoyProcess(render(replace(base, picker_port=picker.grpc_port)), concurrency=1)
@@ -164,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         if baseline is not None:
             via_base = EnvoyProcess(render(replace(base, picker_port=baseline.grpc_port)), concurrency=1)
             targets["base"] = (via_base, baseline.pid)
-        for mode, tls_picker in tls_pickers.items():
+        for mode, other in more_pickers.items():
             observe = mode == "observe"
-            options = replace(base, picker_port=tls_picker.grpc_port, picker_tls=not observe, observe_responses=observe)
-            targets[mode] = (EnvoyProcess(render(options), concurrency=1), tls_picker.pid)
+            options = replace(base, picker_port=other.grpc_port, picker_tls=not observe, observe_responses=observe)
+            targets[mode] = (EnvoyProcess(render(options), concurrency=1), other.pid)
         if args.floor:
             floor_port = free_port()
             floor = subprocess.Popen(
@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         picker.stop()
         if baseline is not None:
             baseline.stop()
-        for tls_picker in tls_pickers.values():
-            tls_picker.stop()
+        for other in more_pickers.values():
+            other.stop()
         if floor is not None:
             floor.terminate()
             floor.wait(10)

@@ -162,9 +162,10 @@ the gateways that implement InferencePool use FULL_DUPLEX_STREAMED, and the boot
 Observed responses (``epp envoy-config --observe-responses``; our extension, off by default): the
 same response accounting without the round trips. The picker's filter skips the response and a
 second ext_proc filter in Envoy's observability mode sends the picker the response unanswered
-(epp/envoy/bootstrap.py has the configuration and what was verified of Envoy). Every routing answer
-carries a token for its request (:func:`~epp.extproc.answers.token_metadata`: dynamic metadata, a
-few bytes appended to the serialized answer); the observing stream's first message names it, and
+(epp/envoy/bootstrap.py has the configuration and what was verified of Envoy). On a routing stream
+whose gRPC metadata announces an observer, the routing answer carries a token for its request
+(:func:`~epp.extproc.answers.token_metadata`: dynamic metadata, a few bytes appended to the
+serialized answer; a processed response costs nothing of this); the observing stream's first message names it, and
 that stream (``_Stream.observed``) takes over the routed request: response headers, the first chunk
 (the response-start signal), the middle chunks taken in C without an answer (``echo`` 2 in
 :mod:`epp.wire._fast`; the I/O thread takes them too, and a routed stream that waits for nothing but
@@ -336,8 +337,9 @@ class _Stream:
         self.sse = False
         self.body_ended = False
         self.trace: RequestTrace | None = None  # only with --tracing (epp.requestcontrol.tracing)
-        # Observed responses (see the module docstring): a routed stream's token, and the call that
-        # observes its response; an observing stream's ``observed`` is set (it answers nothing).
+        # Observed responses (see the module docstring): a routed stream's token (when Envoy announced
+        # an observer), and the call that observes its response; an observing stream's ``observed``
+        # is set (it answers nothing).
         self.token: str | None = None
         self.observer: _Call | None = None
         self.observed = False
@@ -601,9 +603,10 @@ class _Observed:
     """The routed streams whose responses another stream may observe, by their tokens.
 
     A token is this process's (a random prefix: a token from a picker before a restart names nothing
-    here) and unique in it (a counter), :data:`~epp.extproc.answers.TOKEN_LENGTH` characters. A
-    stream is here from its routing answer until it ends, or, when Envoy observes the response, until
-    its observer comes (at once, normally) or :data:`OBSERVER_WAIT` has passed (:meth:`wait`).
+    here) and unique in it (a counter), :data:`~epp.extproc.answers.TOKEN_LENGTH` characters. Only a
+    routing stream whose gRPC metadata announces an observer gets one; it is here from its routing
+    answer until its observer comes (at once, normally) or :data:`OBSERVER_WAIT` has passed after the
+    stream ended (:meth:`wait`).
 
     No timer per request: one sweep a second over the waiting tokens, oldest first, so that an
     observed stream is let go as soon as its observer takes it (a timer holds each routed stream,
@@ -772,7 +775,6 @@ class _Call:
             stream.observed = True
             stream.done = True
             stream.routed, stream.trace, stream.model = routed.routed, routed.trace, routed.model
-            stream.token = token
             routed.observer = self
             routed.trace = None  # (the observer ends the trace with the response)
         if kind == "response_body":
@@ -812,12 +814,13 @@ class _Call:
         # The routing answer goes now, not after what else this loop turn runs; one write (send_all).
         serialized = [answer.SerializeToString() for answer in answers]
         stream = self._stream
-        if stream.routed is not None and stream.token is None and serialized:
-            # Its token, for a filter that observes the response (dropped by a gateway that has none).
+        if stream.routed is not None and stream.token is None and serialized and _OBSERVED in self._wire.headers:
+            # Envoy observes the response on another stream (its gRPC metadata says so): the request's
+            # token, which that stream's messages will carry. Processed responses need none.
             stream.token = self._observed.add(self)
             serialized[0] += token_metadata(stream.token)
-            if stream.response_mode == NONE:
-                self._wire.idle()  # (Envoy sends no response here: the I/O thread may hold the connection)
+        if stream.response_mode == NONE and stream.routed is not None:
+            self._wire.idle()  # (Envoy sends no response here: the I/O thread may hold the connection)
         if stream.outcome == "complete":
             self._end(*serialized)
         else:
@@ -887,13 +890,11 @@ class _Call:
         if self._streams is not None:
             self._streams.closed(self._code, time.monotonic() - self._opened)
         stream = self._stream
-        if stream.token is not None and not stream.observed:
-            if stream.observer is None and _OBSERVED in self._wire.headers:
-                # Envoy ends this stream once the request is routed; the observing stream opens right
-                # after (its request headers) and finishes the request when the response ends.
-                self._observed.wait(stream.token)
-                return
-            self._observed.pop(stream.token)
+        if stream.token is not None and stream.observer is None:
+            # Envoy ends this stream once the request is routed; the observing stream opens right
+            # after (its request headers) and finishes the request when the response ends.
+            self._observed.wait(stream.token)
+            return
         observer = stream.observer
         if observer is not None and not observer._finished:
             return  # the observer finishes the request when the response ends

@@ -647,6 +647,38 @@ def fill(size: int, seed: bytes = b"0123456789abcdef") -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
+def observed_message(chunk: bytes, *, end_of_stream: bool = False) -> bytes:
+    """A response body chunk as Envoy's observability mode sends it: :func:`chunk_message`'s, flagged."""
+    message = pb.ProcessingRequest.FromString(chunk_message(chunk, end_of_stream=end_of_stream))
+    message.observability_mode = True
+    return message.SerializeToString()
+
+
+class BodyWatch:
+    """A call for an observed response (Envoy's observability mode): its first chunk turns C's taking
+    on; it answers nothing, and ends the stream at the response's end."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.seen: list[pb.ProcessingRequest] = []
+        stream.keep_tail(4)
+
+    def message(self, data: bytes) -> None:
+        request = pb.ProcessingRequest.FromString(data)
+        self.seen.append(request)
+        body = request.response_body
+        if body.body and not self.stream.response_bytes:
+            self.stream.echo_response_bodies(observed=True)
+        self.stream.tally(body.body)
+        if body.end_of_stream:
+            self.stream.finish()
+
+    def half_close(self) -> None:
+        self.stream.finish()
+
+    def cancel(self) -> None: ...
+
+
 class BodyEcho:
     """A call that answers response body chunks as epp.extproc's does: its first chunk turns the C echo on."""
 

@@ -22,12 +22,14 @@ from tests.wire.rawh2 import (
     PATH,
     WINDOW_UPDATE,
     BodyEcho,
+    BodyWatch,
     Frame,
     Loopback,
     chunk_message,
     data,
     fill,
     grpc,
+    observed_message,
     upb_answer,
     window_update,
 )
@@ -164,41 +166,15 @@ def _unknown_field(chunk: bytes) -> bytes:
     return chunk_message(chunk) + b"\x98\x06\x01"  # field 99, a varint: unknown to the protocol today
 
 
-def _observability(chunk: bytes) -> bytes:
-    message = pb.ProcessingRequest.FromString(chunk_message(chunk))
-    message.observability_mode = True
-    return message.SerializeToString()
-
-
-class _Watching:
-    """A call for an observed response (Envoy's observability mode): it tallies, never answers."""
-
-    def __init__(self, stream: Stream) -> None:
-        self.stream = stream
-        self.seen: list[pb.ProcessingRequest] = []
-        stream.keep_tail(4)
-
-    def message(self, data: bytes) -> None:
-        request = pb.ProcessingRequest.FromString(data)
-        self.seen.append(request)
-        if request.response_body.body and not self.stream.response_bytes:
-            self.stream.echo_response_bodies(observed=True)
-        self.stream.tally(request.response_body.body)
-
-    def half_close(self) -> None: ...
-
-    def cancel(self) -> None: ...
-
-
 async def test_an_observed_stream_s_middle_chunks_are_taken_in_c_and_never_answered() -> None:
-    calls: list[_Watching] = []
-    loop = Loopback({PATH: lambda stream: calls.append(_Watching(stream)) or calls[-1]}, connection_class=Counting)
+    calls: list[BodyWatch] = []
+    loop = Loopback({PATH: lambda stream: calls.append(BodyWatch(stream)) or calls[-1]}, connection_class=Counting)
     loop.open(1, PATH)
     chunks = [f"data: {{'token': {i}}}\n\n".encode() for i in range(12)]
-    loop.send(data(1, grpc(_observability(chunks[0]))))  # the first: Python's
+    loop.send(data(1, grpc(observed_message(chunks[0]))))  # the first: Python's
     stream = loop.connection.streams[1]
     assert stream.echo == 2
-    frames = loop.send(b"".join(data(1, grpc(_observability(c))) for c in chunks[1:]))
+    frames = loop.send(b"".join(data(1, grpc(observed_message(c))) for c in chunks[1:]))
     assert len(calls[0].seen) == 1  # C took the middle chunks
     assert stream.response_chunks == 12 and stream.response_bytes == sum(map(len, chunks))
     assert stream.tail() == chunks[-4:]
@@ -219,7 +195,7 @@ NOT_FOR_C = {
     "END_STREAM flag": lambda c: data(1, grpc(chunk_message(c)), end_stream=True),
     "empty chunk": lambda c: data(1, grpc(chunk_message(b""))),
     "unknown field": lambda c: data(1, grpc(_unknown_field(c))),
-    "observability_mode": lambda c: data(1, grpc(_observability(c))),
+    "observability_mode": lambda c: data(1, grpc(observed_message(c))),
     "response_body twice": lambda c: data(1, grpc(_twice(c))),
     "split over frames": lambda c: data(1, grpc(chunk_message(c))[:7]) + data(1, grpc(chunk_message(c))[7:]),
     "two in one frame": lambda c: data(1, grpc(chunk_message(c)) + grpc(chunk_message(c))),

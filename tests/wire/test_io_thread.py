@@ -35,11 +35,13 @@ from tests.wire.rawh2 import (
     INITIAL_WINDOW_SIZE,
     PATH,
     BodyEcho,
+    BodyWatch,
     Client,
     Recorder,
     chunk_message,
     data,
     grpc,
+    observed_message,
     ping,
     settings,
     trusting,
@@ -451,61 +453,28 @@ async def test_the_server_sets_when_connections_are_lent() -> None:
         await lending.end(1)
 
 
-class _Watch:
-    """A call for an observed response: takes its chunks unanswered (C and the thread too), ends at its end."""
-
-    def __init__(self, stream: Stream) -> None:
-        self.stream = stream
-        self.seen: list[bytes] = []
-        stream.keep_tail(4)
-
-    def message(self, data: bytes) -> None:
-        from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-
-        body = pb.ProcessingRequest.FromString(data).response_body
-        self.seen.append(body.body)
-        if body.body and not self.stream.response_bytes:
-            self.stream.echo_response_bodies(observed=True)
-        self.stream.tally(body.body)
-        if body.end_of_stream:
-            self.stream.finish()
-
-    def half_close(self) -> None:
-        self.stream.finish()
-
-    def cancel(self) -> None: ...
-
-
-def _observed(body: bytes, *, end: bool = False) -> bytes:
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-
-    message = pb.ProcessingRequest.FromString(chunk_message(body, end_of_stream=end))
-    message.observability_mode = True
-    return message.SerializeToString()
-
-
 @pytest.mark.parametrize("coalesce", [0, 20_000])
 async def test_an_observed_stream_s_chunks_are_the_thread_s_read_in_batches_or_at_once(coalesce: int) -> None:
     from epp.wire._fast import set_observe_coalesce
 
-    calls: list[_Watch] = []
-    server = GrpcServer({PATH: lambda stream: calls.append(_Watch(stream)) or calls[-1]}, flag="test")  # type: ignore[arg-type, func-returntype]
+    calls: list[BodyWatch] = []
+    server = GrpcServer({PATH: lambda stream: calls.append(BodyWatch(stream)) or calls[-1]}, flag="test")  # type: ignore[arg-type, func-returntype]
     port = server.serve_socket(bind_socket("127.0.0.1", 0))
     client = await Client.connect(port)
     previous = set_observe_coalesce(coalesce)
     try:
         await client.send(client.requests.open(1, PATH))
-        await client.send(data(1, grpc(_observed(b"data: first\n\n"))))
+        await client.send(data(1, grpc(observed_message(b"data: first\n\n"))))
         (connection,) = server._connections
         await eventually(lambda: connection.lent == 1, "the observed stream's connection is lent")
         for index in range(40):
-            await client.send(data(1, grpc(_observed(_middle(index)))))
+            await client.send(data(1, grpc(observed_message(_middle(index)))))
             await asyncio.sleep(0.001)
         await eventually(lambda: connection.thread_chunks == 40, "the thread took every middle chunk")
-        await client.send(data(1, grpc(_observed(b"data: [DONE]\n\n", end=True))))
+        await client.send(data(1, grpc(observed_message(b"data: [DONE]\n\n", end_of_stream=True))))
         await client.until(lambda peer: 1 in peer.streams and peer.streams[1].status is not None)
         (call,) = calls
-        assert call.seen == [b"data: first\n\n", b"data: [DONE]\n\n"]  # the first and the last: the call's
+        assert [m.response_body.body for m in call.seen] == [b"data: first\n\n", b"data: [DONE]\n\n"]  # the first and the last: the call's
         assert call.stream.response_chunks == 42
         assert client.peer.streams[1].messages == []  # nothing answered, by anyone
     finally:
