@@ -116,10 +116,15 @@ class Tier:
     servers: dict[str, VllmServer]
     picker: PickerProcess
     envoy: EnvoyProcess
+    observing: EnvoyProcess  # another Envoy before the same picker, observing responses (--observe-responses)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.envoy.listen_port}"
+
+    @property
+    def observing_url(self) -> str:
+        return f"http://127.0.0.1:{self.observing.listen_port}"
 
 
 def _picker_health(envoy: EnvoyProcess) -> str:
@@ -154,6 +159,7 @@ def tier() -> Iterator[Tier]:
     servers: dict[str, VllmServer] = {}
     picker: PickerProcess | None = None
     envoy: EnvoyProcess | None = None
+    observing: EnvoyProcess | None = None
     try:
         servers["a"] = start_vllm(python, models, "a", lora=True)
         servers["b"] = start_vllm(python, models, "b")
@@ -168,10 +174,17 @@ def tier() -> Iterator[Tier]:
             concurrency=1,
         )  # fmt: skip
         envoy.start()
+        options = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
+                                   picker_port=picker.grpc_port, observe_responses=True)  # fmt: skip
+        observing = EnvoyProcess(render(options), concurrency=1)
+        observing.start()
         wait_for_picker(envoy, timeout=60)
+        wait_for_picker(observing, timeout=60)
         _wait_until_scraped(picker, len(servers), timeout=30)
-        yield Tier(servers, picker, envoy)
+        yield Tier(servers, picker, envoy, observing)
     finally:
+        if observing is not None:
+            observing.stop()
         if envoy is not None:
             envoy.stop()
         if picker is not None:

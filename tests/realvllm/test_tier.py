@@ -31,15 +31,17 @@ def _queries(tier: Tier) -> dict[str, float]:
     return {name: s.counter("vllm:prefix_cache_queries_total") for name, s in tier.servers.items()}
 
 
-def test_json_and_sse_route_through_envoy(tier: Tier) -> None:
-    status, body = post(f"{tier.url}/v1/completions", {"model": BASE, "prompt": "hello there", "max_tokens": 4})
+@pytest.mark.parametrize("observed", [False, True], ids=["processed", "observed"])
+def test_json_and_sse_route_through_envoy(tier: Tier, observed: bool) -> None:
+    url = tier.observing_url if observed else tier.url
+    status, body = post(f"{url}/v1/completions", {"model": BASE, "prompt": "hello there", "max_tokens": 4})
     assert status == 200, body
     reply = json.loads(body)
     assert reply["model"] == BASE and len(reply["choices"]) == 1 and reply["usage"]["completion_tokens"] >= 1
 
     chat = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
             "stream_options": {"include_usage": True}}
-    status, body = post(f"{tier.url}/v1/chat/completions", chat)
+    status, body = post(f"{url}/v1/chat/completions", chat)
     assert status == 200, body
     events = [line for line in body.decode().splitlines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
@@ -50,18 +52,22 @@ def _sum(page: str, family: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{family}_sum\{{[^}}]*model_name=\"{BASE}\"[^}}]*\}} (\S+)$", page, re.M))
 
 
-def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(tier: Tier) -> None:
+@pytest.mark.parametrize("observed", [False, True], ids=["processed", "observed"])
+def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(tier: Tier, observed: bool) -> None:
     # 1,500 tokens in some hundreds of SSE events: the middle chunks are answered by the picker's I/O
     # thread (a plaintext port, one stream: the connection is lent to it), the last one carries the usage
     # it reads (epp.wire, epp.extproc.usage). vLLM sends one event a token only while its API process keeps
     # up with the engine; behind it, it merges the tokens made meanwhile into one event (its
     # RequestOutputCollector), so what proves nothing was lost is each token's logprob entry, counted.
+    # Observed (epp envoy-config --observe-responses): the same through an Envoy whose second filter
+    # sends the picker the response unanswered, its middle chunks read by the I/O thread in batches.
     metrics = f"http://127.0.0.1:{tier.picker.metrics_port}/metrics"
+    url = tier.observing_url if observed else tier.url
     before = get(metrics)[1].decode()
     made = {name: s.counter("vllm:generation_tokens_total") for name, s in tier.servers.items()}
     body = {"model": BASE, "prompt": _prompt(11, 40), "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
             "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
-    status, reply = post(f"{tier.url}/v1/completions", body)
+    status, reply = post(f"{url}/v1/completions", body)
     assert status == 200, reply
     events = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
