@@ -86,6 +86,8 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # Frame types and flags (RFC 9113 section 6).
 _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
 _PUSH_PROMISE, _PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = 0x5, 0x6, 0x7, 0x8, 0x9
+_MAX_STREAM_ID = 0x7FFF_FFFF
+_DRAIN_PING = b"eppdrain"  # the payload of a graceful GOAWAY's PING (see Connection.goaway)
 _END_STREAM = 0x1
 _ACK = 0x1
 _END_HEADERS = 0x4
@@ -395,6 +397,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self._stream_window = 65_535  # the peer's initial window for each stream
         self._blocked: dict[int, Stream] = {}  # streams with data waiting for a window
         self.going_away = False  # we sent GOAWAY: no new streams
+        self._draining = False  # a graceful GOAWAY waits for its PING's answer (see goaway)
         self.opened_mark = 0  # streams_opened when the server last compared its connections (rebalancing)
         self.idle: asyncio.Event | None = None  # set when going away and the last stream ended
         self._io_thread = io_thread  # lend the socket to the I/O thread while every stream echoes
@@ -635,6 +638,8 @@ class Connection(ConnectionBase, asyncio.Protocol):
                 raise _ConnectionError(PROTOCOL_ERROR, "PING on a stream")
             if not flags & _ACK:
                 self.write_frame(_PING, _ACK, 0, data[position + 9 : end])
+            elif self._draining and data[position + 9 : end] == _DRAIN_PING:
+                self._drained()
         elif kind == _CONTINUATION:
             self._continuation(stream_id, flags, data[position + 9 : end])
         elif kind == _GOAWAY:
@@ -814,7 +819,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
                 return  # trailers of a stream that has ended (ours may have crossed them)
             raise _ConnectionError(PROTOCOL_ERROR, f"a client may not open stream {stream_id}")
         self._last_stream = stream_id
-        if self.going_away:
+        if self.going_away and not self._draining:  # (draining: opened before the peer read our GOAWAY)
             self.write_frame(_RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM))
             return
         metadata = dict(headers)
@@ -996,14 +1001,33 @@ class Connection(ConnectionBase, asyncio.Protocol):
         return (self._last_stream + 1) // 2
 
     def goaway(self, code: int = NO_ERROR, reason: str = "") -> None:
-        """Tell the peer to open no more streams (the open ones run to their end)."""
-        if self.closed:
+        """Tell the peer to open no more streams (the open ones run to their end).
+
+        NO_ERROR (rebalancing, stopping) is graceful, as RFC 9113 (6.8) advises: a first GOAWAY names
+        the highest stream id there is and a PING follows; streams the peer opened before it read them
+        are served, and once the PING's answer is in, a second GOAWAY names the last stream opened and
+        any later one is refused (REFUSED_STREAM). A single GOAWAY with the last stream seen raced
+        the peer's next stream: Envoy's ext_proc fails a refused stream, and the gateway answered 500
+        "the endpoint picker could not be reached" (seen with --workers, whose rebalancing GOAWAYs a
+        busy connection: 6 requests in 10 runs of 8 s). An error is one GOAWAY, at once."""
+        if self.closed or (self.going_away and code == NO_ERROR):
             return
         self.going_away = True  # (write_frame takes the connection back from the I/O thread)
-        self.write_frame(_GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + reason.encode()[:256])
+        self._draining = code == NO_ERROR
+        if code == NO_ERROR:
+            self.write_frame(_GOAWAY, 0, 0, struct.pack(">II", _MAX_STREAM_ID, code) + reason.encode()[:256])
+            self.write_frame(_PING, 0, 0, _DRAIN_PING)
+        else:
+            self.write_frame(_GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + reason.encode()[:256])
+
+    def _drained(self) -> None:
+        """The peer answered a graceful GOAWAY's PING: it opens no more streams; the final GOAWAY."""
+        self._draining = False
+        self.write_frame(_GOAWAY, 0, 0, struct.pack(">II", self._last_stream, NO_ERROR))
+        self._check_idle()
 
     def _check_idle(self) -> None:
-        if self.going_away and not self.streams and self.idle is not None:
+        if self.going_away and not self._draining and not self.streams and self.idle is not None:
             self.idle.set()
 
     def close_if_idle(self) -> None:

@@ -19,8 +19,9 @@ lent to the I/O thread like a plaintext one's (``--io-thread``). Where that modu
 Python's (``tls_usable``) or ``native_tls`` is off, it is the event loop's
 ``connect_accepted_socket(ssl=...)``. A handshake not done in 10 seconds is given up.
 
-Stopping (:meth:`GrpcServer.stop`): the listening sockets close, every connection gets a GOAWAY
-(the peer opens new streams elsewhere, the open ones go on; new ones are refused with
+Stopping (:meth:`GrpcServer.stop`): the listening sockets close, every connection gets a graceful
+GOAWAY (:meth:`epp.wire.http2.Connection.goaway`: the peer opens new streams elsewhere, the open ones
+go on, and so do those it opened before it read the GOAWAY; later ones are refused with
 REFUSED_STREAM), the open streams get ``grace`` seconds to end, then the connections close and the
 calls left are cancelled, before ``stop`` returns (not when a TLS peer answers the close).
 """

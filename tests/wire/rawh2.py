@@ -215,6 +215,7 @@ class Peer:
         self.settings: dict[int, int] = {}
         self.settings_acks = 0
         self.pings: list[bytes] = []
+        self.ping_requests: list[bytes] = []  # the server's PINGs (a graceful GOAWAY sends one), not answered yet
         self.window_updates: dict[int, int] = {}  # stream (0: connection) -> total increment the server gave
         self.raw = bytearray()  # every byte the server wrote
         self._buffer = bytearray()
@@ -314,6 +315,8 @@ class Peer:
         elif item.kind == PING:
             if item.flags & ACK:
                 self.pings.append(item.payload)
+            else:
+                self.ping_requests.append(item.payload)
         elif item.kind == GOAWAY:
             last, code = struct.unpack_from(">II", item.payload)
             self.goaway = (last, code, item.payload[8:])
@@ -510,6 +513,7 @@ class Client:
         self.peer = Peer()
         self.requests = Requests()
         self.eof = False
+        self.answer_pings = True  # as a client does (False: the test answers them, or not)
 
     @classmethod
     async def connect(
@@ -538,7 +542,16 @@ class Client:
                     if predicate(self.peer):
                         return
                     raise AssertionError("the server closed the connection first")
-                self.peer.feed(chunk)
+                self._feed(chunk)
+
+    def _feed(self, chunk: bytes) -> None:
+        """Read ``chunk``, and answer the server's PINGs in it, as a client does."""
+        self.peer.feed(chunk)
+        requests = self.peer.ping_requests
+        while requests and self.answer_pings:
+            answer = ping(requests.pop(0), ack=True)
+            self.peer.sent(answer)
+            self.writer.write(answer)
 
     async def closed(self, timeout: float = 10.0) -> bytes:
         """Read to the end of the connection (the server closes it); what came before the end (read by the peer too)."""
@@ -546,7 +559,7 @@ class Client:
         async with asyncio.timeout(timeout):
             while chunk := await self.reader.read(1 << 16):
                 out += chunk
-                self.peer.feed(chunk)
+                self._feed(chunk)
         self.eof = True
         return bytes(out)
 

@@ -31,8 +31,10 @@ from epp.wire.server import GrpcServer, bind_socket
 from tests.conftest import eventually
 from tests.pickers import loopback_settings
 from tests.wire.rawh2 import (
+    ACK,
     NO_ERROR,
     PATH,
+    PING,
     PREFACE,
     PROTOCOL_ERROR,
     REFUSED_STREAM,
@@ -202,7 +204,7 @@ async def test_stop_sends_goaway_lets_open_streams_finish_and_refuses_new_ones()
     await client.send(client.requests.open(1, ECHO) + data(1, grpc_message(b"one")))
     await client.until(lambda peer: peer.streams.get(1) is not None and peer.streams[1].messages)
     stopping = asyncio.create_task(running.server.stop(30))
-    await client.until(lambda peer: peer.goaway is not None)
+    await client.until(lambda peer: peer.goaway is not None and peer.goaway[0] == 1)  # (after its PING's answer)
     assert client.peer.goaway[:2] == (1, NO_ERROR)  # type: ignore[index]
     await client.send(client.requests.open(3, ECHO))
     await client.until(lambda peer: 3 in peer.streams and peer.streams[3].ended)
@@ -213,6 +215,32 @@ async def test_stop_sends_goaway_lets_open_streams_finish_and_refuses_new_ones()
     assert client.peer.streams[1].messages == [b"one", b"two"] and client.peer.streams[1].status == OK
     await asyncio.wait_for(stopping, 10)  # done once the last stream ended, long before the grace
     await client.closed()
+    await client.close()
+
+
+async def test_a_stream_opened_before_the_client_read_the_goaway_is_served_and_later_ones_refused(
+    served: Served,
+) -> None:
+    # RFC 9113 6.8's graceful GOAWAY: the first names the highest stream id, then a PING; the final one,
+    # with the last stream opened, once the PING's answer shows the client has read the first. A single
+    # GOAWAY with the last stream seen refused the stream a busy client had on the wire (Envoy's ext_proc
+    # then answered its request 500: seen with --workers' rebalancing).
+    client = await Client.connect(served.port)
+    client.answer_pings = False
+    await client.send(client.requests.open(1, ECHO) + data(1, grpc_message(b"one"), end_stream=True))
+    await client.until(lambda peer: 1 in peer.streams and peer.streams[1].ended)
+    assert served.server.goaway_busiest() == 1
+    await client.until(lambda peer: peer.goaway is not None and peer.ping_requests)
+    assert client.peer.goaway[:2] == (0x7FFF_FFFF, NO_ERROR)  # type: ignore[index]
+    await client.send(client.requests.open(3, ECHO) + data(3, grpc_message(b"crossed"), end_stream=True))
+    await client.until(lambda peer: 3 in peer.streams and peer.streams[3].ended)
+    assert client.peer.streams[3].messages == [b"crossed"] and client.peer.streams[3].status == OK
+    await client.send(frame(PING, ACK, 0, client.peer.ping_requests.pop()))
+    await client.until(lambda peer: peer.goaway is not None and peer.goaway[0] == 3)
+    assert client.peer.goaway[:2] == (3, NO_ERROR)  # type: ignore[index]
+    await client.send(client.requests.open(5, ECHO))
+    await client.until(lambda peer: 5 in peer.streams and peer.streams[5].ended)
+    assert client.peer.streams[5].reset == REFUSED_STREAM
     await client.close()
 
 
