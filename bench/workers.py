@@ -87,7 +87,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -101,8 +101,16 @@ from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
 _ROOT = Path(__file__).resolve().parent.parent
 
 
-def _label(workers: int) -> str:
-    return "1 process" if workers == 0 else f"--workers {workers}"
+def _label(workers: int | str) -> str:
+    """``0`` / ``"0"``: one process, ``2``: ``--workers 2``; a variant ending in ``o`` (``"2o"``) behind an
+    Envoy that observes responses (``epp envoy-config --observe-responses``)."""
+    observed = isinstance(workers, str) and workers.endswith("o")
+    count = _workers(workers)
+    return ("1 process" if count == 0 else f"--workers {count}") + (" observed" if observed else "")
+
+
+def _workers(variant: int | str) -> int:
+    return int(variant.rstrip("o")) if isinstance(variant, str) else variant
 
 
 # -- ipc: the channel alone ------------------------------------------------------------------------
@@ -235,7 +243,7 @@ def run_direct(args: argparse.Namespace) -> list[DirectRun]:
         print("direct: skipped (h2load is needed: apt-get install nghttp2-client)")
         return []
     body = _grpc_body(Path(tempfile.mkdtemp(prefix="epp-bench-workers-")) / "exchange.bin")
-    variants = [int(v) for v in args.variants.split(",")]
+    variants = sorted({_workers(v) for v in args.variants.split(",")})  # (no Envoy here: observing is load's)
     pickers = {v: PickerProcess(["127.0.0.1:1001", "127.0.0.1:1002"],
                                 extra_args=["--scrape-metrics=false", "--enable-debug-endpoints", "--workers", str(v)])
                for v in variants}
@@ -300,7 +308,7 @@ def print_direct(runs: Sequence[DirectRun], args: argparse.Namespace) -> None:
 
 @dataclass
 class LoadRun:
-    variant: int
+    variant: str
     connections: int
     round: int
     requests: int
@@ -313,12 +321,16 @@ class LoadRun:
     split: list[int]  # requests per worker in this run
 
 
-def _worker_requests(picker: PickerProcess) -> list[int]:
+def _debug_workers(picker: PickerProcess) -> dict[str, Any]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{picker.metrics_port}/debug/workers", timeout=5) as reply:
-            return [w["requests"] for w in json.load(reply)["workers"]]
+            return cast(dict[str, Any], json.load(reply))
     except OSError:
-        return []
+        return {}
+
+
+def _worker_requests(picker: PickerProcess) -> list[int]:
+    return [w["requests"] for w in _debug_workers(picker).get("workers", [])]
 
 
 def run_load(args: argparse.Namespace) -> list[LoadRun]:
@@ -327,22 +339,22 @@ def run_load(args: argparse.Namespace) -> list[LoadRun]:
     script.write_text(extproc_overhead._WRK_SCRIPT)
     body = extproc_overhead._prompt_body(1024, work)
     backends, pool = extproc_overhead._start_backends(2)
-    variants = [int(v) for v in args.variants.split(",")]
+    variants = args.variants.split(",")
     levels = [int(c) for c in args.connections.split(",")]
-    pickers: dict[int, PickerProcess] = {}
-    envoys: dict[int, EnvoyProcess] = {}
+    pickers: dict[str, PickerProcess] = {}
+    envoys: dict[str, EnvoyProcess] = {}
     runs: list[LoadRun] = []
     try:
         base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
         for variant in variants:
             extra = ["--scrape-metrics=false", "--enable-debug-endpoints"]
-            picker = pickers[variant] = PickerProcess(pool, extra_args=[*extra, "--workers", str(variant)])
+            picker = pickers[variant] = PickerProcess(pool, extra_args=[*extra, "--workers", str(_workers(variant))])
             picker.start()
-            envoy = envoys[variant] = EnvoyProcess(render(replace(base, picker_port=picker.grpc_port)),
-                                                   concurrency=args.envoy_threads)
+            options = replace(base, picker_port=picker.grpc_port, observe_responses=variant.endswith("o"))
+            envoy = envoys[variant] = EnvoyProcess(render(options), concurrency=args.envoy_threads)
             envoy.start()
             wait_for_picker(envoy)
-        idle: dict[int, float] = {}
+        idle: dict[str, float] = {}
         for variant in variants:  # warm-up (connections, caches), then the idle rate
             envoy = envoys[variant]
             extproc_overhead.run_wrk(f"http://127.0.0.1:{envoy.listen_port}/v1/completions", body, script,
@@ -359,7 +371,7 @@ def run_load(args: argparse.Namespace) -> list[LoadRun]:
                 order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
                 for variant in order:
                     picker, envoy = pickers[variant], envoys[variant]
-                    split0 = _worker_requests(picker) if variant else []
+                    split0 = _worker_requests(picker) if _workers(variant) else []
                     p0, e0 = cpu_seconds(picker.pid), cpu_seconds(envoy.pid)
                     t0 = time.perf_counter()
                     result = extproc_overhead.run_wrk(f"http://127.0.0.1:{envoy.listen_port}/v1/completions", body,
@@ -367,7 +379,8 @@ def run_load(args: argparse.Namespace) -> list[LoadRun]:
                     wall = time.perf_counter() - t0
                     picker_s = cpu_seconds(picker.pid) - p0 - idle[variant] * wall
                     envoy_s = cpu_seconds(envoy.pid) - e0
-                    split = [b - a for a, b in zip(split0, _worker_requests(picker), strict=False)] if variant else []
+                    split = ([b - a for a, b in zip(split0, _worker_requests(picker), strict=False)]
+                             if _workers(variant) else [])
                     n = int(result["requests"])
                     run = LoadRun(variant, connections, round_, n, int(result["errors"]), result["rps"],
                                   result["p50"] * 1e3, result["p99"] * 1e3, picker_s * 1e3 / n, envoy_s * 1e3 / n,
@@ -377,6 +390,9 @@ def run_load(args: argparse.Namespace) -> list[LoadRun]:
                           f"picker {run.picker_ms:.3f} ms/req, Envoy {run.envoy_ms:.3f} ms/req, "
                           f"P50 {run.p50_ms:.1f} ms" + (f", per worker {split}" if split else ""), flush=True)
                     time.sleep(0.5)
+        for variant in variants:
+            if _workers(variant):  # (a rebalancing GOAWAY that raced a new stream failed its request: see errors)
+                print(f"  {_label(variant)}: {_debug_workers(pickers[variant]).get('rebalances', '?')} rebalances")
     finally:
         for envoy in envoys.values():
             envoy.stop()
@@ -388,12 +404,12 @@ def run_load(args: argparse.Namespace) -> list[LoadRun]:
 
 
 def print_load(runs: Sequence[LoadRun], args: argparse.Namespace) -> None:
-    variants = sorted({r.variant for r in runs})
+    variants = list(dict.fromkeys(r.variant for r in runs))  # (in --variants' order: the first is the base)
     single = variants[0]
     print(f"\nload: 1 KB completions through Envoy ({args.envoy_threads} threads), echo backends; medians of "
           f"{args.rounds} rounds x {args.duration}s; picker CPU = owner + workers above idle")
     header = (f"{'conns':>5} | {'variant':<12} | {'req/s':>7} {'x':>5} | {'picker ms/req':>13} {'x':>5} | "
-              f"{'Envoy ms/req':>12} | {'P50 ms':>6} {'P99 ms':>6} | per-worker share")
+              f"{'Envoy ms/req':>12} | {'P50 ms':>6} {'P99 ms':>6} | errors | per-worker share")
     print(header)
     print("-" * len(header))
     for connections in sorted({r.connections for r in runs}):
@@ -404,12 +420,12 @@ def print_load(runs: Sequence[LoadRun], args: argparse.Namespace) -> None:
             rows = [r for r in runs if r.connections == connections and r.variant == variant]
             rps = statistics.median(r.rps for r in rows)
             cpu = statistics.median(r.picker_ms for r in rows)
-            totals = [sum(col) for col in zip(*(r.split for r in rows), strict=False)] if variant else []
+            totals = [sum(col) for col in zip(*(r.split for r in rows), strict=False)] if _workers(variant) else []
             share = "/".join(f"{t / max(1, sum(totals)):.0%}" for t in totals) if totals else ""
             print(f"{connections:5d} | {_label(variant):<12} | {rps:7.0f} {rps / base_rps:5.2f} | {cpu:13.3f} "
                   f"{cpu / base_cpu:5.2f} | {statistics.median(r.envoy_ms for r in rows):12.3f} | "
                   f"{statistics.median(r.p50_ms for r in rows):6.1f} {statistics.median(r.p99_ms for r in rows):6.1f}"
-                  f" | {share}")
+                  f" | {sum(r.errors for r in rows):6d} | {share}")
             print(f"{'':5} | {'':12} | rounds: picker ms/req " + ", ".join(f"{r.picker_ms:.3f}" for r in rows)
                   + "; req/s " + ", ".join(f"{r.rps:.0f}" for r in rows))
 
@@ -467,7 +483,8 @@ def print_quality(results: Sequence[tuple[int, routing_quality.Result]]) -> None
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="ipc,direct,load,quality", help="comma-separated, of those four")
-    parser.add_argument("--variants", default="0,2", help="worker counts to compare (0: one process)")
+    parser.add_argument("--variants", default="0,2",
+                        help="worker counts to compare (0: one process); load: a trailing o (2o) observes responses")
     parser.add_argument("--connections", default="16,64", help="wrk connections, comma-separated levels")
     parser.add_argument("--duration", type=int, default=8, help="seconds per wrk run")
     parser.add_argument("--rounds", type=int, default=3)

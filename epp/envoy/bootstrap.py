@@ -52,10 +52,11 @@ stream, medians of four runs) and of Envoy's, and streams that outlive the picke
 mid-stream cut the client's stream with processed responses (227 of 1,000 events arrived) and did
 not with observed ones (all 1,000). What it costs:
 plugins cannot set response headers (a `response_received` hook's headers are dropped, logged once),
-and the picker cannot end a response. Not yet for `epp serve --workers N` or several picker
-replicas behind one Envoy cluster: the two streams of a request may reach different processes, and
-the one that routed it then finishes it 10 s after the route, without its response's accounting
-(logged). Verified against Envoy 1.40:
+and the picker cannot end a response. With `epp serve --workers N` the two streams of a request
+often reach different workers; the observing worker claims the request through the owner process
+(epp/requestcontrol/owner.py). Not for several picker replicas behind one Envoy cluster: a
+request's streams may reach different replicas, and the one that routed it then finishes it 10 s
+after the route, without its response's accounting (logged). Verified against Envoy 1.40:
 
 * The routing answer's dynamic metadata carries the picker's token for the request under namespace
   `epp` (the picker's filter lists it among its receiving namespaces, the observing filter among its

@@ -172,8 +172,12 @@ that stream (``_Stream.observed``) takes over the routed request: response heade
 its end, ``echo`` 3, does not keep a connection from it), the last chunk's usage, and the finish.
 Envoy ends the routing stream right after the route; told so by its gRPC metadata, that stream
 leaves the finish to its observer, or finishes the request itself after :data:`OBSERVER_WAIT` if no
-observer came (one that reached another process: a ``--workers`` sibling or another replica, which
-ends such a stream at once). Measured side by side, processed / observed (2 shared cores, medians):
+observer came. With ``--workers`` the two streams of a request often reach different workers (the
+owner hands out each connection, the observer's cluster's too): the observer's process claims the
+request through the owner (:meth:`Observed.claim`; :mod:`epp.requestcontrol.owner` has the design)
+and the routing one lets it go (:meth:`Observed.taken`). An observer whose token names no request of
+this picker (another replica's, or a picker's before a restart) ends its stream at once.
+Measured side by side, processed / observed (2 shared cores, medians):
 
 * streamed, ``python bench/streaming_cost.py --events 1024 --observe`` (picker CPU per SSE chunk,
   above its idle rate, medians of 3 rounds): at 879605d, before the coalescing below, one stream 27.8
@@ -192,14 +196,14 @@ ends such a stream at once). Measured side by side, processed / observed (2 shar
   --observe`` at 879605d: P50 added 0.62 / **0.52 ms** (the no-work floor, which processes
   responses, 0.52), P99 1.41 / 1.25 ms, picker CPU 0.347 / 0.374 ms a request (a second stream, and
   the request's headers parsed on it), 1,061 / 1,162 requests a second.
-* a timer per waiting routed stream (aac5ee9, before the sweep of :class:`_Observed`) held every
+* a timer per waiting routed stream (aac5ee9, before the sweep of :class:`Observed`) held every
   request for the timer's 10 s: at ~1,100 requests a second 5,890 of them alive at once, 171,000
   objects for the collector against 21,500 processed, and its full collections took 13-71 ms
   (``gc.callbacks`` in the picker): P99 15.9-17.4 ms, 0.42-0.51 ms of CPU a request. None since.
 
 Not the default: upstream's configurations and the gateways process responses, plugins cannot set
-response headers on an observed one, and with ``--workers`` or several replicas behind one Envoy
-cluster a request's two streams may reach different processes (see epp/envoy/bootstrap.py).
+response headers on an observed one, and with several picker replicas behind one Envoy cluster a
+request's two streams may reach different replicas (see epp/envoy/bootstrap.py).
 
 Security: the picker overwrites ``x-gateway-destination-endpoint`` and removes every other
 client-sent ``x-gateway-destination-endpoint*`` header; it only ever names pool members. (The
@@ -255,7 +259,7 @@ from epp.requestcontrol.tracing import RequestTrace
 from epp.wire._fast import header_map
 from epp.wire.http2 import Handler, Status, Stream
 
-__all__ = ["METHOD", "ExternalProcessor"]
+__all__ = ["METHOD", "ExternalProcessor", "Observed"]
 
 log = logging.getLogger(__name__)
 
@@ -521,15 +525,15 @@ class _Stream:
 _unmatched_logged = 0.0
 
 
-def _unmatched(token: str | None) -> None:
-    """An observed response names no request of this process: say so, once a minute at most."""
+def _unmatched(token: str) -> None:
+    """An observed response names no request of this picker: say so, once a minute at most."""
     global _unmatched_logged
     now = time.monotonic()
     if now - _unmatched_logged >= 60.0:
         _unmatched_logged = now
         log.warning(
-            "an observed response (token %r) names no request this process routed and has not finished: "
-            "routed by another replica or --workers process, or before a restart, or observed too late "
+            "an observed response (token %r) names no request this picker routed and has not finished: "
+            "routed by another replica, or before a restart, or observed too late "
             "(after %.0f s). Its response is not accounted here (sizes, usage, in-flight release at its end)",
             token,
             OBSERVER_WAIT,
@@ -579,13 +583,14 @@ class ExternalProcessor:
         max_request_body_bytes: int,
         subset_filter: bool = True,
         streams: StreamSink | None = None,
+        observed: Observed | None = None,
     ) -> None:
         self._director = director
         self._metrics = metrics
         self._max_body = max_request_body_bytes
         self._subset_filter = subset_filter  # False: every pool endpoint is a candidate, whatever the hint
         self._streams = streams  # --enable-grpc-stream-metrics: told of each stream's start and end
-        self._observed = _Observed()
+        self._observed = Observed() if observed is None else observed  # (a --workers process's: epp.server.workers)
 
     def methods(self) -> dict[str, Handler]:
         return {METHOD: self.open}
@@ -599,7 +604,7 @@ class ExternalProcessor:
         return call
 
 
-class _Observed:
+class Observed:
     """The routed streams whose responses another stream may observe, by their tokens.
 
     A token is this process's (a random prefix: a token from a picker before a restart names nothing
@@ -612,6 +617,10 @@ class _Observed:
     observed stream is let go as soon as its observer takes it (a timer holds each routed stream,
     with its request, for the whole wait: measured, its full collections stalled the loop for up to
     71 ms; the module docstring has the figures).
+
+    A ``--workers`` process (:mod:`epp.server.workers`) extends it: its tokens name the request in the
+    owner process, :meth:`claim` takes over a request another worker routed, and :meth:`taken` lets
+    go of one whose response another worker observes.
     """
 
     __slots__ = ("_calls", "_counter", "_prefix", "_sweep", "_waiting")
@@ -623,13 +632,29 @@ class _Observed:
         self._waiting: deque[tuple[float, str]] = deque()  # (deadline, token), oldest first
         self._sweep: asyncio.TimerHandle | None = None
 
-    def add(self, call: _Call) -> str:
-        token = f"{self._prefix}{next(self._counter):016x}"
+    def token(self, routed: RoutedRequest) -> str:
+        """A new token for ``routed``, unique in this process."""
+        return f"{self._prefix}{next(self._counter):016x}"
+
+    def claim(self, token: str) -> RoutedRequest | None:
+        """The request of ``token``, which no stream of this process routed, when another process of
+        this picker did and hands it over (a ``--workers`` sibling); None: nothing to account here."""
+        return None
+
+    def add(self, call: _Call, routed: RoutedRequest) -> str:
+        token = self.token(routed)
         self._calls[token] = call
         return token
 
     def pop(self, token: str) -> _Call | None:
         return self._calls.pop(token, None)
+
+    def taken(self, token: str) -> None:
+        """A stream of another process observes the response of ``token``'s request and finishes it
+        there: its routing stream here lets it go."""
+        call = self._calls.pop(token, None)
+        if call is not None:
+            call.observed_elsewhere()
 
     def wait(self, token: str) -> None:
         """The routed stream of ``token`` has ended and waits for its observer, until OBSERVER_WAIT has passed."""
@@ -676,7 +701,7 @@ class _Call:
         "_code", "_finished", "_metrics", "_observed", "_opened", "_queue", "_stream", "_streams", "_task", "_wire",
     )  # fmt: skip
 
-    def __init__(self, stream: _Stream, wire: Stream, metrics: RequestMetrics, observed: _Observed) -> None:
+    def __init__(self, stream: _Stream, wire: Stream, metrics: RequestMetrics, observed: Observed) -> None:
         self._stream = stream
         self._wire = wire
         self._metrics = metrics
@@ -766,17 +791,24 @@ class _Call:
             token = observed_token(message)
             routed_call = self._observed.pop(token) if token else None
             routed = routed_call._stream if routed_call is not None else None
-            if routed is None or routed.routed is None:  # (a routed stream is here until it is finished)
-                # Not routed here (another replica or worker, a picker before a restart), or already
-                # ended: nothing to account; the stream ends at once rather than carry the response.
-                _unmatched(token)
-                self._end()
-                return
+            if routed is not None:  # (a routed stream is here until it is finished, or taken)
+                stream.routed, stream.trace, stream.model = routed.routed, routed.trace, routed.model
+                routed.observer = self
+                routed.trace = None  # (the observer ends the trace with the response)
+            else:
+                claimed = self._observed.claim(token) if token else None
+                if claimed is None:
+                    # Not routed by this picker (another replica, a picker before a restart), or already
+                    # ended: nothing to account; the stream ends at once rather than carry the response.
+                    # No token: a response the picker did not route (its own refusal, Envoy's local
+                    # reply when the picker could not be reached), nothing to say.
+                    if token:
+                        _unmatched(token)
+                    self._end()
+                    return
+                stream.routed = claimed  # a --workers sibling routed it (its process ends its trace)
             stream.observed = True
             stream.done = True
-            stream.routed, stream.trace, stream.model = routed.routed, routed.trace, routed.model
-            routed.observer = self
-            routed.trace = None  # (the observer ends the trace with the response)
         if kind == "response_body":
             stream.response_body(message.response_body)
         elif kind == "response_headers":
@@ -817,7 +849,7 @@ class _Call:
         if stream.routed is not None and stream.token is None and serialized and _OBSERVED in self._wire.headers:
             # Envoy observes the response on another stream (its gRPC metadata says so): the request's
             # token, which that stream's messages will carry. Processed responses need none.
-            stream.token = self._observed.add(self)
+            stream.token = self._observed.add(self, stream.routed)
             serialized[0] += token_metadata(stream.token)
         if stream.response_mode == NONE and stream.routed is not None:
             self._wire.idle()  # (Envoy sends no response here: the I/O thread may hold the connection)
@@ -899,6 +931,15 @@ class _Call:
         if observer is not None and not observer._finished:
             return  # the observer finishes the request when the response ends
         self._finish_request()
+
+    def observed_elsewhere(self) -> None:
+        """Another process's stream observes this routed request's response and finishes the request
+        there (``--workers``: :meth:`Observed.taken`): this stream lets it go, ending only its trace."""
+        stream = self._stream
+        stream.routed = stream.token = None
+        trace, stream.trace = stream.trace, None
+        if trace is not None:  # (its request span ends here, without the response's: that is in the other process)
+            trace.end("observed", None)
 
     def not_observed(self) -> None:
         """No stream came to observe this routed request's response (it went to another process): the

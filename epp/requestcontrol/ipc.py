@@ -10,14 +10,16 @@ the owner's side is :mod:`epp.requestcontrol.owner`. One unix socketpair per wor
 
 worker -> owner: :class:`Route` (a parsed request, its subset hint and trace context),
 :class:`Cancel`, and the response events :class:`Started` and :class:`Finish` (the response headers
-ride with the first of them, or go alone as :class:`Headers` when the worker waits for hooks), plus
+ride with the first of them, or go alone as :class:`Headers` when the worker waits for hooks),
+:class:`Claim` (the worker observes the response of a request another worker routed), plus
 :class:`Refused` (a refusal for the refused-requests metric), :class:`StreamOpened` and
 :class:`StreamClosed` (``--enable-grpc-stream-metrics``), :class:`Ready` and :class:`Connections`;
 
 owner -> worker: :class:`Routed` / :class:`Refusal` / :class:`Failed` (the answer to a route),
 :class:`HeadersAnswer` (only when a plugin's ``response_received`` hook may set response headers),
-:class:`Health` and :class:`Models` (state the worker answers from on its own: health checks on the
-ext_proc port, ``GET /v1/models``), :class:`Rebalance` and :class:`Drain`.
+:class:`Claimed` (another worker observes the response of a request this one routed), :class:`Health`
+and :class:`Models` (state the worker answers from on its own: health checks on the ext_proc port,
+``GET /v1/models``), :class:`Rebalance` and :class:`Drain`.
 
 Cost (the point of the design: a worker must not spend its savings on talking). Every message is a
 small msgspec struct encoded as a msgpack array (``array_like``, an integer tag first): no field
@@ -48,8 +50,11 @@ import msgspec
 
 __all__ = [
     "LAZY_DELAY",
+    "TOKEN_PREFIX",
     "Cancel",
     "Channel",
+    "Claim",
+    "Claimed",
     "Connections",
     "Drain",
     "Failed",
@@ -71,6 +76,7 @@ __all__ = [
     "WorkerMessage",
     "owner_decoder",
     "worker_decoder",
+    "worker_token",
 ]
 
 log = logging.getLogger(__name__)
@@ -165,8 +171,17 @@ class StreamClosed(msgspec.Struct, array_like=True, gc=False, tag=10, frozen=Tru
     seconds: float
 
 
+class Claim(msgspec.Struct, array_like=True, gc=False, tag=11, frozen=True):
+    """This worker observes the response of the request ``token`` names, which another worker routed
+    (``epp envoy-config --observe-responses``): the owner moves that request to this worker as ``id``,
+    whose response events follow, and tells the routing worker (:class:`Claimed`)."""
+
+    token: str
+    id: int
+
+
 WorkerMessage = (
-    Route | Cancel | Headers | Started | Finish | Refused | Ready | Connections | StreamOpened | StreamClosed
+    Route | Cancel | Headers | Started | Finish | Refused | Ready | Connections | StreamOpened | StreamClosed | Claim
 )
 
 
@@ -230,7 +245,24 @@ class Rebalance(msgspec.Struct, array_like=True, gc=False, tag=28, frozen=True):
     streams on other connections, or opens one, which the owner hands to the least-loaded worker)."""
 
 
-OwnerMessage = Routed | Refusal | Failed | HeadersAnswer | Health | Models | Drain | Rebalance
+class Claimed(msgspec.Struct, array_like=True, gc=False, tag=29, frozen=True):
+    """Another worker observes the response of ``id`` (see :class:`Claim`) and finishes it there: this
+    worker lets its routing stream go without finishing the request."""
+
+    id: int
+
+
+OwnerMessage = Routed | Refusal | Failed | HeadersAnswer | Health | Models | Drain | Rebalance | Claimed
+
+TOKEN_PREFIX = 12
+"""Characters of an observed response's token (:data:`epp.extproc.answers.TOKEN_LENGTH`) that name the
+worker process that routed it, with ``--workers``: the owner's random 8 and the worker's spawn number's 4
+(a restarted worker's tokens never name its predecessor's requests). The rest is the request's id there."""
+
+
+def worker_token(prefix: str, request_id: int) -> str:
+    """The token of a worker's request ``request_id``, ``prefix`` being the worker's (:data:`TOKEN_PREFIX`)."""
+    return f"{prefix}{request_id:012x}"
 
 owner_decoder = msgspec.msgpack.Decoder(list[WorkerMessage])
 """What the owner reads: lists of :data:`WorkerMessage`."""

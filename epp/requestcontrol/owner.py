@@ -25,13 +25,26 @@ for the answer, not for them; the next pick still runs after them, as in one pro
 finishes the pick ``cancelled`` if it was already routed. When the worker dies (:meth:`WorkerRequests.lost`) its
 waiting routes are cancelled and every pick it held is finished as ``error``: in-flight accounting
 and the running-requests gauge are released, nothing leaks.
+
+Observed responses (``epp envoy-config --observe-responses``): Envoy sends a request's response on a
+second stream, on a connection of its own, which the owner may have handed to another worker than
+the one that routed the request. The routing worker's token names it (its prefix, kept in
+``siblings`` by the pool, and the request's id there: :func:`~epp.requestcontrol.ipc.worker_token`);
+the observing worker sends a :class:`~epp.requestcontrol.ipc.Claim` with an id of its own, and its
+response events after it. The owner moves the request to the observing worker's table under that id
+(whose events then finish it, and whose death finishes it as ``error``) and tells the routing worker
+(:class:`~epp.requestcontrol.ipc.Claimed`), which lets its stream go. Two posted messages a request,
+riding in frames that go anyway. A claim that names no request (routed before a restart of its
+worker, or finished already: its observer came after the routing worker's 10 s wait) is logged once
+a minute, and the claiming worker's events for it are ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+import time
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -62,9 +75,11 @@ class WorkerRequests:
         *,
         tracing: Tracing | None = None,
         streams: StreamMetrics | None = None,
+        siblings: Mapping[str, WorkerRequests] | None = None,
     ) -> None:
         self._director = director
         self.send = send
+        self.post = send  # messages nobody waits for (the channel's post)
         # Where the pick's pre_request hooks go once its answer is sent (the channel's after_flush: they
         # run after the frame that carries it is written); by default, at once.
         self.after_sent: Callable[[Callable[[], object]], None] = _now
@@ -73,7 +88,11 @@ class WorkerRequests:
         self._open_streams = 0
         self._routing: dict[int, asyncio.Task[None]] = {}
         self._routed: dict[int, RoutedRequest] = {}
+        # The workers by their tokens' prefix (observed responses: see the module docstring), this one's
+        # among them; kept by the pool.
+        self._siblings: Mapping[str, WorkerRequests] = {} if siblings is None else siblings
         self.requests = 0  # routes received from this worker
+        self.claimed = 0  # requests this worker routed whose response another worker observed
 
     @property
     def in_flight(self) -> int:
@@ -91,6 +110,7 @@ class WorkerRequests:
             ipc.Refused: self._refused,
             ipc.StreamOpened: self._stream_opened,
             ipc.StreamClosed: self._stream_closed,
+            ipc.Claim: self._claim,
         }
 
     def _stream_opened(self, message: ipc.StreamOpened) -> None:
@@ -192,6 +212,22 @@ class WorkerRequests:
         outcome = message.outcome
         routed.finish(outcome if outcome in ("complete", "error", "cancelled") else "error")  # type: ignore[arg-type]
 
+    def _claim(self, message: ipc.Claim) -> None:
+        """This worker observes the response of a request another worker routed: it becomes this one's."""
+        token = message.token
+        routing = self._siblings.get(token[: ipc.TOKEN_PREFIX])
+        try:
+            request_id = int(token[ipc.TOKEN_PREFIX :], 16)
+        except ValueError:
+            request_id = -1
+        routed = routing._routed.pop(request_id, None) if routing is not None and routing is not self else None
+        if routing is None or routed is None:
+            _unclaimed(token)
+            return
+        self._routed[message.id] = routed
+        routing.claimed += 1
+        routing.post(ipc.Claimed(request_id))
+
     def _refused(self, message: ipc.Refused) -> None:
         try:
             refusal = Refusal(message.refusal)
@@ -212,6 +248,22 @@ class WorkerRequests:
         if self._streams is not None:  # its open streams went with it (their connections closed)
             self._streams.lost(self._open_streams)
             self._open_streams = 0
+
+
+_unclaimed_logged = 0.0
+
+
+def _unclaimed(token: str) -> None:
+    """A worker claimed a request that no other worker holds: say so, once a minute at most."""
+    global _unclaimed_logged
+    now = time.monotonic()
+    if now - _unclaimed_logged >= 60.0:
+        _unclaimed_logged = now
+        log.warning(
+            "a worker observes a response (token %r) whose request no other worker holds: routed before its "
+            "worker restarted, or finished already; its response is not accounted (logged once a minute)",
+            token,
+        )
 
 
 def continued_trace(tracing: Tracing, traceparent: str) -> RequestTrace | None:

@@ -30,6 +30,11 @@ awaiting stream resumes on the owner's answer; the lifecycle calls become one-wa
 * ``GET /v1/models`` is answered from the pool's union, which the owner pushes when it changes
   (:class:`Models`); ``base_models`` is empty here: the owner sets each request's ``adapter`` from its
   own pool's lists when the route arrives.
+* Observed responses (``epp envoy-config --observe-responses``): a routed request's token names this
+  worker and the request's id here (:func:`~epp.requestcontrol.ipc.worker_token`); a response
+  observed on another worker is claimed there (:meth:`RemoteDirector.claim`, one posted
+  :class:`Claim`), and the owner tells this worker (:class:`Claimed`), which lets its routing stream
+  go without a :class:`Finish` (:mod:`epp.requestcontrol.owner` has the design).
 * Refusals the edge answers (a bad body, and the owner's refusals as it raises them) are counted
   through :class:`RemoteMetrics` (one :class:`Refused` each), so the owner's metrics count every
   request exactly once.
@@ -190,6 +195,15 @@ class RemoteDirector:
             raise RuntimeError(f"routing failed in the owner process: {answer.message}")
         raise EppError(Reason.INTERNAL, "the endpoint picker's routing process is not running")
 
+    def claim(self, token: str) -> RemoteRouted:
+        """The request another worker routed whose response this worker observes (``token``: that worker's
+        :func:`~epp.requestcontrol.ipc.worker_token`): it becomes this worker's in the owner, under an
+        id of this worker, and the response's events follow the claim there. Not the request itself
+        (the observer reads none of it): the pick's name and destination are not known here."""
+        self._next_id += 1
+        self.post(ipc.Claim(token, self._next_id))
+        return RemoteRouted(self, self._next_id, None, _CLAIMED)
+
     # -- the owner's answers ----------------------------------------------------------------------
 
     def handlers(self) -> dict[type, Callable[[Any], None]]:
@@ -246,19 +260,22 @@ class RemoteDirector:
         return len(self._routes)
 
 
+_CLAIMED = ipc.Routed(0, "", "")  # (what a claimed request's RemoteRouted knows of the pick: nothing)
+
+
 class RemoteRouted:
     """A request routed by the owner, as the edge sees it: the pick, and the lifecycle calls as messages."""
 
     __slots__ = (
-        "_director", "_ended", "_finished", "_first_byte", "_headers", "_id", "_sent", "_started", "destination",
+        "_director", "_ended", "_finished", "_first_byte", "_headers", "_sent", "_started", "destination", "id",
         "primary", "request", "scores", "status",
     )  # fmt: skip
 
     def __init__(
-        self, director: RemoteDirector, request_id: int, request: InferenceRequest, answer: ipc.Routed
+        self, director: RemoteDirector, request_id: int, request: InferenceRequest | None, answer: ipc.Routed
     ) -> None:
         self._director = director
-        self._id = request_id
+        self.id = request_id  # this worker's id of the request in the owner (see RemoteDirector.route)
         self.request = request
         self.destination = answer.destination
         self.scores = answer.scores  # (--emit-endpoint-scores)
@@ -294,8 +311,8 @@ class RemoteRouted:
         if self._finished:
             return None
         if director.wait_for_headers:
-            future = director._wait_headers(self._id)
-            director.send(ipc.Headers(self._id, dict(headers), True))
+            future = director._wait_headers(self.id)
+            director.send(ipc.Headers(self.id, dict(headers), True))
             return future
         # The owner's request reads the status, and only for a 503 whether the pod sent it (its headers).
         self._headers = dict(headers) if self.status == 503 else {":status": status}
@@ -306,7 +323,7 @@ class RemoteRouted:
             self._started = True
             self._first_byte = time.monotonic()
             headers, self._headers = self._headers, None
-            self._director.post(ipc.Started(self._id, headers))
+            self._director.post(ipc.Started(self.id, headers))
 
     def response_ended(self, size: int, usage: tuple[int, int] | None) -> None:
         self._ended = (size, usage)
@@ -315,9 +332,9 @@ class RemoteRouted:
         if self._finished:
             return
         self._finished = True
-        self._director._forget_headers(self._id)
+        self._director._forget_headers(self.id)
         headers, self._headers = self._headers, None
-        self._director.post(ipc.Finish(self._id, outcome, self._ended, headers))
+        self._director.post(ipc.Finish(self.id, outcome, self._ended, headers))
 
 
 class RemoteMetrics:

@@ -59,6 +59,15 @@ union, pushed when a list changes (checked every second).
   period and 5 s more are killed, and the owner finishes what they held.
 * Tracing works across the processes (see :mod:`epp.requestcontrol.remote`): each process exports
   its own spans; a request's are one trace.
+* Observed responses (``epp envoy-config --observe-responses``): Envoy sends a request's response on
+  a second stream, on a cluster and connections of its own, which the owner hands out like the
+  others, so a request's routing and observing streams often reach different workers. Each worker
+  process's tokens carry a prefix of its own (the owner's random 8 characters, the worker's spawn
+  number); the observing worker claims the request through the owner, which moves it to that
+  worker and tells the routing one (:mod:`epp.requestcontrol.owner`). A restarted worker's prefix is
+  new: an observer of a request its predecessor routed finds nothing (that request was finished as
+  ``error`` with it). ``/debug/workers`` counts, per worker, the requests whose response another
+  worker observed.
 * Metrics are the owner's; refusals a worker answers are counted there once each. Ours beyond
   upstream: ``epp_worker_requests_total{worker}`` (requests each worker routed through the owner)
   and ``epp_worker_restarts_total{worker}``; with ``--enable-debug-endpoints``, ``/debug/workers``
@@ -111,14 +120,16 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from epp.extproc.answers import TOKEN_LENGTH
 from epp.extproc.models import models_union
-from epp.extproc.processor import ExternalProcessor
+from epp.extproc.processor import ExternalProcessor, Observed
 from epp.framework import Endpoint
 from epp.requestcontrol import ipc
 from epp.requestcontrol.director import Director
+from epp.requestcontrol.lifecycle import RoutedRequest
 from epp.requestcontrol.metrics import RequestMetrics, StreamMetrics
 from epp.requestcontrol.owner import WorkerRequests
-from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics
+from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics, RemoteRouted
 from epp.requestcontrol.tracing import Tracing
 from epp.server.logs import configure_logging
 from epp.server.process import freeze_startup_objects, limit_malloc_arenas
@@ -177,6 +188,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     log_stacks_from: int = 0
     wait_for_headers: bool = False  # a plugin's response_received hook may set response headers
     stream_metrics: bool = False  # post each stream's start and end to the owner (--enable-grpc-stream-metrics)
+    token_prefix: str = ""  # this worker process's observed-response tokens' prefix (ipc.TOKEN_PREFIX characters)
     health: dict[str, int] = msgspec.field(default_factory=dict)
     models: list[dict[str, Any]] | None = None
 
@@ -221,6 +233,8 @@ class _Slot:
         self.fast_failures = 0
         self.restarts = 0
         self.earlier_requests = 0  # requests routed for this slot's earlier processes
+        self.earlier_claimed = 0  # and of those, observed by another worker
+        self.token_prefix = ""  # its process's observed-response tokens' prefix (see WorkerPool._spawn)
         self.shedding_until = 0.0  # told to shed a connection: new ones go elsewhere until then
 
     @property
@@ -266,6 +280,12 @@ class WorkerPool:
         self._balance_task: asyncio.Task[None] | None = None
         self.rebalances = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        # Observed responses: each worker process's tokens begin with this process's random 8 characters
+        # and the worker's spawn number (epp.requestcontrol.ipc.TOKEN_PREFIX); the owner finds the
+        # routing worker of an observed response by them (epp.requestcontrol.owner).
+        self._nonce = os.urandom(4).hex()
+        self._spawns = 0
+        self._by_prefix: dict[str, WorkerRequests] = {}
         registry.register(_Collector(self._slots))
 
     @property
@@ -328,7 +348,13 @@ class WorkerPool:
         slot.gone = asyncio.Event()
         if slot.requests is not None:
             slot.earlier_requests += slot.requests.requests
-        requests = WorkerRequests(self._director, _unconnected, tracing=self._tracing, streams=self._streams)
+            slot.earlier_claimed += slot.requests.claimed
+        self._spawns += 1
+        slot.token_prefix = f"{self._nonce}{self._spawns % 0x10000:04x}"
+        requests = WorkerRequests(
+            self._director, _unconnected, tracing=self._tracing, streams=self._streams, siblings=self._by_prefix
+        )
+        self._by_prefix[slot.token_prefix] = requests
         handlers: dict[type, Callable[[Any], None]] = {
             **requests.handlers(),
             ipc.Ready: lambda m: self._ready(slot),
@@ -337,9 +363,14 @@ class WorkerPool:
         channel = ipc.Channel(ipc.owner_decoder, handlers, lambda: self._lost(slot))
         owner_end.setblocking(False)
         await loop.create_unix_connection(lambda: channel, sock=owner_end)
-        requests.send, requests.after_sent = channel.send, channel.after_flush
+        requests.send, requests.post, requests.after_sent = channel.send, channel.post, channel.after_flush
         slot.channel, slot.requests = channel, requests
-        spec = msgspec.structs.replace(self._spec(slot.index), health=dict(self.health.statuses), models=self._models)
+        spec = msgspec.structs.replace(
+            self._spec(slot.index),
+            health=dict(self.health.statuses),
+            models=self._models,
+            token_prefix=slot.token_prefix,
+        )
         assert channel.transport is not None
         channel.transport.write(_frame(msgspec.msgpack.encode(spec)))  # the worker reads it before anything else
 
@@ -402,6 +433,7 @@ class WorkerPool:
         """A worker's socket closed: its process exited (or is about to)."""
         if slot.requests is not None:
             slot.requests.lost()  # its streams are gone with it: finish what it held
+        self._by_prefix.pop(slot.token_prefix, None)  # (a claim of its requests now finds none)
         slot.channel = None
         if slot.handoff is not None:
             slot.handoff.close()
@@ -546,7 +578,8 @@ class WorkerPool:
     # -- the debug view ---------------------------------------------------------------------------
 
     def view(self) -> list[dict[str, Any]]:
-        """Each worker: index, pid, alive, requests routed, in flight, restarts (for ``/debug/workers``)."""
+        """Each worker: index, pid, alive, requests routed (and of those, how many another worker observed the
+        response of), in flight, restarts (for ``/debug/workers``)."""
         views = []
         for slot in self._slots:
             requests = slot.requests
@@ -557,6 +590,7 @@ class WorkerPool:
                     "serving": slot.channel is not None and slot.ready is not None and slot.ready.done(),
                     "connections": slot.connections,
                     "requests": slot.earlier_requests + (requests.requests if requests is not None else 0),
+                    "observed_elsewhere": slot.earlier_claimed + (requests.claimed if requests is not None else 0),
                     "in_flight": requests.in_flight if requests is not None else 0,
                     "restarts": slot.restarts,
                 }
@@ -613,6 +647,29 @@ def _load(slot: _Slot, now: float) -> tuple[bool, int, int, int]:
 # --- the worker process --------------------------------------------------------------------------
 
 
+class _WorkerObserved(Observed):
+    """A worker's observed responses (:class:`epp.extproc.processor.Observed`): a token names the
+    request in the owner (this worker's prefix, then its id: :func:`epp.requestcontrol.ipc.worker_token`),
+    and a response whose request a sibling routed (the owner's part of the prefix, another worker's
+    spawn number) is claimed through the owner (:mod:`epp.requestcontrol.owner`)."""
+
+    __slots__ = ("_director", "_owner", "_worker")
+
+    def __init__(self, director: RemoteDirector, prefix: str) -> None:
+        super().__init__()
+        self._director = director
+        self._worker = prefix
+        self._owner = prefix[:8]
+
+    def token(self, routed: RoutedRequest) -> str:
+        return ipc.worker_token(self._worker, cast(RemoteRouted, routed).id)
+
+    def claim(self, token: str) -> RoutedRequest | None:
+        if len(token) != TOKEN_LENGTH or not token.startswith(self._owner) or token.startswith(self._worker):
+            return None  # another replica's (or a picker's before a restart), or this worker's own, ended
+        return cast(RoutedRequest, self._director.claim(token))
+
+
 def _read_spec(sock: socket.socket) -> WorkerSpec:
     """The first frame on the socket, read exactly (what follows is the channel's)."""
     head = sock.recv(4, socket.MSG_WAITALL)
@@ -649,6 +706,12 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
         if not stop.done():
             stop.set_result(None)
 
+    observed = _WorkerObserved(director, spec.token_prefix) if spec.token_prefix else None
+
+    def claimed(message: ipc.Claimed) -> None:
+        if observed is not None:
+            observed.taken(ipc.worker_token(spec.token_prefix, message.id))
+
     def rebalance(message: ipc.Rebalance) -> None:
         shed = server.goaway_busiest()
         log.debug("worker %d: GOAWAY on the connection that carried %d streams since the last time", spec.index, shed)
@@ -658,6 +721,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
         ipc.Health: mirror,
         ipc.Drain: drain,
         ipc.Rebalance: rebalance,
+        ipc.Claimed: claimed,
     }
     channel = ipc.Channel(ipc.worker_decoder, handlers, lost)
     sock.setblocking(False)
@@ -679,6 +743,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
         max_request_body_bytes=spec.max_request_body_bytes,
         subset_filter=spec.subset_filter,
         streams=metrics if spec.stream_metrics else None,
+        observed=observed,
     )
     server = GrpcServer(
         {**processor.methods(), **health.methods()},

@@ -9,6 +9,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 
 from epp.sim import EngineConfig
 from tests.e2e.conftest import StackFactory, start_sim_picker
@@ -84,3 +85,75 @@ async def test_an_observed_stream_outlives_the_picker(make_stack: StackFactory) 
     events = [line for line in rest.split(b"\n\n") if line.startswith(b"data:")]
     assert len(events) == tokens  # the tokens after the first, and [DONE]
     assert events[-1] == b"data: [DONE]"
+
+
+async def test_with_workers_a_response_observed_by_another_worker_is_accounted(caplog: pytest.LogCaptureFixture) -> None:
+    # --workers 2: the owner hands each connection Envoy opens to a worker, the routing cluster's and
+    # the observing cluster's alike, so a request's two streams often reach different workers. The
+    # observing worker claims the request through the owner: every response's usage, first byte and
+    # end reach the owner's metrics, and in-flight counts are released with the response, not 10 s later.
+    parts = await start_sim_picker(
+        [EngineConfig(seed=1, step_base_s=0.01), EngineConfig(seed=2, step_base_s=0.01)],
+        settings={"workers": 2, "metrics_port": 0},
+        observe_responses=True,
+    )
+    model = EngineConfig().model
+    workers = parts.picker.workers
+    assert workers is not None
+
+    def sample(name: str) -> float:
+        return sum(
+            s.value
+            for metric in parts.picker.metrics.registry.collect()
+            for s in metric.samples
+            if s.name == name and s.labels.get("model_name") == model
+        )
+
+    try:
+        url = f"http://127.0.0.1:{parts.envoy.listen_port}/v1/completions"
+
+        async def complete(session: aiohttp.ClientSession, i: int) -> None:
+            body = {"model": model, "prompt": f"request {i} " * 8, "max_tokens": 6, "ignore_eos": True}
+            if i % 2:
+                body.update(stream=True, stream_options={"include_usage": True})
+            async with session.post(url, json=body) as response:
+                assert response.status == 200
+                await response.read()
+
+        async with aiohttp.ClientSession() as session:
+            for i in range(4):
+                await complete(session, i)
+            await asyncio.gather(*(complete(session, i) for i in range(4, 40)))  # more connections, both kinds
+        deadline = time.monotonic() + 3  # (well before the 10 s after which a routing worker gives up)
+        while sample("inference_objective_output_tokens_count") < 40 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert sample("inference_objective_output_tokens_count") == 40  # every response's usage was read
+        assert sample("inference_objective_output_tokens_sum") == 240
+        assert sample("inference_objective_request_duration_seconds_count") == 40  # each ended complete
+        assert sample("epp_request_time_to_first_byte_seconds_count") == 40
+        while any(e.inflight.requests for e in parts.picker.datastore.endpoints()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert [e.inflight.requests for e in parts.picker.datastore.endpoints()] == [0, 0]
+        view = workers.view()
+        assert sum(w["observed_elsewhere"] for w in view) > 0, view  # the two streams did part ways
+        assert all(w["in_flight"] == 0 for w in view), view
+        assert "no other worker holds" not in caplog.text
+    finally:
+        await parts.stop()
+
+
+async def test_a_response_the_picker_did_not_route_is_observed_without_a_word(
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The picker's own refusal (here a body that is not JSON) is a response too: Envoy's observer sends
+    # it, with no token (nothing was routed). Nothing to account, and nothing wrong to log.
+    monkeypatch.setattr("epp.extproc.processor._unmatched_logged", -1e9)
+    stack = await make_stack(observe_responses=True)
+    async with stack.session.post(stack.url + "/v1/completions", data=b"{not json") as response:
+        assert response.status == 400
+        await response.read()
+    async with stack.session.post(stack.url + "/v1/completions", data=_completion("fine")) as response:
+        assert response.status == 200
+        await response.read()
+    await asyncio.sleep(0.2)
+    assert "names no request" not in caplog.text

@@ -130,3 +130,73 @@ async def test_an_observed_response_whose_stream_closes_before_its_end_is_cancel
     call.half_close()  # Envoy's deferred close: the client went away before the response's end
     await asyncio.sleep(0)
     assert [outcome for _, outcome in setup.finishes] == ["cancelled"]
+
+
+# -- another process's part (--workers: epp.server.workers extends Observed) -----------------------
+
+
+async def test_a_routed_request_taken_by_another_process_is_never_finished_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(processor_module, "OBSERVER_WAIT", 0.05)
+    setup = _Setup(monkeypatch)
+    token = await setup.route(WireStream(_OBSERVED))
+    setup.processor._observed.taken(token)  # (a worker: the owner's Claimed, for a sibling's claim)
+    assert len(setup.processor._observed) == 0
+    await asyncio.sleep(0.2)
+    assert setup.finishes == []  # the other process finishes it, with its response
+    setup.processor._observed.taken(token)  # told twice, or about a request ended here: nothing
+    observer = WireStream()
+    call = setup.processor.open(observer)  # type: ignore[arg-type]
+    call.message(_observed(headers(POST), token))  # an observer here after all: nothing to take over
+    await asyncio.sleep(0)
+    assert observer.status == (0, "") and setup.finishes == []
+
+
+class _Claimed:
+    """A request another process routed, as the observing process's stream sees it (RemoteRouted's methods)."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def response_headers(self, headers: dict[str, str]) -> None:
+        self.events.append(headers[":status"])
+
+    def response_body_started(self) -> None:
+        self.events.append("started")
+
+    def response_ended(self, size: int, usage: tuple[int, int] | None) -> None:
+        self.events.append((size, usage))
+
+    def finish(self, outcome: str = "complete") -> None:
+        self.events.append(outcome)
+
+
+class _Sibling(processor_module.Observed):
+    __slots__ = ("claims", "request")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims: list[str] = []
+        self.request = _Claimed()
+
+    def claim(self, token: str) -> RoutedRequest | None:
+        self.claims.append(token)
+        return self.request if token.startswith("sibling") else None  # type: ignore[return-value]
+
+
+async def test_an_observer_of_a_request_another_process_routed_claims_it_and_accounts_its_response() -> None:
+    observed = _Sibling()
+    processor = ExternalProcessor(_SpyDirector(), RequestMetrics(), max_request_body_bytes=100_000, observed=observed)  # type: ignore[arg-type]
+    token = "sibling-0000000000000007"
+    observer = WireStream()
+    call = processor.open(observer)  # type: ignore[arg-type]
+    call.message(_observed(headers(POST), token))
+    call.message(_observed(_response_headers("application/json"), token))
+    call.message(_observed(pb.ProcessingRequest(response_body=pb.HttpBody(body=_USAGE, end_of_stream=True)), token))
+    await asyncio.sleep(0)
+    assert observed.claims == [token]  # claimed once, by its first message
+    assert observed.request.events == ["200", "started", (len(_USAGE), (5, 7)), "complete"]
+    assert observer.sent == [] and observer.status == (0, "")
+    other = WireStream()
+    processor.open(other).message(_observed(headers(POST), "elsewhere-00000000000007"))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    assert other.status == (0, "") and observed.claims[-1] == "elsewhere-00000000000007"  # nothing to claim: ended

@@ -63,12 +63,23 @@ class Pair:
         raise AssertionError("the worker never noticed")
 
 
-async def connect(director: Director, *, wait_for_headers: bool = False) -> Pair:
+async def connect(
+    director: Director,
+    *,
+    wait_for_headers: bool = False,
+    siblings: dict[str, WorkerRequests] | None = None,
+    prefix: str = "",
+    claimed: list[int] | None = None,
+) -> Pair:
+    """``siblings``, ``prefix``: the workers by their tokens' prefix, where this one goes under ``prefix``
+    (observed responses); ``claimed`` collects the ids of the owner's :class:`ipc.Claimed` messages."""
     loop = asyncio.get_running_loop()
     owner_end, worker_end = socket.socketpair()
     lost: list[str] = []
     remote = RemoteDirector(wait_for_headers=wait_for_headers)
-    owner = WorkerRequests(director, lambda m: None)
+    owner = WorkerRequests(director, lambda m: None, siblings=siblings)
+    if siblings is not None:
+        siblings[prefix] = owner
 
     def owner_lost() -> None:
         owner.lost()
@@ -79,10 +90,13 @@ async def connect(director: Director, *, wait_for_headers: bool = False) -> Pair
         lost.append("worker saw the owner go")
 
     owner_channel = ipc.Channel(ipc.owner_decoder, owner.handlers(), owner_lost)
-    worker_channel = ipc.Channel(ipc.worker_decoder, remote.handlers(), worker_lost)
+    handlers = remote.handlers()
+    if claimed is not None:
+        handlers[ipc.Claimed] = lambda message: claimed.append(message.id)
+    worker_channel = ipc.Channel(ipc.worker_decoder, handlers, worker_lost)
     await loop.create_unix_connection(lambda: owner_channel, sock=owner_end)
     await loop.create_unix_connection(lambda: worker_channel, sock=worker_end)
-    owner.send, owner.after_sent = owner_channel.send, owner_channel.after_flush
+    owner.send, owner.post, owner.after_sent = owner_channel.send, owner_channel.post, owner_channel.after_flush
     remote.send, remote.post = worker_channel.send, worker_channel.post
     return Pair(remote, owner, worker_channel, owner_channel, lost)
 
@@ -323,6 +337,80 @@ async def test_a_request_queued_when_its_worker_dies_leaves_the_queue() -> None:
     assert in_flight(stack) == 0  # the first, routed, was finished as an error
     assert pair.owner.in_flight == 0
     del first
+
+
+# -- observed responses: a request routed by one worker, its response observed by another ----------
+
+A, B = "0123abcd0001", "0123abcd0002"  # two workers' token prefixes (ipc.TOKEN_PREFIX characters)
+
+
+async def test_a_claimed_request_is_finished_by_the_observing_worker_and_the_router_is_told(stack: Stack) -> None:
+    siblings: dict[str, WorkerRequests] = {}
+    told_a: list[int] = []
+    a = await connect(stack.director, siblings=siblings, prefix=A, claimed=told_a)
+    b = await connect(stack.director, siblings=siblings, prefix=B)
+    routed = await a.remote.route(request())
+    observed = b.remote.claim(ipc.worker_token(A, routed.id))
+    await until(lambda: told_a == [routed.id], "the routing worker was told")
+    assert (a.owner.in_flight, b.owner.in_flight, a.owner.claimed) == (0, 1, 1)  # the request moved to b
+    assert in_flight(stack) == 1
+    observed.response_headers({":status": "200"})
+    observed.response_body_started()
+    observed.response_ended(40, (3, 9))
+    observed.finish("complete")
+    routed.finish("cancelled")  # (a routing worker that was not told yet: ignored, the request is b's)
+    await until(lambda: in_flight(stack) == 0, "the observing worker finished the request")
+    model = {"model_name": "m", "target_model_name": "m"}
+    assert sample(stack, "inference_objective_output_tokens_sum", model) == 9
+    assert sample(stack, "epp_request_time_to_first_byte_seconds_count", model) == 1
+    assert sample(stack, "inference_objective_request_duration_seconds_count", model) == 1  # complete, once
+
+
+@pytest.mark.parametrize(
+    "case", ["unknown worker", "this worker's own", "finished already", "not hex", "its worker restarted"]
+)
+async def test_a_claim_that_names_no_request_of_another_worker_is_logged_and_its_events_ignored(
+    stack: Stack, case: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("epp.requestcontrol.owner._unclaimed_logged", -1e9)
+    siblings: dict[str, WorkerRequests] = {}
+    a = await connect(stack.director, siblings=siblings, prefix=A)
+    b = await connect(stack.director, siblings=siblings, prefix=B)
+    routed = await a.remote.route(request())
+    token = ipc.worker_token(A, routed.id)
+    if case == "unknown worker":
+        token = ipc.worker_token("0123abcd0009", routed.id)
+    elif case == "this worker's own":
+        token = ipc.worker_token(B, routed.id)
+    elif case == "finished already":
+        routed.finish("complete")
+        await until(lambda: in_flight(stack) == 0, "finished")
+    elif case == "not hex":
+        token = A + "zz" * 6
+    else:
+        await a.kill_worker()  # (a restarted worker has another prefix)
+        del siblings[A]
+    observed = b.remote.claim(token)
+    observed.response_body_started()
+    observed.finish("complete")
+    await until(lambda: "no other worker holds" in caplog.text, "the claim was logged")
+    await asyncio.sleep(ipc.LAZY_DELAY * 3)
+    assert b.owner.in_flight == 0 and a.owner.claimed == 0
+    if case not in ("finished already", "its worker restarted"):
+        assert a.owner.in_flight == 1  # still the routing worker's, to finish after its wait
+        routed.finish("cancelled")
+    await until(lambda: in_flight(stack) == 0, "finished")
+
+
+async def test_a_claimed_request_whose_observing_worker_dies_is_finished_as_an_error(stack: Stack) -> None:
+    siblings: dict[str, WorkerRequests] = {}
+    a = await connect(stack.director, siblings=siblings, prefix=A)
+    b = await connect(stack.director, siblings=siblings, prefix=B)
+    routed = await a.remote.route(request())
+    b.remote.claim(ipc.worker_token(A, routed.id))
+    await until(lambda: b.owner.in_flight == 1, "claimed")
+    await b.kill_worker()
+    assert in_flight(stack) == 0 and a.owner.in_flight == 0
 
 
 # -- either end going away --------------------------------------------------------------------

@@ -255,3 +255,23 @@ async def test_a_worker_that_carries_far_more_sheds_a_connection_to_the_other(mo
         await picker.stop(0)
     assert picker.workers.rebalances == 1  # then the cooldown
     assert min(counts) >= 5, counts  # the busy connection's requests moved to the other worker
+
+
+def test_a_worker_claims_only_responses_a_sibling_of_the_same_owner_routed() -> None:
+    from epp.requestcontrol import ipc
+    from epp.requestcontrol.remote import RemoteDirector, RemoteRouted
+    from epp.server.workers import _WorkerObserved
+
+    posted: list[object] = []
+    director = RemoteDirector(posted.append)
+    observed = _WorkerObserved(director, "0123abcd0001")
+    sibling = ipc.worker_token("0123abcd0002", 7)
+    claimed = observed.claim(sibling)
+    assert isinstance(claimed, RemoteRouted) and posted == [ipc.Claim(sibling, claimed.id)]
+    for token in (
+        ipc.worker_token("ffffffff0002", 7),  # another replica's (or an owner's before a restart)
+        ipc.worker_token("0123abcd0001", 7),  # its own: it was here, and has ended
+        "0123abcd0002" + "7",  # not a token of ours
+    ):
+        assert observed.claim(token) is None
+    assert len(posted) == 1
