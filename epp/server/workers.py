@@ -83,6 +83,14 @@ completions, 2 pods, the default profile, on the shared 2-core development machi
   alone costs ~20-30 µs a request.
 * Routing quality: the prefix-cache hit rate on ``bench/routing_quality.py``'s shared-prefix workload
   was 92.20% with two workers and 92.07% in one process (oracle 92.2%); TTFT the same.
+* Observed responses (``epp envoy-config --observe-responses``), at 1351af0: ``python bench/workers.py
+  --parts load --variants 0,2,0o,2o --rounds 3`` (medians), picker CPU per 1 KB request at 16 / 64
+  connections: one process 0.176 / 0.147 ms, ``--workers 2`` 0.263 / 0.206, one process observed
+  0.191 / 0.169, ``--workers 2`` observed 0.272 / 0.231: observing costs two workers about what it
+  costs one process (a second stream a request: +3-12%), no error in its 24 runs of 8 s. Streamed, ``python
+  bench/streaming_cost.py --events 1024 --streams 1,16 --rounds 3 --observe --picker-arg=--workers=2``:
+  picker CPU per SSE chunk (owner and workers) 24.4 / 5.4 µs processed at 1 / 16 streams, 17.1 / 3.5
+  observed.
 * Throughput could not be measured at saturation here (other benches held the cores: the picker got
   0.3-0.7 of a core either way); the direct runs gave 1.25x with two workers.
 
