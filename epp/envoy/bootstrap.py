@@ -56,7 +56,12 @@ and the picker cannot end a response. With `epp serve --workers N` the two strea
 often reach different workers; the observing worker claims the request through the owner process
 (epp/requestcontrol/owner.py). Not for several picker replicas behind one Envoy cluster: a
 request's streams may reach different replicas, and the one that routed it then finishes it 10 s
-after the route, without its response's accounting (logged). Verified against Envoy 1.40:
+after the route, without its response's accounting (logged). Pinning the observer to the replica
+that routed was tried with Envoy 1.40 and does not work: an ORIGINAL_DST observer cluster reading
+the routing answer's dynamic metadata (`original_dst_lb_config.metadata_key`), or the filter state
+`envoy.network.transport_socket.original_dst_address` set from it by `set_filter_state`, is not seen
+by ext_proc's gRPC stream (`upstream_cx_none_healthy` for each of 10 streams; the filter state
+redirected the request itself, 502). Verified against Envoy 1.40:
 
 * The routing answer's dynamic metadata carries the picker's token for the request under namespace
   `epp` (the picker's filter lists it among its receiving namespaces, the observing filter among its
