@@ -50,6 +50,7 @@ import msgspec
 
 __all__ = [
     "LAZY_DELAY",
+    "TOKEN_OWNER",
     "TOKEN_PREFIX",
     "Cancel",
     "Channel",
@@ -254,10 +255,13 @@ class Claimed(msgspec.Struct, array_like=True, gc=False, tag=29, frozen=True):
 
 OwnerMessage = Routed | Refusal | Failed | HeadersAnswer | Health | Models | Drain | Rebalance | Claimed
 
+TOKEN_OWNER = 8
+"""The first characters of a worker's tokens: its owner process's, random (another replica's differ)."""
 TOKEN_PREFIX = 12
 """Characters of an observed response's token (:data:`epp.extproc.answers.TOKEN_LENGTH`) that name the
-worker process that routed it, with ``--workers``: the owner's random 8 and the worker's spawn number's 4
-(a restarted worker's tokens never name its predecessor's requests). The rest is the request's id there."""
+worker process that routed it, with ``--workers``: the owner's :data:`TOKEN_OWNER` and the worker's spawn
+number's 4 (a restarted worker's tokens do not name its predecessor's requests until the number wraps,
+65,536 spawns later). The rest is the request's id there."""
 
 
 def worker_token(prefix: str, request_id: int) -> str:

@@ -291,7 +291,7 @@ class WorkerPool:
         # Observed responses: each worker process's tokens begin with this process's random 8 characters
         # and the worker's spawn number (epp.requestcontrol.ipc.TOKEN_PREFIX); the owner finds the
         # routing worker of an observed response by them (epp.requestcontrol.owner).
-        self._nonce = os.urandom(4).hex()
+        self._nonce = os.urandom(ipc.TOKEN_OWNER // 2).hex()
         self._spawns = 0
         self._by_prefix: dict[str, WorkerRequests] = {}
         registry.register(_Collector(self._slots))
@@ -667,7 +667,7 @@ class _WorkerObserved(Observed):
         super().__init__()
         self._director = director
         self._worker = prefix
-        self._owner = prefix[:8]
+        self._owner = prefix[: ipc.TOKEN_OWNER]
 
     def token(self, routed: RoutedRequest) -> str:
         return ipc.worker_token(self._worker, cast(RemoteRouted, routed).id)
