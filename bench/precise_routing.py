@@ -121,7 +121,9 @@ a round trip through the picker; epp/envoy/bootstrap.py): ``--workloads b --poli
 precise,precise+observe,sglang-router --rounds 3`` at 879605d (356 s), medians: TTFT P90 precise 105,
 precise+observe 102, sglang-router 100 ms (1.04x / 1.02x); the same requests' TTFT minus
 sglang-router's, median, +2.5 / +2.0 ms; router CPU 3.73 / 3.41 / 1.83 ms a request. What is left is
-the request phase (the pick, tokenization included).
+the request phase (the pick, tokenization included). Again at 9c386d2 (356 s): 103 / 103 / 102 ms
+(1.01x each; rounds precise 102, 103, 107, observed 103, 104, 103, sglang-router 101, 103, 102), +3.0 /
++2.1 ms paired, router CPU 3.96 / 3.57 / 1.74 ms: a tie within the rounds' scatter.
 
 ``--envoy-concurrency N`` gives Envoy N worker threads (1 by default, as the runs above; the peers run
 at their runtimes' defaults, which take a thread per core). With 2 (``--workloads b --policies
