@@ -5,14 +5,26 @@ response to the picker unanswered. The request's accounting must be what a proce
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 
 import aiohttp
 import pytest
 
+from epp.server.server import EndpointPicker
 from epp.sim import EngineConfig
 from tests.e2e.conftest import StackFactory, start_sim_picker
+
+
+def _sample(picker: EndpointPicker, model: str, name: str) -> float:
+    """The sum of the picker's series ``name`` for ``model`` (one process's registry, or the owner's)."""
+    return sum(
+        s.value
+        for metric in picker.metrics.registry.collect()
+        for s in metric.samples
+        if s.name == name and s.labels.get("model_name") == model
+    )
 
 
 def _completion(prompt: str, **extra: object) -> bytes:
@@ -23,13 +35,7 @@ async def test_an_observed_response_is_accounted_as_a_processed_one() -> None:
     parts = await start_sim_picker([EngineConfig(seed=1), EngineConfig(seed=2)], observe_responses=True)
     model = EngineConfig().model
 
-    def sample(name: str) -> float:
-        return sum(
-            s.value
-            for metric in parts.picker.metrics.registry.collect()
-            for s in metric.samples
-            if s.name == name and s.labels.get("model_name") == model
-        )
+    sample = functools.partial(_sample, parts.picker, model)
 
     try:
         url = f"http://127.0.0.1:{parts.envoy.listen_port}/v1/completions"
@@ -101,13 +107,7 @@ async def test_with_workers_a_response_observed_by_another_worker_is_accounted(c
     workers = parts.picker.workers
     assert workers is not None
 
-    def sample(name: str) -> float:
-        return sum(
-            s.value
-            for metric in parts.picker.metrics.registry.collect()
-            for s in metric.samples
-            if s.name == name and s.labels.get("model_name") == model
-        )
+    sample = functools.partial(_sample, parts.picker, model)
 
     try:
         url = f"http://127.0.0.1:{parts.envoy.listen_port}/v1/completions"
