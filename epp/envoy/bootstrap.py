@@ -72,8 +72,12 @@ redirected the request itself, 502). Verified against Envoy 1.40:
   the request there. The observer opens at once (its request headers, sent as the request
   goes on) and ends with the response: its last chunk (end_of_stream, often empty) or trailers;
   the picker then ends it. A response that never ends there (the client gone) is seen when Envoy
-  closes the stream, which its source does `deferred_close_timeout` (5 s) after the HTTP stream (not
-  checked here): the request is finished `cancelled` then.
+  closes the stream, `deferred_close_timeout` after the HTTP stream: the request is finished
+  `cancelled` then. Measured (a client leaving a stream after its first event, 3 times each): with
+  Envoy's default, 5 s, the request stayed counted in flight 5.00-5.01 s after the client left (0.01
+  s processed); the observer sets it to 1 s (1.00 s measured; 0.2 s gave 0.21). Nothing a response
+  sent is lost by closing sooner: the picker announces a stream window of 2^31-1, so Envoy has
+  written every message before the close, and the picker reads them before the stream's end.
 * Failure: the observer is `failure_mode_allow` (a picker away never fails a response it watches).
 * The observer has a cluster of its own (`epp_observe`, the same picker): Envoy pools connections per
   cluster, so observed streams never share a connection with a request waiting for its route, and the
@@ -154,6 +158,7 @@ __all__ = [
     "EPP_CLUSTER",
     "FALLBACK_CLUSTER",
     "OBSERVED_HEADER",
+    "OBSERVER_CLOSE",
     "OBSERVER_CLUSTER",
     "OBSERVE_NAMESPACE",
     "ORIGINAL_DST_CLUSTER",
@@ -170,6 +175,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 _SERVED_HEADER = "x-gateway-destination-endpoint-served"
 EPP_CLUSTER = "epp"
 OBSERVER_CLUSTER = "epp_observe"  # the picker again, for the observing filter's own connections
+OBSERVER_CLOSE = "1s"  # the observing filter's deferred_close_timeout (see "Observed responses")
 ORIGINAL_DST_CLUSTER = "original_destination_cluster"
 FALLBACK_CLUSTER = "pool_fallback"
 _EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -356,6 +362,9 @@ def _http_filters(options: BootstrapOptions) -> list[dict[str, Any]]:
         # A picker that is away (restarting, rolled) must never fail a response it only watches.
         failure_mode_allow=True,
         observability_mode=True,
+        # How long after the HTTP stream Envoy closes this one: when a client leaves mid-response, how
+        # long the picker counts the request in flight (Envoy's default: 5 s).
+        deferred_close_timeout=OBSERVER_CLOSE,
         processing_mode={
             # The request's headers open the stream as soon as the request is routed, so that the
             # picker learns of a request that ends before its response starts (the client gone).

@@ -157,3 +157,27 @@ async def test_a_response_the_picker_did_not_route_is_observed_without_a_word(
         await response.read()
     await asyncio.sleep(0.2)
     assert "names no request" not in caplog.text
+
+
+async def test_a_client_that_leaves_mid_stream_is_released_about_a_second_later() -> None:
+    # Envoy closes the observing stream deferred_close_timeout after the HTTP stream: 5 s by default,
+    # during which the request counted in flight on its pod. The bootstrap sets 1 s (OBSERVER_CLOSE).
+    parts = await start_sim_picker([EngineConfig(seed=1, step_base_s=0.05)], observe_responses=True)
+    model = EngineConfig().model
+    in_flight = lambda: sum(e.inflight.requests for e in parts.picker.datastore.endpoints())  # noqa: E731
+    try:
+        session = aiohttp.ClientSession()
+        body = {"model": model, "prompt": "hello " * 20, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        response = await session.post(f"http://127.0.0.1:{parts.envoy.listen_port}/v1/completions", json=body)
+        await response.content.readuntil(b"\n\n")
+        assert in_flight() == 1
+        response.close()
+        await session.close()
+        left = time.monotonic()
+        while in_flight() and time.monotonic() - left < 10:
+            await asyncio.sleep(0.01)
+        assert in_flight() == 0
+        assert time.monotonic() - left < 3.0  # (5.0 s with Envoy's default)
+        assert _sample(parts.picker, model, "inference_objective_request_duration_seconds_count") == 0  # not complete
+    finally:
+        await parts.stop()
