@@ -706,10 +706,20 @@ def num_gpu_blocks(opts: Options) -> int:
     return max(1024, round(opts.cache_fraction * working_set_blocks))
 
 
+_OBSERVE = "observe"  # +observe: the picker behind an Envoy that observes responses (--observe-responses)
+
+
 def _picker_flags(policy: str) -> tuple[str, list[str]]:
-    """A picker policy and the extra flags it names: ``default+io-thread=false`` -> (default, [--io-thread=false])."""
+    """A picker policy and the extra flags it names: ``default+io-thread=false`` -> (default, [--io-thread=false]).
+    ``+observe`` is Envoy's, not the picker's (:func:`_observes`)."""
     base, *flags = policy.partition("@")[0].split("+")
-    return base, [f"--{flag}" for flag in flags]
+    return base, [f"--{flag}" for flag in flags if flag != _OBSERVE]
+
+
+def _observes(policy: str) -> bool:
+    """Whether a picker policy's Envoy observes responses (``default+observe``: ``epp envoy-config
+    --observe-responses``): the picker's filter skips the response, a second one sends it unanswered."""
+    return _OBSERVE in policy.partition("@")[0].split("+")[1:]
 
 
 def _picker_python(policy: str) -> str:
@@ -753,7 +763,7 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
                 picker = PickerProcess(sim.pods, extra_args=extra, python=_picker_python(policy))
                 picker.start()
                 bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
-                                                    picker_port=picker.grpc_port))
+                                                    picker_port=picker.grpc_port, observe_responses=_observes(policy)))
             envoy = EnvoyProcess(bootstrap, concurrency=1)
             envoy.start()
             url = f"http://127.0.0.1:{envoy.listen_port}"
@@ -1235,7 +1245,8 @@ def _parser(preset: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(d.workloads), help="comma-separated, of " + ",".join(WORKLOADS))
     p.add_argument("--policies", default=",".join(d.policies),
                    help=f"comma-separated, of {','.join(POLICIES)}; config:PATH (the picker with that config); "
-                        "a picker policy +FLAG=VALUE the picker with --FLAG=VALUE (default+io-thread=false), @PYTHON under that "
+                        "a picker policy +FLAG=VALUE the picker with --FLAG=VALUE (default+io-thread=false), +observe "
+                        "behind an Envoy that observes responses (default+observe), @PYTHON under that "
                         "interpreter (default@/tmp/old-python); "
                         f"sglang-router and vllm-router are their {_PEER_POLICY}, KIND:POLICY another of theirs")
     p.add_argument("--rounds", type=int, default=d.rounds,

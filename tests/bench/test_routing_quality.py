@@ -134,6 +134,11 @@ def test_bad_options_are_refused_with_a_message(change: dict, message: str) -> N
 
 def test_a_picker_policy_names_extra_picker_flags() -> None:
     assert rq._picker_flags("default+io-thread=false") == ("default", ["--io-thread=false"])
+    assert not rq._observes("default+io-thread=false")
+    # +observe is Envoy's: the picker behind an Envoy that observes responses, no picker flag.
+    assert rq._picker_flags("default+observe+io-thread=false") == ("default", ["--io-thread=false"])
+    assert rq._observes("default+observe+io-thread=false") and rq._observes("default+observe@/tmp/py")
+    rq.Options(**{**_TINY, "policies": ("default+observe",)})  # accepted
     rq.Options(**{**_TINY, "policies": ("default+io-thread=false",)})  # accepted
     with pytest.raises(ValueError, match="unknown policy 'random'"):
         rq.Options(**{**_TINY, "policies": ("random+io-thread=false",)})
