@@ -45,8 +45,9 @@ same picker, in Envoy's observability mode ("send and go": it never waits for an
 any), sends the picker the request's headers once routed, then the response's headers, each chunk
 (STREAMED, the one body mode that mode sends) and its end. What it buys, measured side by side
 (`python bench/streaming_cost.py --observe`, see epp/extproc/processor.py): no picker round trip on
-the response's path (its headers and first chunk reach the client without waiting for the picker:
-P50 added 0.52 against 0.62 ms on a non-streamed request), less of the picker's CPU per streamed
+the response's path (its headers and first chunk reach the client without waiting for the picker;
+P50 added on a non-streamed request 0.52 against 0.62 ms in one run, level in two later ones: 0.62-0.63
+against 0.62-0.66), less of the picker's CPU per streamed
 chunk (it sends nothing, and reads observed connections in batches: 14.4 against 28.3 µs at one
 stream, medians of four runs) and of Envoy's, and streams that outlive the picker: a picker killed
 mid-stream cut the client's stream with processed responses (227 of 1,000 events arrived) and did

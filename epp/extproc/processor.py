@@ -195,7 +195,9 @@ Measured side by side, processed / observed (2 shared cores, medians):
 * non-streamed, ``python bench/extproc_overhead.py --sizes 1024 --connections 1 --rounds 5 --floor
   --observe`` at 879605d: P50 added 0.62 / **0.52 ms** (the no-work floor, which processes
   responses, 0.52), P99 1.41 / 1.25 ms, picker CPU 0.347 / 0.374 ms a request (a second stream, and
-  the request's headers parsed on it), 1,061 / 1,162 requests a second.
+  the request's headers parsed on it), 1,061 / 1,162 requests a second. Not reproduced at cd30759 (two
+  runs, a busier machine): P50 added 0.62 / 0.63 and 0.66 / 0.62 ms (floor 0.49, 0.53), picker CPU
+  0.334 / 0.393 and 0.368 / 0.404 ms: level at P50, observing 8-18% more CPU a short request.
 * a timer per waiting routed stream (aac5ee9, before the sweep of :class:`Observed`) held every
   request for the timer's 10 s: at ~1,100 requests a second 5,890 of them alive at once, 171,000
   objects for the collector against 21,500 processed, and its full collections took 13-71 ms
