@@ -714,11 +714,10 @@ async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) 
         if not stop.done():
             stop.set_result(None)
 
-    observed = _WorkerObserved(director, spec.token_prefix) if spec.token_prefix else None
+    observed = _WorkerObserved(director, spec.token_prefix)
 
     def claimed(message: ipc.Claimed) -> None:
-        if observed is not None:
-            observed.taken(ipc.worker_token(spec.token_prefix, message.id))
+        observed.taken(ipc.worker_token(spec.token_prefix, message.id))
 
     def rebalance(message: ipc.Rebalance) -> None:
         shed = server.goaway_busiest()
