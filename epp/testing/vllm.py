@@ -12,10 +12,24 @@ engine-core processes by process group. Facts that shaped the arguments (vLLM 0.
   0.92): on a shared machine with several servers, ask for little;
 * ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache;
 * ``VLLM_SERVER_DEV_MODE=1`` adds ``POST /reset_prefix_cache`` (benches reset caches between runs).
+
+The servers run at the lowest CPU priority (:data:`NICE`). A CPU server generating busies both of these
+machines' cores (its model worker, its engine core's loop, its API process), and at the default priority
+it starved every other process for seconds at a time: measured here (kernel 6.18, autogroup on), during
+1,500-token streams, a C program sleeping 10 ms woke up to 4.4 s late, the picker answered no health
+check for up to 4.7 s, and Envoy's health check (1 s timeout, two misses) took the picker out, so the
+tier's next request got Envoy's 500 "picker could not be reached" (the failures the tier's conftest
+used to wait out). The same program under SCHED_FIFO was never late: the cores were there, the scheduler
+gave them to vLLM. With the servers' autogroup at nice 19 the same runs had no wake-up late by 0.1 s and
+health checks answered within 10 ms. In a cluster the model servers have GPUs and nodes of their own;
+here they are the load, and the picker, Envoy and the client under test must not wait behind them.
+Each server starts in a session of its own, so it is an autogroup of its own: its nice is set there
+(what the kernel weighs between sessions), and its processes' own (what it weighs without autogroups).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,12 +45,14 @@ from pathlib import Path
 from epp.testing.envoy import free_port
 from epp.testing.processes import stop_process
 
-__all__ = ["ADAPTER", "BASE", "VllmServer", "http_get", "http_post", "running", "start_vllm", "tier_paths"]
+__all__ = ["ADAPTER", "BASE", "NICE", "VllmServer", "http_get", "http_post", "running", "start_vllm", "tier_paths"]
 
 BASE = "tiny"
 """The served name of the tier's base model."""
 ADAPTER = "ad1"
 """The served name of the tier's LoRA adapter (on servers started with ``lora=True``)."""
+NICE = 19
+"""The servers' CPU priority: the lowest (see the module docstring)."""
 
 
 def tier_paths() -> tuple[str, Path] | None:
@@ -156,6 +172,16 @@ def start_vllm(
     with log.open("wb") as out:
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)  # fmt: skip
+    _lower_priority(process.pid)
     server = VllmServer(name, port, process, log)
     _running.append(server)
     return server
+
+
+def _lower_priority(pid: int) -> None:
+    """Give the server ``pid`` (and the processes it starts later, which inherit it) :data:`NICE`, and its
+    session's autogroup the same where the kernel has autogroups. (Popen returns once the server's python
+    runs, before it starts its engine.)"""
+    os.setpriority(os.PRIO_PROCESS, pid, NICE)
+    with contextlib.suppress(OSError):  # (no autogroups)
+        Path(f"/proc/{pid}/autogroup").write_text(f"{NICE}\n")

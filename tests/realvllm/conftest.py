@@ -7,12 +7,14 @@ skipped with that reason. Server ``a`` serves the base model and the adapter; se
 the base model. Both publish KV events (zmq, bound by vLLM on a free port). The servers, the picker
 and Envoy start once per session and are stopped by PID at the end (``epp.testing.vllm``).
 
-Each test starts with Envoy counting the picker healthy. Twice in a day of runs here (the clean-clone
-CI of 089937d and one local run) Envoy's health check ejected the picker for a few seconds after the
-long-stream test, with nothing in the picker's log, and every test in that window got Envoy's 500
-"picker could not be reached". The cause is not known (a stalled machine is the likely one: the same
-runs saw other timing failures); so a test waits for the picker to be back before it starts, says so
-in a warning with Envoy's health-check counters, and a failing test's report carries them too.
+Each test starts with both Envoys counting the picker healthy. Envoy's health check used to take the
+picker out for a few seconds during or after the long-stream test, with nothing in the picker's log,
+and a test in that window got Envoy's 500 "picker could not be reached" (the clean-clone CI of 089937d,
+and of 98f6781). The cause was the CPU servers starving every other process, the picker's health
+answers included, for seconds while they generated; they run at the lowest priority now
+(``epp.testing.vllm``, module docstring). Should a window come back, a test waits for the picker to be
+back before it starts and says so in a warning with Envoy's health-check counters, and a failing test's
+report carries them too.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.sections.append(("the picker's last decisions", _decisions(log, 12)))
             report.sections.append(("the picker's view of the pool", _pool_view(tier.picker)))
             report.sections.append(("Envoy's view of the picker", _picker_health(tier.envoy)))
+            report.sections.append(("the observing Envoy's view of the picker", _picker_health(tier.observing)))
     return report
 
 
@@ -135,19 +138,20 @@ def _picker_health(envoy: EnvoyProcess) -> str:
 
 @pytest.fixture(autouse=True)
 def _picker_healthy_first(request: pytest.FixtureRequest) -> None:
-    """A tier test starts with Envoy counting the picker healthy (see the module docstring)."""
+    """A tier test starts with both Envoys counting the picker healthy (see the module docstring)."""
     if "tier" not in request.fixturenames:
         return
     tier: Tier = request.getfixturevalue("tier")
-    started = time.monotonic()
-    wait_for_picker(tier.envoy, timeout=30)
-    waited = time.monotonic() - started
-    if waited > 0.5:
-        warnings.warn(
-            f"Envoy counted the picker unhealthy before {request.node.name}; healthy again after {waited:.1f} s:\n"
-            + _picker_health(tier.envoy),
-            stacklevel=1,
-        )
+    for name, envoy in (("Envoy", tier.envoy), ("the observing Envoy", tier.observing)):
+        started = time.monotonic()
+        wait_for_picker(envoy, timeout=30)
+        waited = time.monotonic() - started
+        if waited > 0.5:
+            warnings.warn(
+                f"{name} counted the picker unhealthy before {request.node.name}; healthy again after {waited:.1f} s:\n"
+                + _picker_health(envoy),
+                stacklevel=1,
+            )
 
 
 @pytest.fixture(scope="session")
