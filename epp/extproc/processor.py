@@ -252,7 +252,7 @@ from epp.extproc.answers import (
 from epp.extproc.models import is_models_request, models_answer
 from epp.extproc.parsing import parse_request
 from epp.extproc.usage import TAIL_CHUNKS, Usage, usage_of
-from epp.framework import Outcome
+from epp.framework import LogLimiter, Outcome
 from epp.requestcontrol import stepping
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
@@ -524,21 +524,20 @@ class _Stream:
             routed.response_ended(tally.response_bytes, tokens)
 
 
-_unmatched_logged = 0.0
+_unmatched_limit = LogLimiter(60.0)
 
 
 def _unmatched(token: str) -> None:
     """An observed response names no request of this picker: say so, once a minute at most."""
-    global _unmatched_logged
-    now = time.monotonic()
-    if now - _unmatched_logged >= 60.0:
-        _unmatched_logged = now
+    held = _unmatched_limit.allow()
+    if held is not None:
         log.warning(
             "an observed response (token %r) names no request this picker routed and has not finished: "
             "routed by another replica, or before a restart, or observed too late "
-            "(after %.0f s). Its response is not accounted here (sizes, usage, in-flight release at its end)",
+            "(after %.0f s). Its response is not accounted here (sizes, usage, in-flight release at its end)%s",
             token,
             OBSERVER_WAIT,
+            f"; {held} more such responses in the last minute" if held else "",
         )
 
 

@@ -15,7 +15,7 @@ compatibility surface: names are added, never removed or changed incompatibly. S
 from epp.framework.data import PREFIX_MATCH, PrefixMatch
 from epp.framework.endpoint import NEVER_SCRAPED, NO_IN_FLIGHT, Endpoint, InFlightView, Metrics
 from epp.framework.handle import Handle, PluginMetrics, Pool, PoolListener, endpoint_in_flight
-from epp.framework.helpers import CountedPicker, lower_is_better, max_num_of_endpoints
+from epp.framework.helpers import CountedPicker, LogLimiter, lower_is_better, max_num_of_endpoints
 from epp.framework.parameters import (
     Duration,
     bool_parameter,
@@ -69,6 +69,7 @@ __all__ = [
     "Handle",
     "InFlightView",
     "InferenceRequest",
+    "LogLimiter",
     "Metrics",
     "Outcome",
     "Picker",

@@ -97,6 +97,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from epp.framework.helpers import LogLimiter
 from epp.prefix.kvindex import KVEventIndex, PodId
 from epp.prefix.kvwire import EventBatch, WireError, decode_batch, decode_seq, rank_endpoint
 
@@ -108,7 +109,6 @@ _LAG_SAMPLES = 4096
 _BUDGET_S = 0.001  # work per loop turn before yielding to requests: a scheduling pass is ~0.1-1 ms
 _RCVHWM = 100_000  # messages a SUB socket queues before ZMQ drops (vLLM's publisher hwm): a gap then
 _HELD_BACK = 100_000  # batches kept while a replay runs; past that the replay is given up
-_WARN_EVERY_S = 60.0
 _END_SEQ = 2**64 - 1  # vLLM's end-of-replay marker, -1 as 8 big-endian bytes
 _ACCEPTED_CATCH_UP_S = 0.05  # bind mode: from a pod's connection to its catch-up replay
 
@@ -245,7 +245,7 @@ class KVEventSubscriber:
         self._ranks_reported = 1  # bind mode: the most ranks a server said it runs (expect_ranks)
         self._sources: dict[str, _Source] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._warned: dict[tuple[str, str], float] = {}
+        self._warnings = LogLimiter(60.0)  # a line per (reason, publisher) a minute at most
         self._closed = False
 
     # -- configuration --------------------------------------------------------------------------
@@ -541,13 +541,9 @@ class KVEventSubscriber:
         self.stats.rejected[reason] += 1
         if self._on_reject is not None:
             self._on_reject(reason)
-        now = time.monotonic()
-        key = (reason, who)
-        if now - self._warned.get(key, -_WARN_EVERY_S) >= _WARN_EVERY_S:
-            if len(self._warned) > 1024:
-                self._warned.clear()
-            self._warned[key] = now
-            _log.warning("KV events for %s: %s", who, message)
+        held = self._warnings.allow((reason, who))
+        if held is not None:
+            _log.warning("KV events for %s: %s%s", who, message, f" ({held} more in the last minute)" if held else "")
 
     def _receive(self, pod: PodId, seq_frame: bytes, payload: bytes | EventBatch) -> None:
         try:

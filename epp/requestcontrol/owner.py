@@ -43,14 +43,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import msgspec
 
 from epp.errors import EppError, Refusal
-from epp.framework import Api, InferenceRequest
+from epp.framework import Api, InferenceRequest, LogLimiter
 from epp.requestcontrol import ipc
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.lifecycle import RoutedRequest
@@ -250,19 +249,18 @@ class WorkerRequests:
             self._open_streams = 0
 
 
-_unclaimed_logged = 0.0
+_unclaimed_limit = LogLimiter(60.0)
 
 
 def _unclaimed(token: str) -> None:
     """A worker claimed a request that no other worker holds: say so, once a minute at most."""
-    global _unclaimed_logged
-    now = time.monotonic()
-    if now - _unclaimed_logged >= 60.0:
-        _unclaimed_logged = now
+    held = _unclaimed_limit.allow()
+    if held is not None:
         log.warning(
             "a worker observes a response (token %r) whose request no other worker holds: routed before its "
-            "worker restarted, or finished already; its response is not accounted (logged once a minute)",
+            "worker restarted, or finished already; its response is not accounted (logged once a minute%s)",
             token,
+            f"; {held} more since the last" if held else "",
         )
 
 

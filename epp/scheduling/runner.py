@@ -47,6 +47,7 @@ from epp.framework import (
     DataProducer,
     Endpoint,
     InferenceRequest,
+    LogLimiter,
     Outcome,
     PrepareData,
     PreRequest,
@@ -86,24 +87,21 @@ def no_instrument(extension_point: str, plugin: object) -> tuple[Callable[[float
 class _Site:
     """One plugin at one extension point: its duration and failure recording, and its log limiter."""
 
-    __slots__ = ("_failed", "_last_logged", "_suppressed", "extension_point", "observe", "plugin", "weight")
+    __slots__ = ("_failed", "_limit", "extension_point", "observe", "plugin", "weight")
 
     def __init__(self, extension_point: str, plugin: Any, instrument: Instrument, weight: float = 1.0) -> None:
         self.extension_point = extension_point
         self.plugin = plugin
         self.weight = weight
         self.observe, self._failed = instrument(extension_point, plugin)
-        self._last_logged = -math.inf
-        self._suppressed = 0
+        self._limit = LogLimiter(_LOG_EVERY)
 
     def failed(self, request: InferenceRequest, kind: str, what: str, *, exc_info: bool = False) -> None:
         """Count and (rate-limited) log a failure of this site for ``request``."""
         self._failed(kind)
-        now = time.monotonic()
-        if now - self._last_logged < _LOG_EVERY:
-            self._suppressed += 1
+        suppressed = self._limit.allow()
+        if suppressed is None:
             return
-        suppressed, self._suppressed, self._last_logged = self._suppressed, 0, now
         log.error(
             "%s plugin %r %s (request %s); the request goes on without it%s",
             self.extension_point,

@@ -33,10 +33,10 @@ import contextlib
 import logging
 import socket
 import ssl
-import time
 from collections.abc import Mapping
 from typing import cast
 
+from epp.framework.helpers import LogLimiter
 from epp.wire._fast import TlsTransport, set_lend_after, tls_usable
 from epp.wire.http2 import PREFACE, Connection, Handler
 
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 _TLS_RECORD = 0x16  # the first byte of a TLS handshake record (a ClientHello)
 _FIRST_BYTES_TIMEOUT = 30.0  # a connection that says nothing for this long is closed
-_MISMATCH_INTERVAL = 60.0  # one log line per kind per minute at most
 _PEEK_AGAIN = 0.01  # seconds between looks at a connection's first bytes while they are a partial preface
 _HANDSHAKE_TIMEOUT = 10.0
 
@@ -98,8 +97,7 @@ class GrpcServer:
         self._connections: set[Connection] = set()
         self._sniffing: set[socket.socket] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
-        self._last_logged: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
+        self._mismatches = LogLimiter(60.0)  # one log line per kind per minute at most
         self._stopping = False
 
     @property
@@ -266,12 +264,9 @@ class GrpcServer:
 
     def _mismatch(self, kind: str, message: str) -> None:
         """Log ``message`` at most once a minute per kind, saying how many were left unsaid."""
-        now = time.monotonic()
-        if now - self._last_logged.get(kind, -_MISMATCH_INTERVAL) < _MISMATCH_INTERVAL:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+        more = self._mismatches.allow(kind)
+        if more is None:
             return
-        self._last_logged[kind] = now
-        more = self._suppressed.pop(kind, 0)
         log.warning("%s%s", message, f" ({more} more such connections in the last minute)" if more else "")
 
     def goaway_busiest(self) -> int:

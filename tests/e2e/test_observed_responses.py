@@ -12,6 +12,7 @@ import time
 import aiohttp
 import pytest
 
+from epp.extproc import processor
 from epp.server.server import EndpointPicker
 from epp.sim import EngineConfig
 from tests.e2e.conftest import StackFactory, start_sim_picker
@@ -143,11 +144,11 @@ async def test_with_workers_a_response_observed_by_another_worker_is_accounted(c
 
 
 async def test_a_response_the_picker_did_not_route_is_observed_without_a_word(
-    make_stack: StackFactory, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The picker's own refusal (here a body that is not JSON) is a response too: Envoy's observer sends
     # it, with no token (nothing was routed). Nothing to account, and nothing wrong to log.
-    monkeypatch.setattr("epp.extproc.processor._unmatched_logged", -1e9)
+    processor._unmatched_limit.reset()
     stack = await make_stack(observe_responses=True)
     async with stack.session.post(stack.url + "/v1/completions", data=b"{not json") as response:
         assert response.status == 400

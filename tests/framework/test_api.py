@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXPORTED = {
     "DEFAULT_PICKER", "DEFAULT_SATURATION_DETECTOR", "NEVER_SCRAPED", "NOT_LISTED", "NO_IN_FLIGHT", "PREFIX_MATCH", "ROLES",
     "Api", "CountedPicker", "DataProducer", "Duration", "Endpoint", "Filter", "Handle", "InFlightView",
-    "InferenceRequest", "Metrics", "Outcome", "Picker", "PluginMetrics", "Pool", "PoolListener", "PreRequest",
+    "InferenceRequest", "LogLimiter", "Metrics", "Outcome", "Picker", "PluginMetrics", "Pool", "PoolListener", "PreRequest",
     "PrefixMatch", "PrepareData", "Profile", "ProfileHandler", "RequestState", "ResponseComplete", "ResponseReceived",
     "ScoredCandidates", "ScoredEndpoint", "SchedulingResult", "Scorer", "ServedModels", "StateKey", "WeightedScorer",
     "bool_parameter", "check_parameters", "declared_keys", "default_producer_of", "duration_parameter",

@@ -22,6 +22,7 @@ from epp.extproc.models import models_answer
 from epp.extproc.processor import ExternalProcessor
 from epp.framework import Endpoint, InferenceRequest
 from epp.requestcontrol import ipc
+from epp.requestcontrol import owner as owner_module
 from epp.requestcontrol.director import Director
 from epp.requestcontrol.owner import WorkerRequests
 from epp.requestcontrol.remote import RemoteDirector, RemoteMetrics, RemoteRouted
@@ -370,9 +371,9 @@ async def test_a_claimed_request_is_finished_by_the_observing_worker_and_the_rou
     "case", ["unknown worker", "this worker's own", "finished already", "not hex", "its worker restarted"]
 )
 async def test_a_claim_that_names_no_request_of_another_worker_is_logged_and_its_events_ignored(
-    stack: Stack, case: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    stack: Stack, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("epp.requestcontrol.owner._unclaimed_logged", -1e9)
+    owner_module._unclaimed_limit.reset()  # (the test before may have logged one)
     siblings: dict[str, WorkerRequests] = {}
     a = await connect(stack.director, siblings=siblings, prefix=A)
     b = await connect(stack.director, siblings=siblings, prefix=B)

@@ -604,6 +604,26 @@ def test_wrong_number_of_scores_scores_zero_and_is_counted(raw: list[float], cap
     assert f"returned {len(raw)} scores for 3 candidates" in caplog.text
 
 
+def test_a_failing_scorer_is_logged_once_a_minute_with_the_count_of_those_left_out(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr("epp.framework.helpers.time.monotonic", lambda: now[0])
+    metrics = PluginCallMetrics()
+    scheduler = Scheduler(Profile("p", _RecordingPicker(), scorers=(WeightedScorer(_RawScorer("bad", [1.0]), 1.0),)),
+                          instrument=metrics.instrument({"bad": "raw"}))  # fmt: skip
+    with caplog.at_level(logging.ERROR):
+        for _ in range(3):
+            scheduler.schedule(REQUEST, (E1, E2, E3))
+        now[0] += 60
+        scheduler.schedule(REQUEST, (E1, E2, E3))
+    lines = [r.getMessage() for r in caplog.records if "scores for 3 candidates" in r.getMessage()]
+    assert len(lines) == 2 and "not logged" not in lines[0]
+    assert "2 more failure(s) here in the last 60s not logged" in lines[1]
+    labels = {"extension_point": "Scorer", "plugin_type": "raw", "plugin_name": "bad", "kind": "malformed"}
+    assert metrics.registry.get_sample_value("epp_plugin_errors_total", labels) == 4  # every one counted
+
+
 def test_filters_narrow_in_order() -> None:
     picker = _RecordingPicker()
     first = _KeepFilter("first", {E1.hostport, E2.hostport})

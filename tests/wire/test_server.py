@@ -328,7 +328,7 @@ async def test_plaintext_on_the_tls_port_is_closed_and_said_once_a_minute(
     (warning,) = _warnings(caplog)
     assert "--grpc-port 1234 serves TLS" in warning and "plaintext HTTP/2" in warning
     assert "transport_socket" in warning and "--secure-serving=false" in warning
-    served_tls.server._last_logged["plaintext-on-tls"] -= 61  # a minute later
+    served_tls.server._mismatches._last["plaintext-on-tls"] -= 61  # a minute later
     await _plaintext_on(served_tls.port)
     assert len(_warnings(caplog)) == 2
     assert "(1 more such connections in the last minute)" in _warnings(caplog)[1]
