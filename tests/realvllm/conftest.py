@@ -7,14 +7,15 @@ skipped with that reason. Server ``a`` serves the base model and the adapter; se
 the base model. Both publish KV events (zmq, bound by vLLM on a free port). The servers, the picker
 and Envoy start once per session and are stopped by PID at the end (``epp.testing.vllm``).
 
-Each test starts with both Envoys counting the picker healthy. Envoy's health check used to take the
-picker out for a few seconds during or after the long-stream test, with nothing in the picker's log,
-and a test in that window got Envoy's 500 "picker could not be reached" (the clean-clone CI of 089937d,
-and of 98f6781). The cause was the CPU servers starving every other process, the picker's health
-answers included, for seconds while they generated; they run at the lowest priority now
-(``epp.testing.vllm``, module docstring). Should a window come back, a test waits for the picker to be
-back before it starts and says so in a warning with Envoy's health-check counters, and a failing test's
-report carries them too.
+A second picker runs with ``--workers 2`` behind an Envoy of its own (two threads), for the tests that
+run a variant through it. Each test starts with every Envoy counting its picker healthy. Envoy's health
+check used to take the picker out for a few seconds during or after the long-stream test, with nothing
+in the picker's log, and a test in that window got Envoy's 500 "picker could not be reached" (the
+clean-clone CI of 089937d, and of 98f6781). The cause was the CPU servers starving every other
+process, the picker's health answers included, for seconds while they generated; they run at the
+lowest priority now (``epp.testing.vllm``, module docstring). Should a window come back, a test waits
+for the picker to be back before it starts and says so in a warning with Envoy's health-check
+counters, and a failing test's report carries them too.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.sections.append(("the tier's picker", "\n".join(quiet[-30:])))
             report.sections.append(("the picker's last decisions", _decisions(log, 12)))
             report.sections.append(("the picker's view of the pool", _pool_view(tier.picker)))
-            report.sections.append(("Envoy's view of the picker", _picker_health(tier.envoy)))
-            report.sections.append(("the observing Envoy's view of the picker", _picker_health(tier.observing)))
+            for name, envoy in tier.envoys().items():
+                report.sections.append((f"{name}'s view of its picker", _picker_health(envoy)))
     return report
 
 
@@ -120,6 +121,8 @@ class Tier:
     picker: PickerProcess
     envoy: EnvoyProcess
     observing: EnvoyProcess  # another Envoy before the same picker, observing responses (--observe-responses)
+    workers: PickerProcess  # a second picker, with --workers 2, before the same servers
+    workers_envoy: EnvoyProcess  # and its Envoy
 
     @property
     def url(self) -> str:
@@ -128,6 +131,16 @@ class Tier:
     @property
     def observing_url(self) -> str:
         return f"http://127.0.0.1:{self.observing.listen_port}"
+
+    def route(self, variant: str) -> tuple[str, PickerProcess]:
+        """The gateway's URL and the picker behind it for a test's variant: ``processed`` (the reference
+        configuration), ``observed`` (--observe-responses) or ``workers`` (the picker with --workers 2)."""
+        if variant == "workers":
+            return f"http://127.0.0.1:{self.workers_envoy.listen_port}", self.workers
+        return (self.observing_url if variant == "observed" else self.url), self.picker
+
+    def envoys(self) -> dict[str, EnvoyProcess]:
+        return {"Envoy": self.envoy, "the observing Envoy": self.observing, "the workers' Envoy": self.workers_envoy}
 
 
 def _picker_health(envoy: EnvoyProcess) -> str:
@@ -138,11 +151,11 @@ def _picker_health(envoy: EnvoyProcess) -> str:
 
 @pytest.fixture(autouse=True)
 def _picker_healthy_first(request: pytest.FixtureRequest) -> None:
-    """A tier test starts with both Envoys counting the picker healthy (see the module docstring)."""
+    """A tier test starts with every Envoy counting its picker healthy (see the module docstring)."""
     if "tier" not in request.fixturenames:
         return
     tier: Tier = request.getfixturevalue("tier")
-    for name, envoy in (("Envoy", tier.envoy), ("the observing Envoy", tier.observing)):
+    for name, envoy in tier.envoys().items():
         started = time.monotonic()
         wait_for_picker(envoy, timeout=30)
         waited = time.monotonic() - started
@@ -164,6 +177,8 @@ def tier() -> Iterator[Tier]:
     picker: PickerProcess | None = None
     envoy: EnvoyProcess | None = None
     observing: EnvoyProcess | None = None
+    workers: PickerProcess | None = None
+    workers_envoy: EnvoyProcess | None = None
     try:
         servers["a"] = start_vllm(python, models, "a", lora=True)
         servers["b"] = start_vllm(python, models, "b")
@@ -182,11 +197,25 @@ def tier() -> Iterator[Tier]:
                                    picker_port=picker.grpc_port, observe_responses=True)  # fmt: skip
         observing = EnvoyProcess(render(options), concurrency=1)
         observing.start()
-        wait_for_picker(envoy, timeout=60)
-        wait_for_picker(observing, timeout=60)
+        workers = PickerProcess([s.hostport for s in servers.values()],
+                                extra_args=["--enable-debug-endpoints", "-v", "4", "--workers", "2"])  # fmt: skip
+        workers.start()
+        workers_envoy = EnvoyProcess(
+            render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
+                                    picker_port=workers.grpc_port)),
+            concurrency=2,  # two Envoy threads: two connections at least, for the owner to hand to both workers
+        )  # fmt: skip
+        workers_envoy.start()
+        for each in (envoy, observing, workers_envoy):
+            wait_for_picker(each, timeout=60)
         _wait_until_scraped(picker, len(servers), timeout=30)
-        yield Tier(servers, picker, envoy, observing)
+        _wait_until_scraped(workers, len(servers), timeout=30)
+        yield Tier(servers, picker, envoy, observing, workers, workers_envoy)
     finally:
+        if workers_envoy is not None:
+            workers_envoy.stop()
+        if workers is not None:
+            workers.stop()
         if observing is not None:
             observing.stop()
         if envoy is not None:

@@ -31,9 +31,12 @@ def _queries(tier: Tier) -> dict[str, float]:
     return {name: s.counter("vllm:prefix_cache_queries_total") for name, s in tier.servers.items()}
 
 
-@pytest.mark.parametrize("observed", [False, True], ids=["processed", "observed"])
-def test_json_and_sse_route_through_envoy(tier: Tier, observed: bool) -> None:
-    url = tier.observing_url if observed else tier.url
+_VARIANTS = ["processed", "observed", "workers"]  # see Tier.route
+
+
+@pytest.mark.parametrize("variant", _VARIANTS)
+def test_json_and_sse_route_through_envoy(tier: Tier, variant: str) -> None:
+    url, _ = tier.route(variant)
     status, body = post(f"{url}/v1/completions", {"model": BASE, "prompt": "hello there", "max_tokens": 4})
     assert status == 200, body
     reply = json.loads(body)
@@ -52,8 +55,8 @@ def _sum(page: str, family: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{family}_sum\{{[^}}]*model_name=\"{BASE}\"[^}}]*\}} (\S+)$", page, re.M))
 
 
-@pytest.mark.parametrize("observed", [False, True], ids=["processed", "observed"])
-def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(tier: Tier, observed: bool) -> None:
+@pytest.mark.parametrize("variant", _VARIANTS)
+def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(tier: Tier, variant: str) -> None:
     # 1,500 tokens in some hundreds of SSE events: the middle chunks are answered by the picker's I/O
     # thread (a plaintext port, one stream: the connection is lent to it), the last one carries the usage
     # it reads (epp.wire, epp.extproc.usage). vLLM sends one event a token only while its API process keeps
@@ -61,8 +64,9 @@ def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(t
     # RequestOutputCollector), so what proves nothing was lost is each token's logprob entry, counted.
     # Observed (epp envoy-config --observe-responses): the same through an Envoy whose second filter
     # sends the picker the response unanswered, its middle chunks read by the I/O thread in batches.
-    metrics = f"http://127.0.0.1:{tier.picker.metrics_port}/metrics"
-    url = tier.observing_url if observed else tier.url
+    # Workers: the same through a picker with --workers 2 (a worker's I/O thread; the owner's metrics).
+    url, picker = tier.route(variant)
+    metrics = f"http://127.0.0.1:{picker.metrics_port}/metrics"
     before = get(metrics)[1].decode()
     made = {name: s.counter("vllm:generation_tokens_total") for name, s in tier.servers.items()}
     body = {"model": BASE, "prompt": _prompt(11, 40), "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
@@ -95,7 +99,7 @@ def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(t
     assert _sum(after, "inference_objective_input_tokens") - _sum(before, "inference_objective_input_tokens") == (
         usage["prompt_tokens"]
     )
-    pool = json.loads(get(f"http://127.0.0.1:{tier.picker.metrics_port}/debug/pool")[1])["endpoints"]
+    pool = json.loads(get(f"http://127.0.0.1:{picker.metrics_port}/debug/pool")[1])["endpoints"]
     assert all(e["in_flight"]["requests"] == 0 for e in pool)
 
 
@@ -163,14 +167,17 @@ _BODIES: list[tuple[str, str, object]] = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("variant", ["processed", "workers"])  # (a worker answers refusals itself)
 @pytest.mark.parametrize(("path", "body"), [(p, b) for _, p, b in _BODIES], ids=[i for i, _, _ in _BODIES])
-def test_what_vllm_serves_is_routed_and_what_it_refuses_is_refused(tier: Tier, path: str, body: object) -> None:
+def test_what_vllm_serves_is_routed_and_what_it_refuses_is_refused(
+    tier: Tier, path: str, body: object, variant: str
+) -> None:
     # The picker is never stricter than the server behind it, nor laxer where that would hide the server's
     # answer: the status through Envoy and the picker is the server's own (checked once against vLLM 0.32
     # with 49 bodies, ad hoc, all the same; these are the ones whose fields the picker reads).
     raw = json.dumps(body).encode()
     direct = post(f"{tier.servers['b'].url}{path}", raw)[0]
-    through = post(f"{tier.url}{path}", raw)[0]
+    through = post(f"{tier.route(variant)[0]}{path}", raw)[0]
     assert through == direct, (through, direct)
 
 
