@@ -48,8 +48,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         tier = getattr(item, "funcargs", {}).get("tier")
         if isinstance(tier, Tier):
             log = tier.picker.log_tail(2000).splitlines()
-            quiet = [ln for ln in log if _DECISION not in ln and " DEBUG epp.scheduling.registry: " not in ln]
-            report.sections.append(("the tier's picker", "\n".join(quiet[-30:])))
+            report.sections.append(("the tier's picker", _quiet(log)))
+            report.sections.append(("the tier's picker with --workers 2", _quiet(tier.workers.log_tail(2000).splitlines())))
             report.sections.append(("the picker's last decisions", _decisions(log, 12)))
             report.sections.append(("the picker's view of the pool", _pool_view(tier.picker)))
             for name, envoy in tier.envoys().items():
@@ -59,6 +59,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 _DECISION = " epp.decisions: decision "
 _SCRAPE = '"GET /metrics/?name[]='  # the picker's scrapes, 20 a second: noise in a server's log tail
+
+
+def _quiet(log: list[str]) -> str:
+    """A picker's last 30 log lines but its decision records and plugin registry's debug lines."""
+    return "\n".join([ln for ln in log if _DECISION not in ln and " DEBUG epp.scheduling.registry: " not in ln][-30:])
 
 
 def _decisions(log: list[str], count: int) -> str:
