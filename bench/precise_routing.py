@@ -81,7 +81,8 @@ Run: ``python bench/precise_routing.py`` (about 22 minutes for six workloads and
 the 2-core development machine), ``--workloads p,u,h`` for the three, ``--quick`` for a smoke run,
 ``--rounds N`` to run each (workload, policy) N times and report medians (the policies' order rotated
 each round), ``precise+observe`` or ``default+observe`` for a picker behind an Envoy that observes
-responses (``epp envoy-config --observe-responses``), ``POLICY@PATH`` (``precise@/tmp/py-old``) to run a picker policy under another interpreter
+responses (``epp envoy-config --observe-responses``), ``precise+workers`` or ``default+workers`` for a
+picker with ``--workers 2``, ``POLICY@PATH`` (``precise@/tmp/py-old``) to run a picker policy under another interpreter
 (a wrapper that puts another checkout first: two trees side by side in one run), ``--precise-weights
 P,Q,K`` to give the precise profile other scorer weights (prefix, queue, KV cache; 5,2,2 by default, as
 ``deploy/config/precise-prefix-cache.yaml``: see the results below).
@@ -179,6 +180,8 @@ _SCRAPED = "+scraped"  # a peer whose pods a picker that routes nothing scrapes 
 POLICIES |= {f"{p}{_SCRAPED}": f"{p} {_SCRAPED}" for p in _PEERS}
 _OBSERVE = "+observe"  # a picker behind an Envoy that observes responses (epp envoy-config --observe-responses)
 POLICIES |= {f"{p}{_OBSERVE}": f"{POLICIES[p]}, observed" for p in ("default", "precise")}
+_WORKERS = "+workers"  # a picker with --workers 2
+POLICIES |= {f"{p}{_WORKERS}": f"{p}, 2 workers" for p in ("default", "precise")}
 _HOT_SYSTEM_TOKENS = (1536, 2560)
 _HOT_QUESTION_TOKENS = (1024, 2048)
 _SETTLE_S = 0.5
@@ -526,6 +529,7 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
     routes nothing (the simulator's pods share one event loop, which serves the scrapes too)."""
     opts = run.opts
     base, _, python = policy.partition("@")  # precise@PATH: the picker under another interpreter
+    workers, base = base.endswith(_WORKERS), base.removesuffix(_WORKERS)
     observe, base = base.endswith(_OBSERVE), base.removesuffix(_OBSERVE)
     sim = _Simulator(opts, run.blocks)
     # precise-remote's token ids come from /tokenize, of a pod of its own (an idle engine: the answer is
@@ -568,6 +572,8 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                         text = precise_config(MODEL, str(model), weights=weights)
                     config.write_text(text)
                     extra += ["--config-file", str(config)]
+                if workers:
+                    extra += ["--workers", "2"]
                 picker = PickerProcess([], extra_args=extra, python=python or sys.executable)
                 picker.start()
                 pids["picker"] = picker.pid

@@ -46,6 +46,12 @@ Optional attributes a plugin may declare (class attributes are the usual way):
     other plugin reads during scheduling (``precise-prefix-cache-producer`` then stores a warm turn's
     token ids after the pick's answer instead of before the pick). A plugin that reads another's data
     without declaring it may find it missing.
+``reads_body``
+    True on a plugin that reads ``request.body`` (the request as received: ``precise-prefix-cache-producer``
+    renders and tokenizes it), False on one that does not. With ``epp serve --workers N`` the request is
+    parsed in a worker process and routed in another, and the body travels there only for a
+    configuration with a plugin that reads it: a plugin that does not say is taken to read it (it gets the
+    body; the cost is the copy), unless it is one of epp's own, which say when they do.
 ``producer_parameters``
     on a consumer: the parameters to build the default producer of its data with, when the config has
     no producer for it (upstream configs list ``prefix-cache-scorer`` alone, with the index's
@@ -89,6 +95,7 @@ __all__ = [
     "WeightedScorer",
     "declared_keys",
     "default_producer_of",
+    "reads_body",
     "roles",
 ]
 
@@ -329,3 +336,13 @@ def declared_keys(plugin: object, attribute: str) -> tuple[str, ...]:
     value = getattr(plugin, attribute, ())
     items = (value,) if isinstance(value, (str, StateKey)) else tuple(value)
     return tuple(item.name if isinstance(item, StateKey) else str(item) for item in items)
+
+
+def reads_body(plugin: object) -> bool:
+    """Whether ``plugin`` reads ``request.body`` (see ``reads_body`` in the module docstring): its
+    declaration, else True, except for epp's own plugins (the ``plugins`` and ``epp`` packages), which
+    declare it when they do."""
+    declared = getattr(plugin, "reads_body", None)
+    if isinstance(declared, bool):
+        return declared
+    return type(plugin).__module__.partition(".")[0] not in ("plugins", "epp")

@@ -107,6 +107,7 @@ class Route(msgspec.Struct, array_like=True, gc=False, tag=1, frozen=True):
     body_size: int
     subset: list[str] | None = None
     traceparent: str | None = None
+    body: bytes = b""  # the request as received, when a configured plugin reads it (WorkerSpec.send_body)
 
 
 class Cancel(msgspec.Struct, array_like=True, gc=False, tag=2, frozen=True):

@@ -142,6 +142,7 @@ class WorkerRequests:
             cache_salt=message.cache_salt,
             max_tokens=message.max_tokens,
             body_size=message.body_size,
+            body=message.body,
         )
         trace = None
         if message.traceparent is not None and self._tracing is not None:

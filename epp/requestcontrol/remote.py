@@ -118,7 +118,7 @@ class RemoteDirector:
     ``send`` writes a message someone waits for to the owner (at the end of this loop turn), ``post``
     one nobody waits for (it may wait a little for company: :meth:`epp.requestcontrol.ipc.Channel.post`).
     ``wait_for_headers``: some plugin has a ``response_received`` hook, so response headers wait for
-    the owner's answer.
+    the owner's answer. ``send_body``: some plugin reads ``request.body``, so it goes with the request.
     """
 
     def __init__(
@@ -128,11 +128,13 @@ class RemoteDirector:
         *,
         tracing: Tracing | None = None,
         wait_for_headers: bool = False,
+        send_body: bool = False,
     ) -> None:
         self.send = send
         self.post = send if post is None else post
         self.tracing = tracing
         self.wait_for_headers = wait_for_headers
+        self.send_body = send_body
         self.datastore = _ModelsView()
         self.base_models: frozenset[str] = frozenset()  # the owner sets adapters (see the module docstring)
         self._next_id = 0
@@ -176,6 +178,7 @@ class RemoteDirector:
                 request.body_size,
                 subset if subset is None or type(subset) is list else list(subset),
                 _traceparent(trace) if trace is not None else None,
+                request.body if self.send_body else b"",
             )
         )
         try:

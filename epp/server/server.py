@@ -57,6 +57,7 @@ from epp.extproc.processor import ExternalProcessor
 from epp.flowcontrol import FlowControlMetrics, build_admission
 from epp.flowcontrol.objectives import Objectives
 from epp.framework import Endpoint, Handle, PluginMetrics, ResponseReceived
+from epp.framework.roles import reads_body
 from epp.kube.discovery import Discovery
 from epp.kube.pods import PoolSpec
 from epp.requestcontrol.director import Director
@@ -398,6 +399,8 @@ class EndpointPicker:
             log_stacks_from=settings.log_stacks_from,
             # A plugin's response_received hook may set response headers: the workers wait for them.
             wait_for_headers=any(isinstance(plugin, ResponseReceived) for _, plugin in self.config.plugins.values()),
+            # A plugin reads the request as received (a tokenizer): it goes to the owner with the request.
+            send_body=any(reads_body(plugin) for _, plugin in self.config.plugins.values()),
             stream_metrics=self.streams is not None,
         )
 

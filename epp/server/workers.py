@@ -68,6 +68,13 @@ union, pushed when a list changes (checked every second).
   new: an observer of a request its predecessor routed finds nothing (that request was finished as
   ``error`` with it). ``/debug/workers`` counts, per worker, the requests whose response another
   worker observed.
+* The request goes to the owner parsed (model, prompt, the fields routing reads), its body only when a
+  configured plugin may read ``request.body`` (``reads_body``, :func:`epp.framework.roles.reads_body`:
+  ``precise-prefix-cache-producer`` tokenizes it; a third party's plugin that does not say), decided at
+  startup (``WorkerSpec.send_body``). Before the body went, precise routing under ``--workers 2``
+  tokenized nothing and fell back to the approximate index without a word: ``python
+  bench/precise_routing.py --workloads u --policies precise,precise+workers`` at a7ce5d9, hit rate 83.9%
+  of the oracle against 99.1% in one process; with it, 99.1% both (232 of 232 prompts tokenized).
 * Metrics are the owner's; refusals a worker answers are counted there once each. Ours beyond
   upstream: ``epp_worker_requests_total{worker}`` (requests each worker routed through the owner)
   and ``epp_worker_restarts_total{worker}``; with ``--enable-debug-endpoints``, ``/debug/workers``
@@ -195,6 +202,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     log_time_encoding: str = ""
     log_stacks_from: int = 0
     wait_for_headers: bool = False  # a plugin's response_received hook may set response headers
+    send_body: bool = False  # a plugin reads request.body: it goes to the owner with the request
     stream_metrics: bool = False  # post each stream's start and end to the owner (--enable-grpc-stream-metrics)
     token_prefix: str = ""  # this worker process's observed-response tokens' prefix (ipc.TOKEN_PREFIX characters)
     health: dict[str, int] = msgspec.field(default_factory=dict)
@@ -691,7 +699,7 @@ def _read_spec(sock: socket.socket) -> WorkerSpec:
 async def _serve(spec: WorkerSpec, sock: socket.socket, handoff: socket.socket) -> None:
     loop = asyncio.get_running_loop()
     tracing = Tracing() if spec.tracing else None
-    director = RemoteDirector(tracing=tracing, wait_for_headers=spec.wait_for_headers)
+    director = RemoteDirector(tracing=tracing, wait_for_headers=spec.wait_for_headers, send_body=spec.send_body)
     director.datastore.update(spec.models)
     metrics = RemoteMetrics()
     health = Health()

@@ -799,6 +799,7 @@ def _host(endpoint: Endpoint) -> str:
 
 class PrecisePrefixCacheProducer:
     produces = (PREFIX_MATCH, TOKENIZED_PROMPT)
+    reads_body = True  # it renders and tokenizes the request as received (with --workers: sent to the owner)
 
     def __init__(
         self,

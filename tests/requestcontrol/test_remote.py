@@ -5,6 +5,7 @@ when either end goes away."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
@@ -68,6 +69,7 @@ async def connect(
     director: Director,
     *,
     wait_for_headers: bool = False,
+    send_body: bool = False,
     siblings: dict[str, WorkerRequests] | None = None,
     prefix: str = "",
     claimed: list[int] | None = None,
@@ -77,7 +79,7 @@ async def connect(
     loop = asyncio.get_running_loop()
     owner_end, worker_end = socket.socketpair()
     lost: list[str] = []
-    remote = RemoteDirector(wait_for_headers=wait_for_headers)
+    remote = RemoteDirector(wait_for_headers=wait_for_headers, send_body=send_body)
     owner = WorkerRequests(director, lambda m: None, siblings=siblings)
     if siblings is not None:
         siblings[prefix] = owner
@@ -151,6 +153,27 @@ async def test_the_pick_is_the_owners_and_the_response_events_reach_its_request(
     assert sample(stack, "epp_request_time_to_first_byte_seconds_count", model) == 1
     assert sample(stack, "inference_objective_running_requests", {"model_name": "m"}) == 0
     assert pair.owner.requests == 1 and pair.owner.in_flight == 0
+
+
+@pytest.mark.parametrize("send_body", [True, False])
+async def test_the_body_reaches_the_owners_request_when_a_plugin_reads_it(
+    stack: Stack, send_body: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A tokenizer (precise-prefix-cache-producer) reads request.body in the owner, where it routes: with
+    # --workers the body must travel with the request; for a configuration that reads no body, it need not.
+    pair = await connect(stack.director, send_body=send_body)
+    seen: list[bytes] = []
+    real_route = stack.director.route
+
+    async def route(request: InferenceRequest, *args: Any, **kwargs: Any) -> Any:
+        seen.append(request.body)
+        return await real_route(request, *args, **kwargs)
+
+    monkeypatch.setattr(stack.director, "route", route)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hello"}]}'
+    routed = await pair.remote.route(dataclasses.replace(request(), body=body))
+    routed.finish("cancelled")
+    assert seen == [body if send_body else b""]
 
 
 async def test_a_5xx_response_is_finished_as_an_error_with_its_status_carried_by_the_last_event(

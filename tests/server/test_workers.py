@@ -21,6 +21,7 @@ from epp.server.cli import main, settings_from_args
 from epp.server.server import EXT_PROC_SERVICE, EndpointPicker
 from tests.extproc.test_processor import COMPLETION, POST, Conversation, body, destination, headers
 from tests.pickers import loopback_settings
+from tests.plugins.test_example_plugin import CONFIG as EXAMPLE_CONFIG
 
 POOL = "10.0.0.1:8000,10.0.0.2:8000"
 
@@ -206,6 +207,17 @@ async def test_a_worker_that_cannot_start_stops_start_up(monkeypatch: pytest.Mon
 
 
 # -- the flag ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("config", "sends"), [(None, False), (EXAMPLE_CONFIG, True)], ids=["epps-own", "third-party"])
+def test_the_workers_send_the_body_with_a_request_only_when_a_configured_plugin_may_read_it(
+    config: str | None, sends: bool
+) -> None:
+    # The owner routes; a plugin that reads request.body (a tokenizer; a third party's that does not say)
+    # needs it there. epp's own plugins say when they do (epp.framework.roles.reads_body).
+    settings = loopback_settings(endpoints=tuple(parse_endpoints(POOL)), scrape_metrics=False, workers=2,
+                                 config_text=config)  # fmt: skip
+    assert EndpointPicker(settings)._worker_spec(0).send_body is sends
 
 
 def test_the_flag_defaults_to_one_process() -> None:
