@@ -41,4 +41,3 @@ def test_keys_are_bounded_and_reset_forgets_them() -> None:
     assert limit.allow("a") is None
     limit.reset()
     assert limit.allow("a") == 0
-

@@ -6,7 +6,8 @@ picker given the pool as an endpoints file that names each server's publisher
 (``kv-events=PORT kv-replay=PORT``), with ``precise-prefix-cache-producer`` tokenizing from the model's
 own ``tokenizer.json`` (the tier's). A prompt sent straight to one server, bypassing the gateway, is
 then routed by the picker to that server, and the match the picker predicted (its decision record,
-``-v 4``) equals the tokens the server's own counter says it found cached.
+``-v 4``) equals the tokens the server's own counter says it found cached; the same through a picker
+with ``--workers 2``, whose owner tokenizes the body a worker sends it.
 """
 
 from __future__ import annotations
@@ -39,10 +40,18 @@ class Precise:
     kv_ports: list[int]
     picker: PickerProcess
     envoy: EnvoyProcess
+    workers: PickerProcess  # the same configuration with --workers 2 (the producer in the owner)
+    workers_envoy: EnvoyProcess
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.envoy.listen_port}"
+
+    def route(self, variant: str) -> tuple[str, PickerProcess]:
+        """The gateway's URL and its picker: ``one-process`` or ``workers``."""
+        if variant == "workers":
+            return f"http://127.0.0.1:{self.workers_envoy.listen_port}", self.workers
+        return self.url, self.picker
 
     def metric(self, name: str) -> dict[str, float]:
         page = http_get(f"http://127.0.0.1:{self.picker.metrics_port}/metrics")[1].decode()
@@ -88,6 +97,8 @@ def precise(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Precise]:
     kv_ports: list[int] = []
     picker: PickerProcess | None = None
     envoy: EnvoyProcess | None = None
+    workers: PickerProcess | None = None
+    workers_envoy: EnvoyProcess | None = None
     try:
         for name in ("p", "q"):
             events, replay = free_port(), free_port()
@@ -103,20 +114,25 @@ def precise(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Precise]:
                                 for i, s in enumerate(servers)))  # fmt: skip
         config_file = directory / "precise.yaml"
         config_file.write_text(_config(models))
-        picker = PickerProcess([], extra_args=["--endpoints-file", str(pool), "--config-file", str(config_file),
-                                               "-v", "4"])  # fmt: skip
+        arguments = ["--endpoints-file", str(pool), "--config-file", str(config_file), "-v", "4"]
+        picker = PickerProcess([], extra_args=arguments)
         picker.start()
         envoy = EnvoyProcess(render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
                                                      picker_port=picker.grpc_port)), concurrency=1)  # fmt: skip
         envoy.start()
+        workers = PickerProcess([], extra_args=[*arguments, "--workers", "2"])
+        workers.start()
+        workers_envoy = EnvoyProcess(render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
+                                                             picker_port=workers.grpc_port)), concurrency=1)  # fmt: skip
+        workers_envoy.start()
         wait_for_picker(envoy, timeout=60)
+        wait_for_picker(workers_envoy, timeout=60)
         time.sleep(1.0)
-        yield Precise(servers, kv_ports, picker, envoy)
+        yield Precise(servers, kv_ports, picker, envoy, workers, workers_envoy)
     finally:
-        if envoy is not None:
-            envoy.stop()
-        if picker is not None:
-            picker.stop()
+        for process in (workers_envoy, workers, envoy, picker):
+            if process is not None:
+                process.stop()
         for server in servers:
             server.stop()
 
@@ -142,14 +158,14 @@ def _post_with_id(url: str, body: dict, request_id: str) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def _decision(precise: Precise, request_id: str, timeout: float = 10.0) -> dict:
+def _decision(picker: PickerProcess, request_id: str, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for line in precise.picker.log_tail(400).splitlines():
+        for line in picker.log_tail(400).splitlines():
             if "decision {" in line and f'"request_id":"{request_id}"' in line:
                 return json.loads(line.split("decision ", 1)[1])
         time.sleep(0.1)
-    raise AssertionError(f"no decision record for {request_id}:\n{precise.picker.log_tail(20)}")
+    raise AssertionError(f"no decision record for {request_id}:\n{picker.log_tail(20)}")
 
 
 def _picker(tmp_path: Path, pool_line: str, config: str) -> PickerProcess:
@@ -213,12 +229,14 @@ def test_each_servers_publisher_is_followed_without_rejections(precise: Precise)
     assert "KV events: following" in precise.picker.log_tail(400)
 
 
-@pytest.mark.parametrize("round_", range(4))
+@pytest.mark.parametrize("variant", ["one-process", "workers"])  # workers: the request parsed in one process,
+@pytest.mark.parametrize("round_", range(4))  # tokenized and routed in another
 def test_a_prompt_sent_straight_to_a_server_is_then_routed_to_it_and_matched_as_it_hits(
-    precise: Precise, round_: int
+    precise: Precise, round_: int, variant: str
 ) -> None:
+    url, picker = precise.route(variant)
     server = precise.servers[round_ % 2]
-    prompt = _prompt(100 + round_, 150)
+    prompt = _prompt(100 + round_ + (10 if variant == "workers" else 0), 150)
     n = _tokens(server, prompt)
     if n % _BLOCK == 0:  # vLLM recomputes the last token: a prompt of whole blocks hits one block fewer
         prompt += " alpha bravo charlie"
@@ -230,15 +248,14 @@ def test_a_prompt_sent_straight_to_a_server_is_then_routed_to_it_and_matched_as_
     hits_before = [s.counter("vllm:prefix_cache_hits_total") for s in precise.servers]
     queries_before = [s.counter("vllm:prefix_cache_queries_total") for s in precise.servers]
     request_id = f"kv-{round_}-{random.getrandbits(32):08x}"
-    status, body = _post_with_id(f"{precise.url}/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 1},
-                                 request_id)
+    status, body = _post_with_id(f"{url}/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 1}, request_id)
     assert status == 200, body
     hits = [s.counter("vllm:prefix_cache_hits_total") - h for s, h in zip(precise.servers, hits_before, strict=True)]
     queries = [s.counter("vllm:prefix_cache_queries_total") - q
                for s, q in zip(precise.servers, queries_before, strict=True)]  # fmt: skip
     chosen = round_ % 2
     assert queries[chosen] == n and queries[1 - chosen] == 0  # routed to the server that had the prompt
-    record = _decision(precise, request_id)
+    record = _decision(picker, request_id)
     name = server.hostport
     assert record["profiles"][0]["picked"] == [name]
     # What the picker predicted the server holds is what the server found in its cache.
