@@ -21,7 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from epp.errors import EppError, Reason, Refusal
 from epp.extproc.models import models_answer
 from epp.extproc.processor import ExternalProcessor
-from epp.framework import Endpoint, InferenceRequest
+from epp.framework import Api, Endpoint, InferenceRequest
 from epp.requestcontrol import ipc
 from epp.requestcontrol import owner as owner_module
 from epp.requestcontrol.director import Director
@@ -174,6 +174,37 @@ async def test_the_body_reaches_the_owners_request_when_a_plugin_reads_it(
     routed = await pair.remote.route(dataclasses.replace(request(), body=body))
     routed.finish("cancelled")
     assert seen == [body if send_body else b""]
+
+
+# What the owner works out itself (the director from the headers and the pool), and the per-request state
+# plugins fill there: every other field of the edge's request must travel in ipc.Route.
+_DERIVED_IN_THE_OWNER = {"adapter", "objective", "priority", "state"}
+
+
+async def test_the_owners_request_has_every_field_the_edge_parsed(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A field added to InferenceRequest and not carried would be silently empty where plugins run (as the body
+    # was, e9fd9a9): this fails until it is carried or named above.
+    pair = await connect(stack.director, send_body=True)
+    seen: list[InferenceRequest] = []
+    real_route = stack.director.route
+
+    async def route(request: InferenceRequest, *args: Any, **kwargs: Any) -> Any:
+        seen.append(request)
+        return await real_route(request, *args, **kwargs)
+
+    monkeypatch.setattr(stack.director, "route", route)
+    edge = InferenceRequest(
+        request_id="r-all", method="POST", path="/v1/chat/completions", headers={"x-test": "1"}, api=Api.CHAT_COMPLETIONS,
+        model="m", prompt="hello", stream=True, cache_salt="salt", max_tokens=7, body_size=64, body=b'{"x": 1}',
+    )  # fmt: skip
+    routed = await pair.remote.route(edge)
+    routed.finish("cancelled")
+    (owners,) = seen
+    carried = {f.name for f in dataclasses.fields(InferenceRequest)} - _DERIVED_IN_THE_OWNER
+    different = {name for name in carried if getattr(owners, name) != getattr(edge, name)}
+    assert not different, {name: (getattr(edge, name), getattr(owners, name)) for name in different}
+    defaults = InferenceRequest("", "", "")
+    assert all(getattr(edge, name) != getattr(defaults, name) for name in carried), "set every carried field"
 
 
 async def test_a_5xx_response_is_finished_as_an_error_with_its_status_carried_by_the_last_event(
