@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from epp.datalayer.static import parse_endpoints
 from epp.server.cli import main, settings_from_args
 from epp.server.server import EXT_PROC_SERVICE, EndpointPicker
+from epp_example_plugins import LocalityScorer
 from tests.extproc.test_processor import COMPLETION, POST, Conversation, body, destination, headers
 from tests.pickers import loopback_settings
 from tests.plugins.test_example_plugin import CONFIG as EXAMPLE_CONFIG
@@ -209,12 +210,18 @@ async def test_a_worker_that_cannot_start_stops_start_up(monkeypatch: pytest.Mon
 # -- the flag ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("config", "sends"), [(None, False), (EXAMPLE_CONFIG, True)], ids=["epps-own", "third-party"])
+@pytest.mark.parametrize(
+    ("config", "declared", "sends"),
+    [(None, None, False), (EXAMPLE_CONFIG, False, False), (EXAMPLE_CONFIG, None, True)],
+    ids=["epps-own", "third-party-saying-it-does-not", "third-party-silent"],
+)
 def test_the_workers_send_the_body_with_a_request_only_when_a_configured_plugin_may_read_it(
-    config: str | None, sends: bool
+    config: str | None, declared: bool | None, sends: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The owner routes; a plugin that reads request.body (a tokenizer; a third party's that does not say)
     # needs it there. epp's own plugins say when they do (epp.framework.roles.reads_body).
+    if declared is None:
+        monkeypatch.delattr(LocalityScorer, "reads_body")  # (the example plugin says it reads none)
     settings = loopback_settings(endpoints=tuple(parse_endpoints(POOL)), scrape_metrics=False, workers=2,
                                  config_text=config)  # fmt: skip
     assert EndpointPicker(settings)._worker_spec(0).send_body is sends

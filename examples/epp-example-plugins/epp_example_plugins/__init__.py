@@ -14,6 +14,8 @@ from epp.framework import Endpoint, Handle, InferenceRequest, check_parameters, 
 
 
 class LocalityScorer:
+    reads_body = False  # it scores by endpoint labels: under --workers the request body need not be copied
+
     def __init__(self, name: str, label: str, value: str) -> None:
         self.name, self.label, self.value = name, label, value
 
