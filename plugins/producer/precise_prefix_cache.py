@@ -262,7 +262,9 @@ guesses (p: it does not see evictions; u: it does not see the other gateway's tr
 
 Tokenizer metrics: ``epp_tokenize_duration_seconds{source}`` (``local`` or ``remote``, every
 attempt), ``epp_tokenize_fallbacks_total{reason}`` (requests scored approximately: ``no_tokenizer``,
-``unsupported``, ``template_error``, ``timeout``, ``error``, ``status``, ``open``, ``rejected``),
+``unsupported``, ``template_error``, ``timeout``, ``error``, ``status``, ``open``, ``rejected``, and
+``no_body``: a request that had a body which did not reach the plugin, logged once a minute too: the
+silent failure ``--workers`` had before the body went to the owner),
 ``epp_tokenize_breaker_open`` (1 while the remote breaker is open), and gauges
 ``epp_tokenize_reused_tokens`` / ``epp_tokenize_encoded_tokens`` (tokens taken from the prefix cache
 / tokenized), ``epp_tokenize_cache_bytes``, ``epp_tokenize_audit_mismatches``,
@@ -304,6 +306,7 @@ from epp.framework import (
     Endpoint,
     Handle,
     InferenceRequest,
+    LogLimiter,
     PrefixMatch,
     SchedulingResult,
     StateKey,
@@ -553,6 +556,7 @@ class _Tokenization:
         observe_remote: Callable[[float], None] | None = None
         self._observe_local: Callable[[float], None] | None = None
         self._fallback: Callable[[str], None] = lambda reason: None
+        self._no_body_log = LogLimiter(60.0)
         if handle is not None:
             m = handle.metrics
             duration = m.histogram(
@@ -604,9 +608,26 @@ class _Tokenization:
         """Local tokenization on the calling thread (``produce`` without ``prepare_data``)."""
         api = _TOKENIZED_APIS.get(request.api)
         tokenizer = self.tokenizer_for(request.model)
-        if api is None or tokenizer is None or not request.body:
+        if api is None or tokenizer is None:
+            return None
+        if not request.body:
+            if request.body_size:
+                self._no_body(request)
             return None
         return self._local(tokenizer, api, request.body)
+
+    def _no_body(self, request: InferenceRequest) -> None:
+        """The request had a body this plugin did not get (it routes approximately): counted, and said."""
+        self._fallback("no_body")
+        held = self._no_body_log.allow()
+        if held is not None:
+            log.warning(
+                "request %s had a body of %d bytes, which did not reach this plugin: scored by the approximate "
+                "index (a process that routes without the request's body%s)",
+                request.request_id or "?",
+                request.body_size,
+                f"; {held} more such requests in the last minute" if held else "",
+            )
 
     def _local(self, tokenizer: ModelTokenizer, api: str, body: bytes) -> np.ndarray | None:
         try:
@@ -624,7 +645,11 @@ class _Tokenization:
         ``known_decides(plan)``: whether a rest too long to encode on the loop may wait (see "After the
         answer")."""
         api = _TOKENIZED_APIS.get(request.api)
-        if api is None or not request.body:
+        if api is None:
+            return None
+        if not request.body:
+            if request.body_size:
+                self._no_body(request)
             return None
         tokenizer = self.tokenizer_for(request.model)
         if tokenizer is not None:

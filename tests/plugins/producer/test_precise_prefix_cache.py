@@ -4,7 +4,9 @@ pod (bypassing the picker) back to that pod; pods that publish nothing keep the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import random
 import threading
 from collections.abc import AsyncIterator
@@ -528,6 +530,29 @@ async def test_the_local_tokenizer_gives_the_ids_the_index_is_looked_up_by(model
         adapter = _chat(messages, model="tiny-adapter")
         producer.produce(adapter, pods)
         assert adapter.state[TOKENIZED_PROMPT].tolist() == ids.tolist()
+    finally:
+        await _close(producer)
+
+
+async def test_a_request_whose_body_did_not_reach_the_plugin_is_counted_and_said(
+    models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The failure --workers had before the body went to the owner (e9fd9a9): the request had a body, the plugin
+    # got none, and routed approximately without a word. Now a fallback reason and a warning say so.
+    handle = Handle(Datastore([]))
+    producer = PrecisePrefixCacheProducer("p", PreciseParameters("p", _tokenizing(models)), handle)
+    try:
+        request = dataclasses.replace(_chat([{"role": "user", "content": "hello"}]), body=b"", body_size=61)
+        with caplog.at_level(logging.WARNING):
+            await producer.prepare_data(request)
+            producer.produce(dataclasses.replace(_chat([{"role": "user", "content": "again"}]), body=b"", body_size=61), [])
+        assert TOKENIZED_PROMPT not in request.state
+        assert _counter(handle, "epp_tokenize_fallbacks_total", reason="no_body") == 2
+        (line,) = [r.getMessage() for r in caplog.records if "did not reach this plugin" in r.getMessage()]
+        assert "a body of 61 bytes" in line  # once a minute: the second is counted, not said
+        body_less = InferenceRequest("r", "GET", "/v1/models")  # no body to miss: nothing to say
+        await producer.prepare_data(body_less)
+        assert _counter(handle, "epp_tokenize_fallbacks_total", reason="no_body") == 2
     finally:
         await _close(producer)
 
