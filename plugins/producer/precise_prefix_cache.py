@@ -608,16 +608,17 @@ class _Tokenization:
         """Local tokenization on the calling thread (``produce`` without ``prepare_data``)."""
         api = _TOKENIZED_APIS.get(request.api)
         tokenizer = self.tokenizer_for(request.model)
-        if api is None or tokenizer is None:
-            return None
-        if not request.body:
-            if request.body_size:
-                self._no_body(request)
+        if api is None or tokenizer is None or not self._has_body(request):
             return None
         return self._local(tokenizer, api, request.body)
 
-    def _no_body(self, request: InferenceRequest) -> None:
-        """The request had a body this plugin did not get (it routes approximately): counted, and said."""
+    def _has_body(self, request: InferenceRequest) -> bool:
+        """Whether the request's body is here to tokenize. One it had and this plugin did not get (it routes
+        approximately) is counted, and said."""
+        if request.body:
+            return True
+        if not request.body_size:
+            return False
         self._fallback("no_body")
         held = self._no_body_log.allow()
         if held is not None:
@@ -628,6 +629,7 @@ class _Tokenization:
                 request.body_size,
                 f"; {held} more such requests in the last minute" if held else "",
             )
+        return False
 
     def _local(self, tokenizer: ModelTokenizer, api: str, body: bytes) -> np.ndarray | None:
         try:
@@ -645,11 +647,7 @@ class _Tokenization:
         ``known_decides(plan)``: whether a rest too long to encode on the loop may wait (see "After the
         answer")."""
         api = _TOKENIZED_APIS.get(request.api)
-        if api is None:
-            return None
-        if not request.body:
-            if request.body_size:
-                self._no_body(request)
+        if api is None or not self._has_body(request):
             return None
         tokenizer = self.tokenizer_for(request.model)
         if tokenizer is not None:
