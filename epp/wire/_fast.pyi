@@ -31,6 +31,7 @@ class ConnectionBase:
     flush_scheduled: int
     transport: Any
     lend_ok: int
+    coalesce: int
     @property
     def lent(self) -> int: ...
     @property
