@@ -202,6 +202,14 @@ Measured side by side, processed / observed (2 shared cores, medians):
   request for the timer's 10 s: at ~1,100 requests a second 5,890 of them alive at once, 171,000
   objects for the collector against 21,500 processed, and its full collections took 13-71 ms
   (``gc.callbacks`` in the picker): P99 15.9-17.4 ms, 0.42-0.51 ms of CPU a request. None since.
+* reading every observed connection the event loop reads (not lent: short streams, or more than 4)
+  at most once a coalescing window, as the I/O thread reads those it holds (c27c6ec, reverted:
+  after each read the socket paused, a 5 ms timer to read it again): **more** CPU, not less. ``python
+  bench/routing_quality.py --workloads a,b --policies "default+observe@BASE,default+observe" --rounds
+  2`` (16 output tokens, 16-39 requests a second), picker above idle 4.88 against 4.04 CPU-s per 1,000
+  requests without it (a 5.52 / 4.62, b 4.23 / 3.52; the request path 3.85 / 3.12). At that rate a
+  window rarely holds more than one message a read would have had anyway, and each window costs its
+  own wake-up (the timer) and two epoll_ctl; the wake-up a message is not saved, it is moved.
 
 Not the default: upstream's configurations and the gateways process responses, plugins cannot set
 response headers on an observed one, and with several picker replicas behind one Envoy cluster a

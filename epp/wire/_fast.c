@@ -241,9 +241,6 @@ typedef struct {
     int closed;         /* 1: nothing more is written */
     int flush_scheduled; /* 1: a _flush is due soon (a write outside a read) */
     int after_pending;  /* 1: work waits for the end of this read, after its write (_run_after) */
-    int coalesce;       /* 1: nobody waits for what this connection's peer sends (every stream observed, none
-                         * ever answered): Python's _pause leaves it unread for the coalescing window after
-                         * each read (see "The I/O thread", observe_coalesce_us); 0 not yet known; -1 never */
     /* Lending to the I/O thread (see "The I/O thread" below); all under io_mutex. */
     int lend_ok;        /* 1: this connection may be lent (plaintext, a socket of its own) */
     int lent;           /* 0 Python's; 1 the thread's; 2 handed back, waiting for Python's reclaim */
@@ -262,8 +259,7 @@ typedef struct {
     unsigned long long lends, thread_chunks; /* counters, for tests and benchmarks */
 } ConnectionBase;
 
-static PyObject *str_frame, *str_keep, *str_slow, *str_error, *str_write, *str_writelines, *str_lend, *str_run_after,
-    *str_pause;
+static PyObject *str_frame, *str_keep, *str_slow, *str_error, *str_write, *str_writelines, *str_lend, *str_run_after;
 
 static int conn_traverse(ConnectionBase *self, visitproc visit, void *arg) {
     Py_VISIT(self->streams);
@@ -1514,20 +1510,6 @@ static int maybe_lend(ConnectionBase *self) {
     return 0;
 }
 
-/* At the end of a read, a connection that is not lent and that nobody waits on (coalesce 1): Python's
- * _pause(window) stops reading it for the coalescing window, so that what its peer sends meanwhile is
- * read in one wake-up of the event loop; -1 on error. */
-static int maybe_pause(ConnectionBase *self) {
-    if (self->coalesce != 1 || self->lent || self->closed || observe_coalesce_us <= 0) return 0;
-    PyObject *window = PyFloat_FromDouble((double)observe_coalesce_us / 1e6);
-    if (window == NULL) return -1;
-    PyObject *result = PyObject_CallMethodOneArg((PyObject *)self, str_pause, window);
-    Py_DECREF(window);
-    if (result == NULL) return -1;
-    Py_DECREF(result);
-    return 0;
-}
-
 /* Write what is in out (one write, or writelines for several pieces), then empty it. */
 static PyObject *conn_flush(ConnectionBase *self, PyObject *unused) {
     self->flush_scheduled = 0;
@@ -1596,12 +1578,11 @@ static PyObject *conn_data_received(ConnectionBase *self, PyObject *data) {
         Py_DECREF(result);
     }
     if (self->lend_ok && maybe_lend(self) < 0) return NULL;
-    if (self->coalesce == 1 && maybe_pause(self) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *conn_check_lend(ConnectionBase *self, PyObject *unused) {
-    if (maybe_lend(self) < 0 || maybe_pause(self) < 0) return NULL;
+    if (maybe_lend(self) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1613,8 +1594,7 @@ static PyMethodDef conn_methods[] = {
      "lend(fd, loop_epoll=-1) -> True if the connection is now the I/O thread's (every open stream echoes); see _fast.c."},
     {"reclaim", (PyCFunction)conn_reclaim, METH_NOARGS,
      "Take a lent connection back: None if it was not lent, else (unsent answers, unread bytes)."},
-    {"_check_lend", (PyCFunction)conn_check_lend, METH_NOARGS,
-     "The end of a read: lend the connection if it may be (calls _lend), else pause it if it coalesces (_pause)."},
+    {"_check_lend", (PyCFunction)conn_check_lend, METH_NOARGS, "Lend the connection if it may be (calls _lend)."},
     {"frames", (PyCFunction)conn_frames, METH_VARARGS,
      "frames(data, position) -> the position of the first frame not yet whole; the same loop as data_received."},
     {NULL},
@@ -1634,8 +1614,6 @@ static PyMemberDef conn_members[] = {
      "1: _run_after is called at the end of this read, after its write"},
     {"transport", T_OBJECT, offsetof(ConnectionBase, transport), 0, "the asyncio transport (None until made)"},
     {"lend_ok", T_INT, offsetof(ConnectionBase, lend_ok), 0, "1: the connection may be lent to the I/O thread"},
-    {"coalesce", T_INT, offsetof(ConnectionBase, coalesce), 0,
-     "1: nobody waits on this connection: each read is followed by a pause (_pause); 0 not known; -1 never"},
     {"lent", T_INT, offsetof(ConnectionBase, lent), READONLY, "0 Python's, 1 the I/O thread's, 2 handed back"},
     {"lends", T_ULONGLONG, offsetof(ConnectionBase, lends), READONLY, "how many times it was lent"},
     {"thread_chunks", T_ULONGLONG, offsetof(ConnectionBase, thread_chunks), READONLY,
@@ -1838,7 +1816,6 @@ PyMODINIT_FUNC PyInit__fast(void) {
     str_slow = PyUnicode_InternFromString("_slow");
     str_error = PyUnicode_InternFromString("_error");
     str_lend = PyUnicode_InternFromString("_lend");
-    str_pause = PyUnicode_InternFromString("_pause");
     str_connection_made = PyUnicode_InternFromString("connection_made");
     str_connection_lost = PyUnicode_InternFromString("connection_lost");
     str_data_received = PyUnicode_InternFromString("data_received");
@@ -1847,7 +1824,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
     str_get_extra_info = PyUnicode_InternFromString("get_extra_info");
     str_pause_writing = PyUnicode_InternFromString("pause_writing");
     str_resume_writing = PyUnicode_InternFromString("resume_writing");
-    if (!str_lend || !str_pause || !str_run_after || !str_frame || !str_keep || !str_slow || !str_error || !str_write || !str_writelines ||
+    if (!str_lend || !str_run_after || !str_frame || !str_keep || !str_slow || !str_error || !str_write || !str_writelines ||
         !str_connection_made || !str_connection_lost || !str_data_received || !str_close || !str_abort ||
         !str_get_extra_info || !str_pause_writing || !str_resume_writing)
         return NULL;

@@ -31,7 +31,6 @@ class ConnectionBase:
     flush_scheduled: int
     transport: Any
     lend_ok: int
-    coalesce: int
     @property
     def lent(self) -> int: ...
     @property

@@ -249,8 +249,6 @@ class Stream(StreamBase):
         :mod:`epp.wire._fast`. The rest still reach the call.
         """
         self._echo = _OBSERVE if observed else _ECHO
-        if observed and self._connection.coalesce == 0:  # a connection nobody waits on, so far: see _pause
-            self._connection.coalesce = 1
         self._sync_echo()
 
     def idle(self) -> None:
@@ -276,7 +274,6 @@ class Stream(StreamBase):
             connection._reclaim()
         if self.ended:
             return
-        connection.coalesce = -1  # the peer reads answers here: its reads are never put off (see _pause)
         if not self.headers_sent:
             self.headers_sent = True
             connection.write_frame(_HEADERS, _END_HEADERS, self.id, _RESPONSE_HEADERS)
@@ -409,7 +406,6 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self._loop_epoll = -1  # the loop's own epoll (uvloop's), where a lent socket is kept quiet
         self._unread: bytes | None = None  # what the I/O thread handed back, read soon (see _reclaim)
         self._after: list[Callable[[], object]] = []  # run at the end of this read, after its write
-        self._paused: asyncio.TimerHandle | None = None  # a coalescing connection's pause (see _pause)
 
     @property
     def started(self) -> bool:
@@ -436,9 +432,6 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._paused is not None:
-            self._paused.cancel()
-            self._paused = None
         self.reclaim()  # (if lent: the thread lets go of it; what it held is of no use now)
         self.lend_ok = 0
         self.closed = 1
@@ -484,7 +477,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
         self._flush()
         if self.after_pending:
             self._run_after()
-        if self.lend_ok or self.coalesce == 1:
+        if self.lend_ok:
             self._check_lend()
 
     # -- after the answers ------------------------------------------------------------------------
@@ -516,28 +509,6 @@ class Connection(ConnectionBase, asyncio.Protocol):
             except Exception:
                 log.exception("work after the answers to %s failed", self.peer)
         self.after_pending = 0
-
-    # -- connections nobody waits on -------------------------------------------------------------
-
-    def _pause(self, window: float) -> None:
-        """The end of a read on a connection whose every stream so far was observed and never answered
-        (``coalesce`` 1; the C read path's call): leave the socket unread for ``window`` seconds, so
-        that what the peer sends meanwhile is read at once, in one wake-up, rather than a message a
-        wake-up. Nobody waits for what the picker reads there (Envoy's observability mode sends and
-        goes on); what the picker learns from it (a response's start, its end and usage) is up to
-        ``window`` late, as on a connection the I/O thread reads (``set_observe_coalesce``, the same
-        window). Why: :mod:`epp.extproc.processor`, "Transport"."""
-        transport = self.transport
-        if self._paused is not None or transport is None or transport.is_closing():
-            return
-        transport.pause_reading()
-        self._paused = asyncio.get_running_loop().call_later(window, self._read_again)
-
-    def _read_again(self) -> None:
-        self._paused = None
-        transport = self.transport
-        if transport is not None and not self.closed and not self.lent:  # (a lent one: the thread reads it)
-            transport.resume_reading()
 
     # -- the I/O thread (epp.wire._fast) ----------------------------------------------------------
 

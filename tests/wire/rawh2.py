@@ -408,15 +408,6 @@ class FakeTransport:
         self.writes = 0
         self.closed = False
         self._lost = False
-        self.paused = False  # (reads are delivered all the same: a test sees whether, and how often)
-        self.pauses = 0
-
-    def pause_reading(self) -> None:
-        self.paused = True
-        self.pauses += 1
-
-    def resume_reading(self) -> None:
-        self.paused = False
 
     def write(self, data: bytes) -> None:
         assert not self.closed, "a write after close"
