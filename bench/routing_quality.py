@@ -167,6 +167,23 @@ sglang-router 1.89 (1.89 / 1.89 / 1.88): the target's ratio **1.31** either way,
 tokens a request, observing saves the picker little (16 chunks read, not answered) and adds a stream a request;
 its saving is per chunk (``bench/streaming_cost.py --observe``). Routing the same: hit rates 100% of the oracle on
 a, 98% on b (sglang-router 100%), TTFT P90 240 / 248 / 249 ms on a, 103 / 109 / 101 on b, 509 / 511 / 856 on c.
+
+Again at b01342a, on a machine about twice as slow (sglang-router 3.76 where it was 1.89; a 10M-iteration Python
+loop 2.2 s), ``--workloads a,b --policies default,default+observe,sglang-router --rounds 1 --duration 20``:
+picker 4.72 processed, 4.79 observed (the request path 3.47 / 3.50, the scrape worker 1.45 / 1.48, idle not
+subtracted), sglang-router 3.76: the ratio **1.26 / 1.27**. Where the picker's CPU went (workload a, default,
+``--duration 60``; ``perf record -g -p`` of the request process for 10 s and ``py-spy record --native`` for 12 s,
+its samples in ``poll``/``epoll_pwait`` left out): by library, the interpreter 57%, the kernel 21%, libc 6%,
+uvloop 5.6%, numpy 4%, upb 3.5%, epp's C 1%, so Python's own work is most of it and the wake-ups (the kernel's
+share, ~12 context switches a request at 16 requests a second) about a fifth: not the "two-thirds in uvloop's C
+loop" read above from py-spy alone, which puts the callbacks' interpreter time under the loop's frame. Of the
+request process's Python samples: the route (``Director.route``: the scheduler and its plugins 18%, the
+``pre_request`` hooks, the approximate index's add, 11%) 30%; the ext_proc messages and HTTP/2 frames around it
+about a third; applying the scrape worker's results 8%; the loop's own C and the kernel 19%. The scrape worker
+(160 scrapes a second of 8 busy pods, ``bench/scrape_cost.py --busy --pods 8``: 320-331 µs of CPU a scrape,
+worker and request process together, on this machine) is two-thirds interpreter as well, its page reading 42% of
+its Python samples. Reading observed connections once a 5 ms window (c27c6ec, reverted) made it worse: see
+``epp/extproc/processor.py``.
 """
 
 from __future__ import annotations
