@@ -177,9 +177,9 @@ its samples in ``poll``/``epoll_pwait`` left out): by library, the interpreter 5
 uvloop 5.6%, numpy 4%, upb 3.5%, epp's C 1%, so Python's own work is most of it and the wake-ups (the kernel's
 share, ~12 context switches a request at 16 requests a second) about a fifth: not the "two-thirds in uvloop's C
 loop" read above from py-spy alone, which puts the callbacks' interpreter time under the loop's frame. Of the
-request process's Python samples: the route (``Director.route``: the scheduler and its plugins 18%, the
-``pre_request`` hooks, the approximate index's add, 11%) 30%; the ext_proc messages and HTTP/2 frames around it
-about a third; applying the scrape worker's results 8%; the loop's own C and the kernel 19%. The scrape worker
+request process's samples: the route 35% (the scheduler and its plugins 18%, the ``pre_request`` hooks, the
+approximate index's add, 11%, the director's own 6%); the ext_proc messages and HTTP/2 frames around it 38%;
+applying the scrape worker's results 8%; the loop's own C and the kernel 18%. The scrape worker
 (160 scrapes a second of 8 busy pods, ``bench/scrape_cost.py --busy --pods 8``: 320-331 µs of CPU a scrape,
 worker and request process together, on this machine) is two-thirds interpreter as well, its page reading 42% of
 its Python samples. Reading observed connections once a 5 ms window (c27c6ec, reverted) made it worse: see
