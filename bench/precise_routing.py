@@ -125,6 +125,13 @@ sglang-router's, median, +2.5 / +2.0 ms; router CPU 3.73 / 3.41 / 1.83 ms a requ
 the request phase (the pick, tokenization included). Again at 9c386d2 (356 s): 103 / 103 / 102 ms
 (1.01x each; rounds precise 102, 103, 107, observed 103, 104, 103, sglang-router 101, 103, 102), +3.0 /
 +2.1 ms paired, router CPU 3.96 / 3.57 / 1.74 ms: a tie within the rounds' scatter.
+On a machine about twice as slow (at f3ae4d4's code, b01342a's; sglang-router's CPU per request 3.04 ms
+where it was 1.74), ``--workloads b --policies precise,sglang-router --rounds 5`` (416 s): TTFT P90 115 against
+104 ms (**1.10x**; rounds precise 107, 109, 115, 123, 115, sglang-router 103, 106, 105, 104, 104), P50 62
+against 54, the same requests' TTFT minus sglang-router's, median, +6.4 ms, router CPU 6.01 / 3.04 ms a request,
+hit rates 100% of the oracle both. The gap grew with the machine's slowness (+3.0 ms paired above, +6.4 here)
+while the hit rates stayed equal: it is the CPU on the path (the picker's and Envoy's work per message), not
+the routing, and a slower or busier core makes it larger.
 
 ``--envoy-concurrency N`` gives Envoy N worker threads (1 by default, as the runs above; the peers run
 at their runtimes' defaults, which take a thread per core). With 2 (``--workloads b --policies
