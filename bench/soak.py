@@ -14,9 +14,13 @@ bytes per request, and the same for fds; the target is <= 1 byte per request ove
 PNG plot (``--plot``, default soak.png) shows RSS and fds against requests with the fitted line.
 
     python bench/soak.py [--minutes 30] [--workers 4] [--interval 5] [--plot soak.png]
-                         [--picker-arg=--flag=value ...] [--tls]
+                         [--picker-arg=--flag=value ...] [--tls] [--observe]
 
-(``--tls``: the picker serves TLS, upstream's default, to an Envoy that uses it.)
+(``--tls``: the picker serves TLS, upstream's default, to an Envoy that uses it; ``--observe``: Envoy
+observes responses, ``epp envoy-config --observe-responses``, a second ext_proc stream a request.)
+With ``--picker-arg=--workers=N`` the picker's ext_proc workers are sampled too: RSS, fds and CPU are
+the main process's and its workers' together (the scrape worker still left out), and the output adds
+each process's growth and slope (a restarted worker shows as a new pid).
 
 ``--precise``: the pods publish KV events and the picker runs ``precise-prefix-cache-producer`` with
 the simulated model's own tokenizer files (as ``bench/precise_routing.py`` does), and every prompt is
@@ -51,6 +55,33 @@ requests (396/s), CPU 0.42 ms a request, RSS 77.4 MiB after warm-up and at the e
 request**, fds 20-23. Under
 grpc.aio (c519aee and before) the same bench grew 95-108 bytes per request (grpc/grpc#43360: the
 native ops of every batch a reset cancels), 14 with a workaround; ``epp.wire`` has no such path.
+
+``--workers`` and observed responses, the first soaks of either (at 5986138's code; two soaks side by
+side each time on the 2 shared cores, so the rates are low and a run holds fewer requests than the
+runs above; slopes of the main process and its two workers together):
+
+* ``--observe --picker-arg=--workers=2``, 30 min: 193,212 requests (107/s), CPU 2.00 ms a request; RSS
+  172.2 MiB after warm-up, 172.3 at the end (+0.17 MiB over 149,648 requests): **1.20 bytes a request**
+  (the owner 0.73, the workers 0.14 and 0.33; fitted after 30 / 40 / 50 / 67%: 1.22 / 1.28 / 1.30 /
+  1.46), fds 55-62. The owner's Python heap did not grow: the same run under ``tracemalloc`` (a
+  ``sitecustomize`` starting it in each picker process), its traced memory 38.32, 38.32, 38.29 MB at
+  2.6, 5.3 and 7.9 minutes past a baseline, no line of epp's among the growers: what is left is the C
+  heap's, some 0.1 MiB a half hour.
+* the same with ``--tls`` (TLS in C, :class:`epp.wire._fast.TlsTransport`), 45 min, ``--warmup 0.3``:
+  231,499 requests (86/s), CPU 2.35 ms a request; RSS 177.9 MiB after warm-up, 178.2 at the end (+0.37
+  MiB over 188,664 requests): 2.14 bytes a request (the owner 0.43, the workers 0.73 and 0.97), falling
+  the later the fit starts (after 40 / 50 / 60 / 75%: 1.87 / 1.58 / 1.42 / 0.86; the medians of the last
+  60%'s thirds 178.04, 178.15, 178.25 MiB), fds 55-62: settling, not a leak a request.
+* ``--precise --picker-arg=--workers=2`` (the bodies go to the owner, which tokenizes), 45 min,
+  ``--warmup 0.4``: 82,795 requests (31/s), CPU 9.44 ms a request; RSS 203.9 MiB after warm-up, 205.4 at
+  the end (+1.46 MiB over 57,898 requests): **32.8 bytes a request**, all the owner's (31.5; the workers
+  0.55 and 0.75), in steps of ~0.7 MiB (a 30-minute run before it: 32.6). Not Python's: under
+  ``tracemalloc`` the owner's traced memory went 51.3, 51.9, 52.5, 51.0 MB at 1.7-minute intervals, its
+  growers the bounded caches filling (the tokenizer's prefix cache, the in-flight record) and emptying.
+  The one-process precise soak above reached no trend only past ~400k requests at 121/s; at 31/s the
+  owner's C heap (prompt ids, bodies, the tokenizer's own allocations) had not found its high-water mark
+  in 83k. Not shown to plateau here: an hour alone on the machine (several times the requests) is what
+  would say, and has not been run.
 """
 
 from __future__ import annotations
@@ -67,7 +98,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -86,8 +117,42 @@ _MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served mo
 class Sample:
     seconds: float
     requests: int
-    rss: int
+    rss: int  # the picker's ext_proc processes together: the main one and, under --workers, its workers
     fds: int
+    processes: dict[str, int] = field(default_factory=dict)  # RSS by process ("main", "worker 0"...)
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """The picker's ext_proc worker processes (``--workers``), in spawn order; not its scrape worker."""
+    pids = []
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in listing.read_text().split():
+            try:
+                command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            if b"epp.server.workers" in command:
+                pids.append(int(child))
+    return sorted(pids)
+
+
+def _measure(pid: int, seconds: float, requests: int) -> Sample:
+    """One sample of the main process and its ext_proc workers (a worker gone between the listing and the
+    reading, restarted, is left out of this sample: its successor's pid differs, which the output shows)."""
+    processes = {"main": _rss(pid)}
+    fds = _fds(pid)
+    for i, worker in enumerate(_worker_pids(pid)):
+        try:
+            processes[f"worker {i} ({worker})"] = _rss(worker)
+            fds += _fds(worker)
+        except (FileNotFoundError, RuntimeError):
+            continue
+    return Sample(seconds, requests, sum(processes.values()), fds, processes)
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds of the picker's ext_proc processes: the main one and its workers, not the scrape worker."""
+    return cpu_seconds(pid, children=False) + sum(cpu_seconds(w, children=False) for w in _worker_pids(pid))
 
 
 def _rss(pid: int) -> int:
@@ -188,9 +253,9 @@ class _Load:
 async def _sample(load: _Load, pid: int, interval: float, samples: list[Sample]) -> None:
     start = time.monotonic()
     while time.monotonic() < load.deadline:
-        samples.append(Sample(time.monotonic() - start, load.answered, _rss(pid), _fds(pid)))
+        samples.append(_measure(pid, time.monotonic() - start, load.answered))
         await asyncio.sleep(interval)
-    samples.append(Sample(time.monotonic() - start, load.answered, _rss(pid), _fds(pid)))
+    samples.append(_measure(pid, time.monotonic() - start, load.answered))
 
 
 async def _soak(base_url: str, pid: int, args: argparse.Namespace) -> tuple[list[Sample], _Load]:
@@ -219,7 +284,7 @@ def _plot(samples: list[Sample], kept: list[Sample], rss_fit: tuple[float, float
 
     figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
     xs = [s.requests for s in samples]
-    top.plot(xs, [s.rss / 2**20 for s in samples], ".", label="picker RSS")
+    top.plot(xs, [s.rss / 2**20 for s in samples], ".", label="picker RSS (ext_proc processes)")
     slope, intercept = rss_fit
     fit_x = [kept[0].requests, kept[-1].requests]
     top.plot(fit_x, [(intercept + slope * x) / 2**20 for x in fit_x], "-", label=f"fit: {slope:.2f} B/request")
@@ -249,8 +314,16 @@ def main(argv: list[str] | None = None) -> int:
         help="Envoy half-closes ext_proc streams and waits for the picker's status instead of resetting them",
     )
     parser.add_argument("--tls", action="store_true", help="the picker serves TLS (--secure-serving=true) to Envoy")
-    parser.add_argument("--precise", action="store_true",
-                        help="KV events, precise-prefix-cache-producer and prompts never seen (module docstring)")
+    parser.add_argument(
+        "--observe",
+        action="store_true",
+        help="Envoy observes responses (epp envoy-config --observe-responses): a second stream each",
+    )
+    parser.add_argument(
+        "--precise",
+        action="store_true",
+        help="KV events, precise-prefix-cache-producer and prompts never seen (module docstring)",
+    )
     args = parser.parse_args(argv)
 
     directory = tempfile.mkdtemp(prefix="epp-soak-")
@@ -282,15 +355,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         picker.start()
         base = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(pool))
-        bootstrap = render(replace(base, picker_port=picker.grpc_port, picker_tls=args.tls))
+        bootstrap = render(
+            replace(base, picker_port=picker.grpc_port, picker_tls=args.tls, observe_responses=args.observe)
+        )
         if args.envoy_graceful_close:
             bootstrap["layered_runtime"] = {"layers": [{"name": "soak", "static_layer": {_GRACEFUL_CLOSE: True}}]}
         envoy = EnvoyProcess(bootstrap, concurrency=1)
         envoy.start()
         wait_for_picker(envoy)
-        cpu_before = cpu_seconds(picker.pid, children=False)
+        cpu_before = _cpu(picker.pid)
         samples, load = asyncio.run(_soak(f"http://127.0.0.1:{envoy.listen_port}", picker.pid, args))
-        cpu = cpu_seconds(picker.pid, children=False) - cpu_before
+        cpu = _cpu(picker.pid) - cpu_before
     finally:
         if envoy is not None:
             envoy.stop()
@@ -321,6 +396,20 @@ def main(argv: list[str] | None = None) -> int:
         f"slope after warm-up: RSS {rss_fit[0]:.2f} bytes/request, fds {fds_fit[0] * 1e6:.3f} per million requests "
         f"(fds {min(s.fds for s in samples)}..{max(s.fds for s in samples)})"
     )
+    names = [name for name in kept[0].processes if all(name in s.processes for s in kept)]
+    seen = {name for s in kept for name in s.processes}
+    if len(seen) > 1:
+        xs = [float(s.requests) for s in kept]
+        print(
+            "  by process (after warm-up): "
+            + ", ".join(
+                f"{name} {kept[0].processes[name] / 2**20:.1f} -> {kept[-1].processes[name] / 2**20:.1f} MiB, "
+                f"{_fit(xs, [float(s.processes[name]) for s in kept])[0]:.2f} B/request"
+                for name in names
+            )
+        )
+        if seen != set(names):  # a worker restarted (or its sample was missed): its pid is in the names
+            print(f"  processes changed after the warm-up: {sorted(seen)}; fitted by process: {names}")
     if load.unexpected:
         print(f"unexpected answers: {load.unexpected}")
     if args.plot:
