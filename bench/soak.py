@@ -63,25 +63,29 @@ runs above; slopes of the main process and its two workers together):
 * ``--observe --picker-arg=--workers=2``, 30 min: 193,212 requests (107/s), CPU 2.00 ms a request; RSS
   172.2 MiB after warm-up, 172.3 at the end (+0.17 MiB over 149,648 requests): **1.20 bytes a request**
   (the owner 0.73, the workers 0.14 and 0.33; fitted after 30 / 40 / 50 / 67%: 1.22 / 1.28 / 1.30 /
-  1.46), fds 55-62. The owner's Python heap did not grow: the same run under ``tracemalloc`` (a
-  ``sitecustomize`` starting it in each picker process), its traced memory 38.32, 38.32, 38.29 MB at
-  2.6, 5.3 and 7.9 minutes past a baseline, no line of epp's among the growers: what is left is the C
-  heap's, some 0.1 MiB a half hour.
+  1.46), fds 55-62. The owner's Python heap did not grow: the same load for 13 minutes with
+  ``tracemalloc`` started in the owner (a ``sitecustomize`` on ``PYTHONPATH``), its traced memory 38.32,
+  38.32 and 38.29 MB at 2.6, 5.3 and 7.9 minutes past a baseline taken 4 minutes in, no line of epp's
+  among the growers: what grows is the C heap's, some 0.1-0.2 MiB a half hour.
 * the same with ``--tls`` (TLS in C, :class:`epp.wire._fast.TlsTransport`), 45 min, ``--warmup 0.3``:
   231,499 requests (86/s), CPU 2.35 ms a request; RSS 177.9 MiB after warm-up, 178.2 at the end (+0.37
-  MiB over 188,664 requests): 2.14 bytes a request (the owner 0.43, the workers 0.73 and 0.97), falling
-  the later the fit starts (after 40 / 50 / 60 / 75%: 1.87 / 1.58 / 1.42 / 0.86; the medians of the last
-  60%'s thirds 178.04, 178.15, 178.25 MiB), fds 55-62: settling, not a leak a request.
+  MiB over 188,664 requests): 2.14 bytes a request (the owner 0.43, the workers 0.73 and 0.97; fitted
+  after 40 / 50 / 60 / 75%: 1.87 / 1.58 / 1.42 / 0.86), fds 55-62; the medians of the last 60%'s thirds
+  178.04, 178.15 and 178.25 MiB: a slow rise, not settled in 45 minutes.
 * ``--precise --picker-arg=--workers=2`` (the bodies go to the owner, which tokenizes), 45 min,
   ``--warmup 0.4``: 82,795 requests (31/s), CPU 9.44 ms a request; RSS 203.9 MiB after warm-up, 205.4 at
   the end (+1.46 MiB over 57,898 requests): **32.8 bytes a request**, all the owner's (31.5; the workers
   0.55 and 0.75), in steps of ~0.7 MiB (a 30-minute run before it: 32.6). Not Python's: under
-  ``tracemalloc`` the owner's traced memory went 51.3, 51.9, 52.5, 51.0 MB at 1.7-minute intervals, its
-  growers the bounded caches filling (the tokenizer's prefix cache, the in-flight record) and emptying.
-  The one-process precise soak above reached no trend only past ~400k requests at 121/s; at 31/s the
-  owner's C heap (prompt ids, bodies, the tokenizer's own allocations) had not found its high-water mark
-  in 83k. Not shown to plateau here: an hour alone on the machine (several times the requests) is what
-  would say, and has not been run.
+  ``tracemalloc`` (11 minutes, in the owner) its traced memory was 51.3, 51.9, 52.5 and 51.0 MB at 1.7,
+  3.5, 5.3 and 7.1 minutes past a baseline, its growers the bounded caches filling and emptying (the
+  tokenizer's prefix cache, the in-flight record). The one-process precise soaks above ran 400-435k
+  requests at 121-227/s (1.81 and 0.72 bytes a request); this one 83k at 31/s, and whether the owner's C
+  heap (prompt ids, bodies, the tokenizer's own allocations) levels off past that is not shown: an hour
+  with the machine to itself, or the same low rate in one process beside it, is what would tell.
+
+Against the target (<= 1 byte a request over 30 minutes): one process meets it (0.01-0.07 default,
+0.72 precise over an hour); ``--workers 2`` with observed responses is about at it (1.2, 2.1 with TLS),
+and ``--workers 2`` with precise routing is not, at this rate (32.8).
 """
 
 from __future__ import annotations
