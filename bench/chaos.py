@@ -179,7 +179,7 @@ from epp.envoy.bootstrap import EPP_CLUSTER, BootstrapOptions, render
 from epp.kube.objectives import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION
 from epp.testing.envoy import EnvoyProcess, free_port
 from epp.testing.fake_apiserver import INFERENCE_POOLS, PODS, FakeApiServer, Resource, make_pod, make_pool
-from epp.testing.harness import PickerProcess
+from epp.testing.harness import PickerProcess, child_pids
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # the simulator's default served model
 NAMESPACE = "default"
@@ -462,14 +462,6 @@ def _proc_status(pid: int) -> tuple[int, int] | None:
         return None
 
 
-def _children(pid: int) -> list[int]:
-    children: list[int] = []
-    with contextlib.suppress(FileNotFoundError):
-        for listing in Path(f"/proc/{pid}/task").glob("*/children"):
-            children += [int(child) for child in listing.read_text().split()]
-    return children
-
-
 @dataclass(slots=True)
 class Sample:
     t: float
@@ -679,7 +671,7 @@ class Bench:
         while time.time() < deadline:
             process = self.picker.process if self.picker is not None else None
             main = _proc_status(process.pid) if process is not None and process.poll() is None else None
-            workers = _children(process.pid) if process is not None and main is not None else []
+            workers = child_pids(process.pid) if process is not None and main is not None else []
             worker = _proc_status(workers[0]) if workers else None
             envoy = connections = None
             with contextlib.suppress(Exception):  # Envoy is not running (being restarted)
@@ -777,7 +769,7 @@ class Bench:
     async def _picker_kill(self, hold: float) -> Fault:
         assert self.picker is not None and self.picker.process is not None
         main = self.picker.process.pid
-        workers = _children(main)
+        workers = child_pids(main)
         fault = Fault("picker-kill", None, time.time())
         self.picker.process.kill()
         await asyncio.to_thread(self.picker.process.wait)

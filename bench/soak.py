@@ -110,7 +110,7 @@ import aiohttp
 from epp.envoy.bootstrap import BootstrapOptions, render
 from epp.sim.tokens import write_model_files
 from epp.testing.envoy import EnvoyProcess
-from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
+from epp.testing.harness import PickerProcess, child_pids, cpu_seconds, wait_for_picker
 
 # Off by default up to Envoy 1.40 at least: Envoy then ends each ext_proc stream with a half-close and a reset.
 _GRACEFUL_CLOSE = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
@@ -129,14 +129,13 @@ class Sample:
 def _worker_pids(pid: int) -> list[int]:
     """The picker's ext_proc worker processes (``--workers``), in spawn order; not its scrape worker."""
     pids = []
-    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
-        for child in listing.read_text().split():
-            try:
-                command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            except FileNotFoundError:
-                continue
-            if b"epp.server.workers" in command:
-                pids.append(int(child))
+    for child in child_pids(pid):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if b"epp.server.workers" in command:
+            pids.append(child)
     return sorted(pids)
 
 
@@ -147,10 +146,11 @@ def _measure(pid: int, seconds: float, requests: int) -> Sample:
     fds = _fds(pid)
     for i, worker in enumerate(_worker_pids(pid)):
         try:
-            processes[f"worker {i} ({worker})"] = _rss(worker)
-            fds += _fds(worker)
+            rss, worker_fds = _rss(worker), _fds(worker)
         except (FileNotFoundError, RuntimeError):
             continue
+        processes[f"worker {i} ({worker})"] = rss
+        fds += worker_fds
     return Sample(seconds, requests, sum(processes.values()), fds, processes)
 
 

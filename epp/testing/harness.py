@@ -26,7 +26,7 @@ from epp.envoy.bootstrap import EPP_CLUSTER
 from epp.testing.envoy import EnvoyProcess, free_port
 from epp.testing.processes import stop_process
 
-__all__ = ["PickerProcess", "cpu_seconds", "wait_for_picker"]
+__all__ = ["PickerProcess", "child_pids", "cpu_seconds", "wait_for_picker"]
 
 
 def wait_for_picker(envoy: EnvoyProcess, *, healthy: bool = True, timeout: float = 15.0) -> None:
@@ -63,9 +63,19 @@ def cpu_times(pid: int, *, children: bool = True) -> tuple[float, float]:
         user += int(fields[11]) / os.sysconf("SC_CLK_TCK")
         system += int(fields[12]) / os.sysconf("SC_CLK_TCK")
         if children:
-            for listing in Path(f"/proc/{current}/task").glob("*/children"):
-                pending += [int(child) for child in listing.read_text().split()]
+            pending += child_pids(current)
     return user, system
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (of any of its threads), from /proc; none if it is gone."""
+    children: list[int] = []
+    try:
+        for listing in Path(f"/proc/{pid}/task").glob("*/children"):
+            children += [int(child) for child in listing.read_text().split()]
+    except FileNotFoundError:  # the process, or one of its threads, ended while it was read
+        pass
+    return children
 
 
 # How much of a stopped picker's log is kept in memory for log_tail() once its file is removed.
