@@ -88,6 +88,26 @@ pod holds that block, no pod holds any of the prompt, which the whole encoding w
 second lookup), and only when the head's second half has a space (a long word, or a script written
 without spaces, gets none).
 
+Memory after a long prompt
+--------------------------
+HF tokenizers allocates per word while it encodes (a pre-tokenizer split: its strings and
+alignments) and frees it all before it returns; glibc keeps what was freed in its heaps, resident,
+for later allocations. One 100k-token prompt left the tokenizing process ~23 MiB larger for good,
+whatever glibc's thresholds: ``python bench/malloc_policy.py --requests 400 --rounds 3 --policies
+arenas2,picker,fixed:1024:2048`` (400 prompts of the soak's mix, the long prompt and 400 more, then
+400 more again; RSS by round), 2 arenas as before this release: 102.3 / 102.3 / 98.3 MiB -> 127.3 /
+127.3 / 120.7 -> the same; with glibc's mmap and trim thresholds fixed at 1 and 2 MiB: 97.2 / 97.2 /
+92.3 -> 119.8 / 119.9 / 116.0 -> the same. The resident size of a picker that tokenizes was its
+largest prompt's, and one such prompt was enough. So after an encoding of more than
+:data:`RELEASE_AFTER_TOKENS` tokens, on the thread that encoded it, glibc is asked to give its heaps'
+free pages back (``malloc_trim(0)``), at most once per :data:`RELEASE_EVERY_SECONDS` (long prompts
+in a row reuse what the last one freed): in the same run 102.2 / 103.2 / 99.2 -> 104.3 / 105.6 /
+97.6 -> 105.3 / 106.6 / 97.9 MiB, one trim a run of at most 2.5 ms, against ~0.5-1 s of CPU to
+encode that prompt on that machine; the mix's CPU a request 10.3-11.7 ms under every policy (the
+picker's as high before its trim as after: the machine's scatter). A trim
+holds the heaps' locks while it runs, which is why it is neither periodic nor done after every prompt
+(``epp.server.process``'s docstring measured a periodic one). Not on glibc, nothing is done.
+
 Costs (``python bench/tokenize_cost.py``, CPU, 2 shared cores): a cold 100k-token prompt ~150-170 ms
 (HF tokenizers, ~1.5 µs a token; off the event loop, on the producer's threads); a warm 100k-token
 conversation turn 2.8-3.8 ms (decoding 0.5, rendering 0.2-1.6 by template, lookup 0.2, encoding
@@ -96,9 +116,12 @@ the ~1% new tokens ~1.2); the script's docstring has the whole table.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -114,6 +137,8 @@ from epp.prefix.chat import ChatOptions, ChatTemplate, TemplateError, Unsupporte
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
+    "RELEASE_AFTER_TOKENS",
+    "RELEASE_EVERY_SECONDS",
     "ChatOptions",
     "ModelTokenizer",
     "Plan",
@@ -125,6 +150,46 @@ __all__ = [
 
 DEFAULT_CACHE_BYTES = 128 << 20
 """128 MiB of cached prefix ids: 32M tokens, some 300 conversations of 100k tokens."""
+
+RELEASE_AFTER_TOKENS = 65_536
+"""An encoding of more tokens than this is followed by a release of the heaps' free pages (see
+"Memory after a long prompt")."""
+RELEASE_EVERY_SECONDS = 10.0
+"""At most one release in this many seconds: long prompts in a row reuse what the last one freed."""
+
+
+class _HeapRelease:
+    """``malloc_trim(0)`` after long encodings, rate-limited; nothing where the C library has none."""
+
+    def __init__(self, every: float = RELEASE_EVERY_SECONDS) -> None:
+        self._trim = _malloc_trim()
+        self._every = every
+        self._lock = threading.Lock()
+        self._last = -every
+        self.releases = 0
+
+    def after_encoding(self, tokens: int) -> None:
+        if tokens <= RELEASE_AFTER_TOKENS or self._trim is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self._every:
+                return
+            self._last = now
+            self.releases += 1
+        self._trim(0)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None
+        return ctypes.CDLL(None).malloc_trim
+    except (ValueError, OSError, AttributeError):  # not glibc
+        return None
+
+
+_RELEASE = _HeapRelease()
 
 _SPECIAL_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _PROBE_LAST = 32  # cut points probed from the end: a new turn adds a handful
@@ -450,7 +515,10 @@ class ModelTokenizer:
             raise Unsupported(f"the tokenizer refused the text: {exc}") from exc
         with self._stats_lock:
             self._stats.encoded_tokens += len(ids)
-        return np.array(ids, dtype=np.uint32)
+        array = np.array(ids, dtype=np.uint32)
+        del ids  # (the Rust side's per-word buffers are freed by now)
+        _RELEASE.after_encoding(len(array))
+        return array
 
     def content_ids(self, text: str) -> np.ndarray:
         """The ids of ``text`` without the post-processor's special tokens, reusing cached prefixes."""

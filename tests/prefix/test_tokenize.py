@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken
 
+from epp.prefix import tokenize
 from epp.prefix.chat import ChatOptions, TemplateError, Unsupported
 from epp.prefix.tokenize import ModelTokenizer, TokenizerError
 from epp.testing.tokenizer import TEMPLATES, WORDS, write_tokenizer_dir
@@ -286,3 +287,49 @@ def test_a_long_cold_prompt_knows_its_head_before_encoding_the_rest(which: str, 
     for body in (short, no_space):
         plan = tok.plan("completions", body)
         assert plan.known is None and not plan.head
+
+
+# --- memory after a long prompt ---------------------------------------------------------------------
+
+
+def test_heap_release_after_long_encodings_only_and_at_most_once_a_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    release = tokenize._HeapRelease(every=10.0)
+    release._trim = lambda pad: calls.append(pad) or 1
+    clock = [1000.0]
+    monkeypatch.setattr(tokenize.time, "monotonic", lambda: clock[0])
+    release.after_encoding(tokenize.RELEASE_AFTER_TOKENS)  # not more than the bound
+    assert calls == []
+    release.after_encoding(tokenize.RELEASE_AFTER_TOKENS + 1)
+    assert calls == [0] and release.releases == 1
+    clock[0] += 9.9
+    release.after_encoding(10 * tokenize.RELEASE_AFTER_TOKENS)  # within the window: long prompts in a row
+    assert calls == [0]
+    clock[0] += 0.2
+    release.after_encoding(10 * tokenize.RELEASE_AFTER_TOKENS)
+    assert calls == [0, 0] and release.releases == 2
+    release._trim = None  # not glibc: nothing to call, nothing counted
+    clock[0] += 60
+    release.after_encoding(10 * tokenize.RELEASE_AFTER_TOKENS)
+    assert release.releases == 2
+
+
+def test_the_tokenizer_releases_after_encoding_a_long_prompt(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+
+    class Recorder:
+        def after_encoding(self, tokens: int) -> None:
+            seen.append(tokens)
+
+    monkeypatch.setattr(tokenize, "_RELEASE", Recorder())
+    tok = ModelTokenizer.from_dir(llama_dir)
+    rng = random.Random(3)
+    ids = tok.completion_ids(_text(rng, 40))
+    long_ids = tok.completion_ids(" ".join(rng.choice(WORDS) for _ in range(tokenize.RELEASE_AFTER_TOKENS + 100)))
+    assert len(long_ids) > tokenize.RELEASE_AFTER_TOKENS and seen  # every encoding says how many tokens it made
+    assert max(seen) >= tokenize.RELEASE_AFTER_TOKENS and min(seen) <= len(ids)
+
+
+@pytest.mark.skipif(not tokenize._malloc_trim(), reason="glibc's malloc_trim")
+def test_glibc_trim_is_found() -> None:
+    assert tokenize._malloc_trim()(0) in (0, 1)
