@@ -2,13 +2,14 @@
 
 The precise producer encodes prompts with HF ``tokenizers`` on threads (``epp-tokenize``). The Rust
 side allocates per word while it encodes (a pre-tokenizer split: its strings and alignments, in
-vectors grown by doubling: a 20 KB prompt's splits are a 1.1 MiB vector) and frees it all before it
-returns. glibc keeps what was freed in its heaps, resident, for later allocations; and its default
-*dynamic* mmap threshold rises to the size of every mapped block freed (up to 32 MiB), its trim
-threshold following at twice that, so that the large vectors too end up in the heaps. This bench measures that in one process per policy, with the picker's own
-tokenizer path (:class:`epp.prefix.tokenize.ModelTokenizer`, plans finished on a two-thread pool as
-the producer does) and ``bench/soak.py``'s precise mix of new prompts (conversations of up to 6
-turns under 0.5-20 KB system prompts, 1-20 KB completions):
+vectors grown by ``realloc``: those ``perf`` saw mapped in a soak were 1.1 MiB) and frees it all
+before it returns. glibc keeps what was freed in its heaps, resident, for later allocations; and its
+default *dynamic* mmap threshold rises to the size of every mapped block freed (up to 32 MiB), its
+trim threshold following at twice that, so that the large vectors too end up in the heaps. This
+bench measures what stays, in one process per policy, with the picker's own tokenizer path
+(:class:`epp.prefix.tokenize.ModelTokenizer`, plans finished on a two-thread pool as the producer
+does) and ``bench/soak.py``'s precise mix of new prompts (conversations of up to 6 turns under
+0.5-20 KB system prompts, 1-20 KB completions):
 
 1. ``--requests`` prompts of the mix (the allocator's warm-up);
 2. one chat request of ``--long-tokens`` tokens (a 100k-token prompt by default), then ``--requests``

@@ -87,12 +87,12 @@ runs above; slopes of the main process and its two workers together):
   owner's 11.99 (112.2 -> 113.4 MiB; fitted after 50 / 60 / 75%: 14.0 / 15.4 / 14.5), the workers'
   0.37 / 0.47. Still rising at the end, by ~0.2-0.5 MiB each 10 minutes. Where, in the owner
   (``/proc/PID/smaps`` each minute; glibc's heaps walked from ``/proc/PID/mem`` and read with
-  ``malloc_info`` through gdb): the main heap grew 33.5 -> 39.3 MiB in the first 10 minutes, then
+  ``malloc_info`` through gdb): the main heap grew 32.7 -> 38.4 MiB in the first 10 minutes, then
   0.2 MiB in 25; its chunks in use did not grow (32.24 -> 32.03 MiB over 7 minutes), its unused top
-  did; later growth was spread (the tokenizer threads' arena +0.8 MiB, a new 2 MiB mapping). Python's
+  did; later growth was spread (the second arena, the threads', +0.8 MiB, a new 2 MiB mapping). Python's
   allocator is not it either: ``sys._debugmallocstats()`` each minute in the owner (a sitecustomize
-  probe, the same load for 18 minutes, 64 requests/s, 15.4 bytes a request) showed 30 arenas of 1 MiB
-  from the first minute to the last, 29.1-30.0 MB in blocks, no trend.
+  probe, the same load for 18 minutes, 64 requests/s, 15.4 bytes a request) showed 29 arenas of 1 MiB at the
+  first sample and 30 at every one after, 29.1-30.0 MB in blocks, no trend.
 * Nor glibc's policy. Three soaks side by side (``--minutes 35 --warmup 0.3``, each 50.5k requests at
   24/s): as shipped (2 arenas; glibc's mmap threshold had risen to 4.2 MB and its trim threshold to 8.4
   MB within 7 minutes, read from ``mp_`` with glibc's debug symbols), **19.88** bytes a request; with
