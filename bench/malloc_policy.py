@@ -57,7 +57,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # (bench/ is not a pac
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
 
 
 class _MallInfo2(ctypes.Structure):
@@ -72,20 +71,17 @@ def _rss() -> int:
 
 
 def _apply(policy: str) -> None:
-    libc = ctypes.CDLL(None)
     if policy == "glibc":
         return
-    if policy == "picker":
-        from epp.server.process import limit_malloc_arenas
+    from epp.server.process import limit_malloc_arenas
 
-        limit_malloc_arenas()
-        return
-    libc.mallopt(_M_ARENA_MAX, 2)
+    limit_malloc_arenas()  # the picker's cap, under every other policy
     if policy.startswith("fixed:"):
         _, mmap_kib, trim_kib = policy.split(":")
+        libc = ctypes.CDLL(None)
         libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_kib) * 1024)
         libc.mallopt(_M_TRIM_THRESHOLD, int(trim_kib) * 1024)
-    elif policy != "arenas2":
+    elif policy not in ("arenas2", "picker"):
         raise SystemExit(f"unknown policy {policy!r}")
 
 

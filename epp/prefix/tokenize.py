@@ -516,7 +516,7 @@ class ModelTokenizer:
         with self._stats_lock:
             self._stats.encoded_tokens += len(ids)
         array = np.array(ids, dtype=np.uint32)
-        del ids  # (the Rust side's per-word buffers are freed by now)
+        del ids  # before a release: the list and its ints are freed too (the Rust side's buffers already are)
         _RELEASE.after_encoding(len(array))
         return array
 
