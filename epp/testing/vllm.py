@@ -11,7 +11,19 @@ engine-core processes by process group. Facts that shaped the arguments (vLLM 0.
 * it refuses to start unless ``--gpu-memory-utilization`` of the node's memory is free (default
   0.92): on a shared machine with several servers, ask for little;
 * ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache;
-* ``VLLM_SERVER_DEV_MODE=1`` adds ``POST /reset_prefix_cache`` (benches reset caches between runs).
+* ``VLLM_SERVER_DEV_MODE=1`` adds ``POST /reset_prefix_cache`` (benches reset caches between runs);
+* start-up is mostly imports: ``import vllm.entrypoints.openai.api_server`` alone is ~17 s of CPU here, and
+  by default each process of a server pays it (the API server; each engine core; each engine core's model
+  worker, spawned: the CPU platform forces ``spawn``, and turns the ``uni`` executor back into ``mp``
+  unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). So the servers run the model in their engine core's
+  process (``--distributed-executor-backend uni`` with that variable; the engine core stays a process of
+  its own, and the API, the KV events and the engine behave as before): measured alone on these 2
+  cores (``time`` to the first ``/health`` 200), one server 50-61 s -> 33-38 s, a ``--data-parallel-size 2``
+  server 113 -> 62 s; the tier's tests took 777 s of a whole run at 90b8e11 (``pytest --durations``) and
+  488 s with this, run alone (``python3 -m pytest tests/realvllm``). (On CPU, vLLM notes, the ``uni``
+  executor cannot bind the OpenMP threads to cores: nothing here binds them, and vLLM serves the tiny model
+  on one torch thread. The benches that start servers, ``bench/real_vllm_routing.py`` and
+  ``bench/vllm_scrape_cost.py``, measured their figures with the model in a process of its own.)
 
 The servers run at the lowest CPU priority (:data:`NICE`). A CPU server generating busies both of these
 machines' cores (its model worker, its engine core's loop, its API process), and at the default priority
@@ -165,9 +177,10 @@ def start_vllm(
         args += ["--kv-events-config", json.dumps(config)]
     if lora:
         args += ["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={models / 'lora'}"]
-    args += list(extra_args)
+    args += ["--distributed-executor-backend", "uni", *extra_args]  # the model in the engine core's process
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(extra_env or {})}
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           **(extra_env or {})}  # fmt: skip
     log = Path(tempfile.mkstemp(prefix=f"epp-vllm-{name}-", suffix=".log")[1])
     with log.open("wb") as out:
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
