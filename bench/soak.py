@@ -331,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", default="", help="a JSON file to write the samples to (to fit them again)")
     parser.add_argument("--picker-arg", action="append", default=[], help="an extra flag for the picker")
     parser.add_argument(
+        "--picker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the picker alone (LD_PRELOAD=..., MALLOC_ARENA_MAX=1)",
+    )
+    parser.add_argument(
         "--envoy-graceful-close",
         action="store_true",
         help="Envoy half-closes ext_proc streams and waits for the picker's status instead of resetting them",
@@ -372,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
 
         config.write_text(precise_config(_MODEL, str(model), prefix_cache_bytes=8 << 20))
         extra += ["--endpoints-file", str(endpoints), "--config-file", str(config)]
-    picker = PickerProcess([] if args.precise else pool, tls=args.tls, extra_args=extra)
+    picker_env = dict(item.partition("=")[::2] for item in args.picker_env)
+    picker = PickerProcess([] if args.precise else pool, tls=args.tls, extra_args=extra, env=picker_env)
     envoy: EnvoyProcess | None = None
     try:
         picker.start()

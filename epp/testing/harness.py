@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -92,7 +92,9 @@ class PickerProcess:
     ``endpoints=None`` passes no ``--endpoints``: the pool comes from ``extra_args`` (``--pool-name`` and a
     ``--kubeconfig``, for one). The ports are chosen once: a picker started again after :meth:`stop`
     (or after its process was killed) listens where Envoy expects it. ``python``: the interpreter
-    (another virtualenv's, to run another tree's picker side by side in a bench).
+    (another virtualenv's, to run another tree's picker side by side in a bench). ``env``: variables set for
+    the picker's process (and so its workers) over this one's environment (``LD_PRELOAD``, glibc's
+    ``MALLOC_*`` tunables: one picker's allocator changed, not the Envoy's and the pods' beside it).
     """
 
     def __init__(
@@ -102,7 +104,9 @@ class PickerProcess:
         tls: bool = False,
         extra_args: Sequence[str] = (),
         python: str = sys.executable,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        self.env = dict(env or {})
         self.grpc_port = free_port()
         self.health_port = free_port()
         self.metrics_port = free_port()
@@ -135,7 +139,7 @@ class PickerProcess:
             self._log = _new_log()
         # PYTHONSAFEPATH: neither the picker nor its scrape worker imports epp from the working
         # directory (another tree's python, in a bench side by side, must get its own tree's).
-        environment = {**os.environ, "PYTHONSAFEPATH": "1"}
+        environment = {**os.environ, "PYTHONSAFEPATH": "1", **self.env}
 
         def spawn() -> subprocess.Popen[bytes]:
             return subprocess.Popen(
