@@ -368,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         help="KV events, precise-prefix-cache-producer and prompts never seen (module docstring)",
     )
     args = parser.parse_args(argv)
+    if bad := [item for item in args.picker_env if not item.partition("=")[0] or "=" not in item]:
+        parser.error(f"--picker-env takes NAME=VALUE, not {bad[0]!r}")
 
     directory = tempfile.mkdtemp(prefix="epp-soak-")
     command = [sys.executable, "-m", "epp.sim", "--pods", str(args.pods), "--time-scale", "0.01"]

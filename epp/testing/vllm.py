@@ -26,7 +26,8 @@ engine-core processes by process group. Facts that shaped the arguments (vLLM 0.
   ``bench/vllm_scrape_cost.py``, measured their figures with the model in a process of its own.)
 
 The servers run at the lowest CPU priority (:data:`NICE`). A CPU server generating busies both of these
-machines' cores (its model worker, its engine core's loop, its API process), and at the default priority
+machines' cores (its model and engine loop, its API process: measured when the model ran in a worker process of
+its own), and at the default priority
 it starved every other process for seconds at a time: measured here (kernel 6.18, autogroup on), during
 1,500-token streams, a C program sleeping 10 ms woke up to 4.4 s late, the picker answered no health
 check for up to 4.7 s, and Envoy's health check (1 s timeout, two misses) took the picker out, so the
