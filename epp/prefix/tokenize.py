@@ -116,9 +116,7 @@ the ~1% new tokens ~1.2); the script's docstring has the whole table.
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import re
 import threading
 import time
@@ -133,6 +131,7 @@ import numpy as np
 import xxhash
 from tokenizers import AddedToken, Tokenizer, processors
 
+from epp._libc import glibc_function
 from epp.prefix.chat import ChatOptions, ChatTemplate, TemplateError, Unsupported, render_chat
 
 __all__ = [
@@ -162,7 +161,7 @@ class _HeapRelease:
     """``malloc_trim(0)`` after long encodings, rate-limited; nothing where the C library has none."""
 
     def __init__(self, every: float = RELEASE_EVERY_SECONDS) -> None:
-        self._trim = _malloc_trim()
+        self._trim = glibc_function("malloc_trim")
         self._every = every
         self._lock = threading.Lock()
         self._last = -every
@@ -178,15 +177,6 @@ class _HeapRelease:
             self._last = now
             self.releases += 1
         self._trim(0)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return None
-        return ctypes.CDLL(None).malloc_trim
-    except (ValueError, OSError, AttributeError):  # not glibc
-        return None
 
 
 _RELEASE = _HeapRelease()

@@ -3,9 +3,10 @@ thread, its collector once it has started."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
+
+from epp._libc import glibc_function
 
 __all__ = ["MALLOC_ARENAS", "freeze_startup_objects", "limit_malloc_arenas"]
 
@@ -56,14 +57,8 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> int | None:
     """
     if os.environ.get("MALLOC_ARENA_MAX") or "arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
         return None
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
-            return None
-    except (ValueError, OSError):  # not glibc: the name or its value is unknown
-        return None
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = glibc_function("mallopt")
+    if mallopt is None:
         return None
     return arenas if mallopt(_M_ARENA_MAX, arenas) == 1 else None
 

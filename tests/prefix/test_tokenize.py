@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken
 
+from epp._libc import glibc_function
 from epp.prefix import tokenize
 from epp.prefix.chat import ChatOptions, TemplateError, Unsupported
 from epp.prefix.tokenize import ModelTokenizer, TokenizerError
@@ -330,6 +331,7 @@ def test_the_tokenizer_releases_after_encoding_a_long_prompt(llama_dir: Path, mo
     assert len(long_ids) > tokenize.RELEASE_AFTER_TOKENS and max(seen) > tokenize.RELEASE_AFTER_TOKENS
 
 
-@pytest.mark.skipif(not tokenize._malloc_trim(), reason="glibc's malloc_trim")
+@pytest.mark.skipif(not glibc_function("malloc_trim"), reason="glibc's malloc_trim")
 def test_glibc_trim_is_found() -> None:
-    assert tokenize._malloc_trim()(0) in (0, 1)
+    trim = tokenize._HeapRelease()._trim
+    assert trim is not None and trim(0) in (0, 1)
