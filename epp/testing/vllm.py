@@ -26,19 +26,18 @@ engine-core processes by process group. Facts that shaped the arguments (vLLM 0.
   ``bench/vllm_scrape_cost.py``, measured their figures with the model in a process of its own.)
 
 The servers run at the lowest CPU priority (:data:`NICE`). A CPU server generating busies both of these
-machines' cores (its model and engine loop, its API process: measured when the model ran in a worker process of
-its own), and at the default priority
-it starved every other process for seconds at a time: measured here (kernel 6.18, autogroup on), during
-1,500-token streams, a C program sleeping 10 ms woke up to 4.4 s late, the picker answered no health
-check for up to 4.7 s, and Envoy's health check (1 s timeout, two misses) took the picker out, so the
-tier's next request got Envoy's 500 "picker could not be reached" (the failures the tier's conftest
-used to wait out). The same program under SCHED_FIFO was never late: the cores were there, the scheduler
-gave them to vLLM. With the servers' autogroup at nice 19 the same runs had no wake-up late by 0.1 s and
-health checks answered within 10 ms. In a cluster the model servers have GPUs and nodes of their own;
-here they are the load, and the picker, Envoy and the client under test must not wait behind them.
-Each server starts in a session of its own, so it is an autogroup of its own: its nice is set there
-(what the kernel weighs between sessions), and its processes' own (what it weighs without autogroups).
-"""
+machines' cores (its model and engine loop, its API process; measured when the model had a worker process
+of its own), and at the default priority it starved every other process for seconds at a time: measured
+here (kernel 6.18, autogroup on), during 1,500-token streams, a C program sleeping 10 ms woke up to 4.4 s
+late, the picker answered no health check for up to 4.7 s, and Envoy's health check (1 s timeout, two
+misses) took the picker out, so the tier's next request got Envoy's 500 "picker could not be reached" (the
+failures the tier's conftest used to wait out). The same program under SCHED_FIFO was never late: the
+cores were there, the scheduler gave them to vLLM. With the servers' autogroup at nice 19 the same runs
+had no wake-up late by 0.1 s and health checks answered within 10 ms. In a cluster the model servers have
+GPUs and nodes of their own; here they are the load, and the picker, Envoy and the client under test must
+not wait behind them. Each server starts in a session of its own, so it is an autogroup of its own: its
+nice is set there (what the kernel weighs between sessions), and its processes' own (what it weighs
+without autogroups)."""
 
 from __future__ import annotations
 
