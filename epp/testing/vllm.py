@@ -41,6 +41,7 @@ without autogroups)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -99,6 +100,14 @@ _running: list[VllmServer] = []
 def running() -> list[VllmServer]:
     """The servers started and not yet stopped (a failing test's report shows their logs' tails)."""
     return list(_running)
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Safety net, as :mod:`epp.testing.envoy` has: stop every server this interpreter started and did not
+    stop (a run interrupted while a server started left it, and its engines, running)."""
+    for server in list(_running):
+        server.stop()
 
 
 @dataclass
