@@ -10,11 +10,15 @@ with the number of requests answered so far.
 
 The result is the slope of RSS against requests, a least-squares line over the samples after the
 first ``--warmup`` fraction of the run (caches, pools and the allocator's arenas fill first), in
-bytes per request, and the same for fds; the target is <= 1 byte per request over 30 minutes. A
-PNG plot (``--plot``, default soak.png) shows RSS and fds against requests with the fitted line.
+bytes per request, and the same for fds; the target is <= 1 byte per request over 30 minutes. Below
+it, the slope fitted from later starts (40 / 50 / 60 / 75% of the run) and the medians of the thirds
+after the warm-up (with ``--picker-arg=--workers=N``, the owner's too): a step or the end of a fill
+shows there as one change and a trend as several. A PNG plot (``--plot``, default soak.png) shows RSS
+and fds against requests with the fitted line.
 
     python bench/soak.py [--minutes 30] [--workers 4] [--interval 5] [--plot soak.png]
                          [--picker-arg=--flag=value ...] [--tls] [--observe]
+                         [--precise [--prefix-cache-bytes N]] [--picker-env NAME=VALUE ...]
 
 (``--tls``: the picker serves TLS, upstream's default, to an Envoy that uses it; ``--observe``: Envoy
 observes responses, ``epp envoy-config --observe-responses``, a second ext_proc stream a request.)
@@ -113,11 +117,32 @@ runs above; slopes of the main process and its two workers together):
   the owner's RSS rose 0.5 MiB from the warm-up's end (minute 5) to the run's, and the tokenizer alone, encoding 600 fresh random texts of 100-3,000 words a
   round with ``malloc_trim`` after each, stayed at 83.4-83.5 MiB for 8 rounds (a tracer injected into
   a running process can miss frees). The cause is still not found; what it is not is written above.
+* Nor ``--workers``: side by side with one process at the same rate, the owner grows as one process
+  does. Two pairs at 561abd6 (``--precise --minutes 25 --warmup 0.3 --picker-arg=--workers=2`` beside
+  ``--precise --minutes 20 --warmup 0.3`` started 7 minutes later; then the same two at ``--minutes
+  28``), 38-45 requests a second each: the owner **11.87** and **20.76** bytes a request, the one
+  process **23.35** and **16.74**. Between the pairs, two one-process soaks side by side (``--precise
+  --minutes 20 --warmup 0.3``, one with ``--prefix-cache-bytes 0``): **0.97** as shipped (109.4 MiB
+  after the warm-up and at the end), 17.17 without the prefix cache. The same configuration read
+  0.97 and 23.35 within the hour: at ~40 requests a second a 20-30 minute soak's slope is a reading of
+  a few steps of 0.3-0.7 MiB (and the end of the caches' fill), ~0.5-0.9 KB a second when they come,
+  and whether they come in the window decides it. The owner of the first pair, fitted from 50 / 60 /
+  75% of the run instead (printed now below the slope), read 1.16 / 0.32 / 0.67 (one step of 0.3 MiB
+  at ~40k requests, flat for the last 25k); the second's 26.1 / 24.6 / 22.6 (its thirds' medians
+  110.64 / 110.87 / 111.27 MiB). So the higher figures ``--workers 2`` read above came from its rate:
+  its CPU a request (9.2-9.5 ms here against 8.4-8.5 in one process) and two soaks sharing the cores
+  gave it 26-68 requests a second where the one-process precise soaks above ran 121-227, and growth
+  that comes per unit of time reads larger per request at a lower rate. Two parts ruled out each
+  alone (throwaway scripts, not in the repo): the worker-owner channel (both ends in one process on
+  uvloop, a stand-in director, 20k routes a round with bodies of 0.5-20 KB) held RSS at 90,632-90,764
+  kB over 240k routes (small bodies: 84,360-84,488 over 400k); the KV-event subscriber under
+  ``bench/kvevents_lag.py``'s storm (51k blocks stored and removed a second) for 8 minutes, 3.06M
+  events, rose 0.5 MiB in its first 2 minutes and not at all in the 6 after.
 
-Against the target (<= 1 byte a request over 30 minutes): one process meets it (0.01-0.07 default,
-0.72 precise over an hour); ``--workers 2`` with observed responses is about at it (1.2, 2.1 with TLS),
-and ``--workers 2`` with precise routing is not (32.8 at 31 requests a second, 12.8 at 68, 39-66 at 26
-beside two others: some 1-2 KB a second whatever the rate, ~2 MiB in 20 minutes).
+Against the target (<= 1 byte a request over 30 minutes): met without precise routing (one process
+0.01-0.07; ``--workers 2`` with observed responses 1.2, 2.1 with TLS); with precise routing, met in one
+process at 121-227 requests a second (0.72 over an hour, 1.81) and not at ~40 (0.97-23 in one process,
+12-21 under ``--workers 2``, the same growth in time: see "Nor ``--workers``").
 """
 
 from __future__ import annotations
@@ -133,7 +158,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -312,6 +337,27 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
+def _trend(samples: list[Sample], kept: list[Sample], seconds: float, rss: Callable[[Sample], int]) -> str:
+    """The slope of ``rss`` fitted from later starts, and its medians over the thirds after the warm-up: a
+    slope that a step or the end of a fill made changes with a later start and shows in the thirds as one
+    change, while a trend holds in each."""
+    slopes = []
+    for start in _LATER_STARTS:
+        late = [s for s in samples if s.seconds >= start * seconds]
+        if len(late) >= 3:
+            slopes.append(f"{_fit([float(s.requests) for s in late], [float(rss(s)) for s in late])[0]:.2f}")
+    size = len(kept) // 3
+    thirds = [sorted(rss(s) for s in kept[i * size : (i + 1) * size if i < 2 else len(kept)]) for i in range(3)]
+    medians = " / ".join(f"{third[len(third) // 2] / 2**20:.2f}" for third in thirds if third)
+    return (
+        f"fitted from {' / '.join(f'{start:.0%}' for start in _LATER_STARTS)} of the run instead: "
+        f"{' / '.join(slopes)} B/request; medians of the thirds after the warm-up {medians} MiB"
+    )
+
+
+_LATER_STARTS = (0.4, 0.5, 0.6, 0.75)
+
+
 def _plot(samples: list[Sample], kept: list[Sample], rss_fit: tuple[float, float], path: str, title: str) -> None:
     import matplotlib
 
@@ -367,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="KV events, precise-prefix-cache-producer and prompts never seen (module docstring)",
     )
+    parser.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=8 << 20,
+        help="with --precise: the tokenizer's prefix cache (prefixCacheBytes; 0: none)",
+    )
     args = parser.parse_args(argv)
     if bad := [item for item in args.picker_env if not item.partition("=")[0] or "=" not in item]:
         parser.error(f"--picker-env takes NAME=VALUE, not {bad[0]!r}")
@@ -393,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # (bench/ is not a package)
         from precise_routing import precise_config
 
-        config.write_text(precise_config(_MODEL, str(model), prefix_cache_bytes=8 << 20))
+        config.write_text(precise_config(_MODEL, str(model), prefix_cache_bytes=args.prefix_cache_bytes))
         extra += ["--endpoints-file", str(endpoints), "--config-file", str(config)]
     picker_env = dict(item.partition("=")[::2] for item in args.picker_env)
     picker = PickerProcess([] if args.precise else pool, tls=args.tls, extra_args=extra, env=picker_env)
@@ -442,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         f"slope after warm-up: RSS {rss_fit[0]:.2f} bytes/request, fds {fds_fit[0] * 1e6:.3f} per million requests "
         f"(fds {min(s.fds for s in samples)}..{max(s.fds for s in samples)})"
     )
+    print("  " + _trend(samples, kept, args.minutes * 60, lambda s: s.rss))
     names = [name for name in kept[0].processes if all(name in s.processes for s in kept)]
     seen = {name for s in kept for name in s.processes}
     if len(seen) > 1:
@@ -454,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name in names
             )
         )
+        if "main" in names:
+            print("  main: " + _trend(samples, kept, args.minutes * 60, lambda s: s.processes.get("main", 0)))
         if seen != set(names):  # a worker restarted (or its sample was missed): its pid is in the names
             print(f"  processes changed after the warm-up: {sorted(seen)}; fitted by process: {names}")
     if load.unexpected:
