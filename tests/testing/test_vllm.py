@@ -38,7 +38,7 @@ def test_a_server_left_running_is_stopped_when_the_interpreter_exits(tmp_path: P
     python.write_text("#!/bin/sh\nexec sleep 60\n")
     python.chmod(0o755)
     script = (
-        "import sys; from pathlib import Path; from epp.testing.vllm import start_vllm\n"
+        "from pathlib import Path; from epp.testing.vllm import start_vllm\n"
         f"server = start_vllm({str(python)!r}, Path({str(tmp_path)!r}), 'x', kv_events=False)\n"
         "print(server.process.pid, flush=True)\n"
         "raise KeyboardInterrupt\n"
