@@ -897,4 +897,3 @@ def _rebuild_post_processor(tokenizer: Tokenizer, specials: Mapping[str, str], b
     pair = f"{single}{' ' + str(bos_text) + ':1' if bos else ''} $B:1{' ' + str(eos_text) + ':1' if eos else ''}"
     tokens = [(t, tokenizer.token_to_id(t)) for t, on in ((bos_text, bos), (eos_text, eos)) if on and t is not None]
     tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=tokens)
-

@@ -70,8 +70,16 @@ _CONVERSATION = [
     {"role": "assistant", "content": "the answer is five."},
     {"role": "user", "content": "and six? ünïcödé\n\nsecond paragraph"},
 ]
-_TOOLS = [{"type": "function", "function": {"name": "pick", "description": "pick a pod",
-                                            "parameters": {"type": "object", "properties": {"pod": {"type": "string"}}}}}]
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "pick",
+            "description": "pick a pod",
+            "parameters": {"type": "object", "properties": {"pod": {"type": "string"}}},
+        },
+    }
+]
 _TOOL_TURNS = [
     {"role": "user", "content": "route this request"},
     {"role": "assistant", "content": None, "tool_calls": [
@@ -213,5 +221,8 @@ def test_the_tier_models_own_tokenizer_loads(served: tuple[VllmServer, ModelToke
     paths = tier_paths()
     assert paths is not None
     own = ModelTokenizer.from_dir(Path(paths[1]) / "llama")
-    assert own.completion_ids("hello world").tolist() == own.completion_ids("hello world", add_special_tokens=False).tolist()
+    assert (
+        own.completion_ids("hello world").tolist()
+        == own.completion_ids("hello world", add_special_tokens=False).tolist()
+    )
     assert own.chat_text([{"role": "user", "content": "hi"}]) == "<|user|>\nhi</s>\n<|assistant|>\n"
