@@ -141,8 +141,9 @@ runs above; slopes of the main process and its two workers together):
 
 Against the target (<= 1 byte a request over 30 minutes): met without precise routing (one process
 0.01-0.07; ``--workers 2`` with observed responses 1.2, 2.1 with TLS); with precise routing, met in one
-process at 121-227 requests a second (0.72 over an hour, 1.81) and not at ~40 (0.97-23 in one process,
-12-21 under ``--workers 2``, the same growth in time: see "Nor ``--workers``").
+process at 121-227 requests a second (0.72 over an hour, 1.81); at ~40, once in four one-process runs
+(0.97; the others 16.7-23.4) and in neither run under ``--workers 2`` (11.9, 20.8): the same growth in
+time, see "Nor ``--workers``".
 """
 
 from __future__ import annotations
