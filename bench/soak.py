@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         if "main" in names:
-            print("  main: " + _trend(samples, kept, args.minutes * 60, lambda s: s.processes.get("main", 0)))
+            print("  main: " + _trend(samples, kept, args.minutes * 60, lambda s: s.processes["main"]))
         if seen != set(names):  # a worker restarted (or its sample was missed): its pid is in the names
             print(f"  processes changed after the warm-up: {sorted(seen)}; fitted by process: {names}")
     if load.unexpected:

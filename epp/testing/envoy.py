@@ -13,7 +13,6 @@ left a file in /dev/shm behind (84 after one run of the test suite).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import shutil
@@ -30,11 +29,12 @@ from typing import IO, Any
 
 import yaml
 
-from epp.testing.processes import stop_process
+from epp.testing.processes import stop_at_exit, stop_process
 
 __all__ = ["EnvoyError", "EnvoyProcess", "envoy_binary", "free_port"]
 
 _running: set[EnvoyProcess] = set()
+stop_at_exit(_running)  # what this interpreter started and did not stop
 # Envoy is usually ready within 0.1-1 s; polling at 50 ms adds little to that.
 _POLL_INTERVAL = 0.05
 # The admin interface answers from memory; seconds mean Envoy is wedged.
@@ -288,10 +288,3 @@ def _read_admin_address(path: Path) -> tuple[str, int] | None:
     if ":" in host:
         host = f"[{host}]"
     return host, port_number
-
-
-@atexit.register
-def _stop_all() -> None:
-    """Safety net: stop every Envoy this interpreter started and did not stop."""
-    for process in list(_running):
-        process.stop()

@@ -49,7 +49,6 @@ Facts that shaped the arguments (checked against both versions above):
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import re
@@ -66,7 +65,7 @@ from types import TracebackType
 from typing import IO
 
 from epp.testing.envoy import free_port
-from epp.testing.processes import stop_process
+from epp.testing.processes import stop_at_exit, stop_process
 
 __all__ = ["KINDS", "POLICIES", "PeerError", "PeerRouter", "render_counts", "unavailable", "version"]
 
@@ -87,6 +86,7 @@ _POLL_S = 0.1
 _STOP_GRACE_S = 10.0
 _SGLANG_SHUTDOWN_GRACE_S = 5
 _running: set[PeerRouter] = set()
+stop_at_exit(_running)  # what this interpreter started and did not stop
 
 
 class PeerError(RuntimeError):
@@ -300,11 +300,3 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$", re.M)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # How much of a stopped router's log is kept for log_tail() once its file is removed.
 _KEPT_LOG_CHARS = 256 * 1024
-
-
-@atexit.register
-def _stop_all() -> None:
-    """Safety net: stop every router this interpreter started and did not stop."""
-    for router in list(_running):
-        router.stop()
-

@@ -3,17 +3,37 @@
 The launchers (:mod:`epp.testing.envoy`, :mod:`epp.testing.peers`, :mod:`epp.testing.vllm`, the
 benches' simulators) start their processes, often in a session of their own so that a process group
 takes the children with it, and end only what they started, by PID. A process already reaped is
-never signalled: its PID may have been reused.
+never signalled: its PID may have been reused. Each launcher also keeps what it started and has not
+stopped, and hands that collection to :func:`stop_at_exit`, so an interpreter that ends without
+stopping them (an interrupted run, a failed fixture) does not leave them running.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import subprocess
+from collections.abc import Collection
+from typing import Protocol
 
-__all__ = ["signal_group", "stop_process"]
+__all__ = ["signal_group", "stop_at_exit", "stop_process"]
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+def stop_at_exit(running: Collection[Stoppable]) -> None:
+    """Stop, when this interpreter exits, whatever is still in ``running`` then (each ``stop`` removes
+    itself from it)."""
+
+    def stop_all() -> None:
+        for each in list(running):
+            each.stop()
+
+    atexit.register(stop_all)
 
 
 def signal_group(pid: int, signum: signal.Signals) -> None:

@@ -41,7 +41,6 @@ without autogroups)."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -56,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epp.testing.envoy import free_port
-from epp.testing.processes import stop_process
+from epp.testing.processes import stop_at_exit, stop_process
 
 __all__ = ["ADAPTER", "BASE", "NICE", "VllmServer", "http_get", "http_post", "running", "start_vllm", "tier_paths"]
 
@@ -95,19 +94,12 @@ def http_post(url: str, body: bytes | dict, timeout: float = 120.0) -> tuple[int
 
 
 _running: list[VllmServer] = []
+stop_at_exit(_running)  # what this interpreter started and did not stop
 
 
 def running() -> list[VllmServer]:
     """The servers started and not yet stopped (a failing test's report shows their logs' tails)."""
     return list(_running)
-
-
-@atexit.register
-def _stop_all() -> None:
-    """Safety net, as :mod:`epp.testing.envoy` has: stop every server this interpreter started and did not
-    stop (a run interrupted while a server started left it, and its engines, running)."""
-    for server in list(_running):
-        server.stop()
 
 
 @dataclass
