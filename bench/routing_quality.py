@@ -24,6 +24,9 @@ and a cold prefix index): ``rr`` Envoy alone, round robin over the pool (no ext_
 picker with queue-scorer 2 + kv-cache-utilization-scorer 2 (``deploy/config/queue-kv-only.yaml``);
 ``default`` the picker with no config: upstream's default profile (queue 2, KV 2, prefix 3);
 ``config:PATH`` the picker with any other config file, to try a variant on the same trace;
+``floor`` a server that gives Envoy the same ext_proc answers with no work, round robin
+(``bench/passthrough_picker.py``: no parsing, routing, accounting or scraping, on epp's transport),
+counted as the picker: what the reference exchange's messages cost any picker on this transport;
 a picker policy ending ``@PYTHON`` runs the picker under that interpreter (a wrapper that puts another
 checkout first: two trees side by side, ``default@/tmp/old-python,default``);
 ``sglang-router`` and ``vllm-router`` the peers (PyPI; ``pip install -e '.[bench]'``) with their
@@ -83,6 +86,8 @@ apart; a peer router whole (it is the whole proxy: HTTP in, routing, HTTP out); 
 ``rr``. The picker's idle rate is measured on the same pool just before each load: ``--idle-window``
 (5) seconds of no traffic after Envoy admitted it, CPU / wall = cores, printed beside the figure;
 idle x the load's wall time is subtracted. The pods and the client are not routing and not counted.
+The ``floor`` policy's figure beside the picker's splits it: the protocol's messages, and what epp's
+own work adds (the CPU table prints the floor's ratio to sglang-router's below the target's line).
 The picker's idle rate at another pool size (the issue's target is at 100 pods) comes from
 ``bench/scrape_cost.py``'s stand-in pods: ``--idle-pods 100`` (``--skip-routing`` for that alone).
 Each output token is one streamed SSE event, and every event crosses Envoy -> picker -> Envoy
@@ -218,7 +223,7 @@ from epp.envoy.bootstrap import BootstrapOptions, render, render_round_robin
 from epp.sim.config import EngineConfig
 from epp.sim.kvcache import BLOCK_SIZE, block_hashes, model_seed
 from epp.sim.tokens import BYTES_PER_TOKEN, plan_output, render_chat
-from epp.testing.envoy import EnvoyProcess
+from epp.testing.envoy import EnvoyProcess, free_port
 from epp.testing.harness import PickerProcess, cpu_seconds, wait_for_picker
 from epp.testing.peers import KINDS as PEER_KINDS
 from epp.testing.peers import POLICIES as PEER_POLICIES
@@ -250,7 +255,7 @@ MODEL = _COST.model
 
 WORKLOADS = {"a": "shared prefix", "b": "multi-turn chat", "c": "no sharing"}
 POLICIES = {"rr": "round robin", "queue-kv": "queue + KV", "default": "prefix + queue + KV",
-            "sglang-router": "sglang-router", "vllm-router": "vllm-router"}
+            "floor": "no-work ext_proc", "sglang-router": "sglang-router", "vllm-router": "vllm-router"}
 _PEER_POLICY = "cache_aware"  # the peers' prefix-aware policy; KIND:POLICY picks another
 
 # Workload shapes (tokens); see the module docstring.
@@ -767,6 +772,7 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
     picker: PickerProcess | None = None
     envoy: EnvoyProcess | None = None
     router: PeerRouter | None = None
+    floor: _FloorPicker | None = None
     idle: dict[str, float] = {}
     stats: dict[str, float] = {}
     try:
@@ -781,6 +787,10 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
             if policy == "rr":
                 bootstrap = render_round_robin(BootstrapOptions(listen_address="127.0.0.1", listen_port=0,
                                                                 admin_port=0, pool_endpoints=tuple(sim.pods)))
+            elif policy == "floor":
+                floor = _FloorPicker(sim.pods)
+                bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
+                                                    picker_port=floor.port))
             else:
                 base, flags = _picker_flags(policy)
                 config = _QUEUE_KV_CONFIG if base == "queue-kv" else base.removeprefix("config:")
@@ -793,23 +803,24 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
             envoy.start()
             url = f"http://127.0.0.1:{envoy.listen_port}"
             pids["envoy"] = envoy.pid
-            if picker is not None:
+            ext_proc = picker or floor
+            if ext_proc is not None:
                 wait_for_picker(envoy)
                 time.sleep(_SETTLE_S)
-                pids["picker"] = picker.pid
+                pids["picker"] = ext_proc.pid
                 # The picker's idle rate (scraping every pod, no traffic), on this very pool, subtracted below.
-                idle = _idle_cores({"picker": picker.pid, "envoy": envoy.pid}, opts.idle_window)
+                idle = _idle_cores({"picker": ext_proc.pid, "envoy": envoy.pid}, opts.idle_window)
         before = asyncio.run(_sim_counters(sim.pods))
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        if picker is not None:  # its request-path process alone (the rest is its scrape worker)
-            cpu0[_PICKER_MAIN] = cpu_seconds(picker.pid, children=False)
+        if "picker" in pids:  # its request-path process alone (the rest is its scrape worker)
+            cpu0[_PICKER_MAIN] = cpu_seconds(pids["picker"], children=False)
         client0 = time.process_time()
         wall0 = time.perf_counter()
         records, unfinished = _run_loop(_drive(url, workload, opts))
         wall = time.perf_counter() - wall0
         cpu_s = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
-        if picker is not None:
-            cpu_s[_PICKER_MAIN] = cpu_seconds(picker.pid, children=False) - cpu0[_PICKER_MAIN]
+        if "picker" in pids:
+            cpu_s[_PICKER_MAIN] = cpu_seconds(pids["picker"], children=False) - cpu0[_PICKER_MAIN]
         cpu_s["client"] = time.process_time() - client0
         after = asyncio.run(_sim_counters(sim.pods))
         if router is not None and router.kind == "vllm-router":
@@ -823,11 +834,32 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
             picker.stop()
             with contextlib.suppress(OSError):
                 os.unlink(picker.log_path)
+        if floor is not None:
+            floor.stop()
         sim.stop()
     result = _summarise(workload, policy, records, unfinished, before, after,
                         {k: v / wall for k, v in cpu_s.items()}, oracle, wall)
     return dataclasses.replace(result, round=round_, cpu_s={k: round(v, 3) for k, v in cpu_s.items()},
                                idle_cores={k: round(v, 4) for k, v in idle.items()}, router_stats=stats)
+
+
+class _FloorPicker:
+    """``bench/passthrough_picker.py`` serving the pool round robin: the reference ext_proc exchange on epp's
+    transport with no work (no parsing, routing, accounting or scraping), the policy ``floor``. Its CPU beside
+    the picker's is what the protocol's messages cost any picker; the rest is the picker's own."""
+
+    def __init__(self, pods: Sequence[str]) -> None:
+        self.port = free_port()
+        script = Path(__file__).with_name("passthrough_picker.py")
+        self.process = subprocess.Popen([sys.executable, str(script), "--port", str(self.port),
+                                         "--endpoints", ",".join(pods)])
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        stop_process(self.process)
 
 
 def _idle_cores(pids: dict[str, int], window: float) -> dict[str, float]:
@@ -1121,6 +1153,10 @@ def format_cpu_table(results: Sequence[Result], pods: int) -> str:
             picker = statistics.median(routing_cpu_per_1k(r).get("picker", math.nan) for r in results
                                        if r.policy == policy and r.completed)
             ratio = picker / overall["sglang-router"]
+            if policy == "floor":  # not a picker: what the reference exchange's messages cost on this transport
+                lines.append(f"  the protocol's floor (the same ext_proc messages, no work) / sglang-router: "
+                             f"{picker:.2f} / {overall['sglang-router']:.2f} = {ratio:.2f}")
+                continue
             lines.append(f"  target (issue 14): picker above idle / sglang-router ≤ 0.5: {_label(policy)} "
                          f"{picker:.2f} / {overall['sglang-router']:.2f} = {ratio:.2f} "
                          + ("(met)" if ratio <= 0.5 else f"(not met: {ratio / 0.5:.1f}x the target)"))
@@ -1252,7 +1288,7 @@ def _format_idle(cost: dict[str, float]) -> str:
 
 
 # --cpu-comparison: issue 14's side-by-side CPU figure, sized to fit ~30 minutes on a shared 2-core machine.
-_CPU_COMPARISON = {"policies": "rr,default,sglang-router,vllm-router", "rounds": 3, "max_tokens": 16,
+_CPU_COMPARISON = {"policies": "rr,default,floor,sglang-router,vllm-router", "rounds": 3, "max_tokens": 16,
                    "duration": 20.0, "drain": 30.0}
 
 
@@ -1265,7 +1301,7 @@ def _parser(preset: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--cpu-comparison", action="store_true",
                    help="issue 14's side-by-side CPU run; its defaults: " + ", ".join(
                        f"--{k.replace('_', '-')} {v}" for k, v in _CPU_COMPARISON.items())
-                   + " (explicit flags win); ~17 min on a 2-core machine")
+                   + " (explicit flags win); ~21 min on a 2-core machine")
     p.add_argument("--pods", type=int, default=d.pods)
     p.add_argument("--workloads", default=",".join(d.workloads), help="comma-separated, of " + ",".join(WORKLOADS))
     p.add_argument("--policies", default=",".join(d.policies),

@@ -192,6 +192,19 @@ def test_smoke_run_through_envoy_the_picker_and_the_simulator() -> None:
     assert re.search(r"^a shared prefix\s+round robin\s+[\d.]+%\s+\d+%\s+\d+ms\s+\d+ms\s+1\.00\s", table[2])
 
 
+def test_the_floor_policy_routes_through_a_no_work_ext_proc_server_and_is_counted_as_the_picker() -> None:
+    # bench/passthrough_picker.py behind the same Envoy configuration: what the protocol's messages cost.
+    opts = rq.Options(**_TINY)
+    workload = rq.make_workload("a", opts)
+    r = rq.run_policy(workload, "floor", opts, rq.oracle_hit_rate(workload, seed=opts.seed), rq.num_gpu_blocks(opts))
+    assert r.completed == r.requests > 0 and r.errors == r.unfinished == 0 and r.wrong_answers == 0, r
+    assert set(r.cpu_s) == {"simulator", "envoy", "client", "picker", rq._PICKER_MAIN}
+    assert set(rq.routing_cpu_per_1k(r)) == {"picker", "envoy"} and set(r.idle_cores) == {"picker", "envoy"}
+    assert r.cpu_s["picker"] > 0 and rq._picker_parts(r)[1] == pytest.approx(0, abs=1e-9)  # no scrape worker
+    # Round robin over both pods, whatever the prefix: a group's requests do not stay on one pod.
+    assert r.stickiness is not None and r.stickiness < 0.75
+
+
 def _result(workload: str, policy: str, hit_rate: float) -> object:
     return rq.Result(workload, policy, 10, 10, 0, 0, hit_rate, 0.9, 20.0, 40.0, 5.0, 80.0, {"client": 0.1})
 
@@ -264,6 +277,11 @@ def test_rounds_are_summarised_by_medians_and_the_cpu_table_checks_the_target() 
     assert re.search(r"sglang-router\s+2\.00\s+\[2\.00 3\.00 1\.00\]\s+-\s+-\s+2\.00", table)
     assert "picker idle 0.010 cores at 8 pods" in table
     assert "prefix + queue + KV 5.00 / 2.00 = 2.50 (not met: 5.0x the target)" in table
+    # The no-work server's ratio is printed beside, as the protocol's floor, not as a picker meeting the target.
+    floor = [_cpu_result("floor", i, {"picker": 0.15, "envoy": 0.3}, {"picker": 0.0}) for i in range(3)]
+    table = rq.format_cpu_table(runs + floor, pods=8)
+    assert "the protocol's floor (the same ext_proc messages, no work) / sglang-router: 1.50 / 2.00 = 0.75" in table
+    assert not [line for line in table.splitlines() if "target (issue 14)" in line and "no-work" in line]
 
 
 @pytest.mark.parametrize(
@@ -280,6 +298,6 @@ def test_peer_policies_are_checked_like_the_others(policy: str, message: str) ->
 
 def test_the_cpu_comparison_preset_sets_issue_14s_run_and_explicit_flags_win() -> None:
     args = rq._parser(preset=True).parse_args(["--cpu-comparison", "--rounds", "1"])
-    assert args.policies == "rr,default,sglang-router,vllm-router"
+    assert args.policies == "rr,default,floor,sglang-router,vllm-router"
     assert (args.rounds, args.max_tokens, args.duration) == (1, 16, 20.0)
     assert rq._parser().parse_args([]).rounds == 1
