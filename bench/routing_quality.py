@@ -254,8 +254,14 @@ _COST = EngineConfig()  # the simulator's default cost model, which the child pr
 MODEL = _COST.model
 
 WORKLOADS = {"a": "shared prefix", "b": "multi-turn chat", "c": "no sharing"}
-POLICIES = {"rr": "round robin", "queue-kv": "queue + KV", "default": "prefix + queue + KV",
-            "floor": "no-work ext_proc", "sglang-router": "sglang-router", "vllm-router": "vllm-router"}
+POLICIES = {
+    "rr": "round robin",
+    "queue-kv": "queue + KV",
+    "default": "prefix + queue + KV",
+    "floor": "no-work ext_proc",
+    "sglang-router": "sglang-router",
+    "vllm-router": "vllm-router",
+}
 _PEER_POLICY = "cache_aware"  # the peers' prefix-aware policy; KIND:POLICY picks another
 
 # Workload shapes (tokens); see the module docstring.
@@ -314,8 +320,14 @@ def _text(rng: np.random.Generator, tokens: int) -> str:
 
 def _turn(messages: tuple[tuple[str, str], ...], max_tokens: int, seed: int) -> Turn:
     prompt = render_chat(messages)
-    plan = plan_output(prompt, model=MODEL, seed=seed, max_tokens=max_tokens, ignore_eos=True,
-                       mean_output_tokens=_COST.mean_output_tokens)
+    plan = plan_output(
+        prompt,
+        model=MODEL,
+        seed=seed,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        mean_output_tokens=_COST.mean_output_tokens,
+    )
     return Turn(messages, len(prompt), "".join(plan.words))
 
 
@@ -398,17 +410,21 @@ def _oracle_trace(workload: Workload, seed: int, block_size: int) -> Iterator[tu
     for i, item in enumerate(workload.items):
         for turn in item.turns:
             prompt = render_chat(turn.messages)
-            plan = plan_output(prompt, model=MODEL, seed=seed, max_tokens=len(turn.answer) // BYTES_PER_TOKEN,
-                               ignore_eos=True, mean_output_tokens=_COST.mean_output_tokens)
+            plan = plan_output(
+                prompt,
+                model=MODEL,
+                seed=seed,
+                max_tokens=len(turn.answer) // BYTES_PER_TOKEN,
+                ignore_eos=True,
+                mean_output_tokens=_COST.mean_output_tokens,
+            )
             hashes = block_hashes(np.concatenate((prompt, plan.token_ids)), chain_seed, block_size).tolist()
             # the blocks it stores: prompt and output but the last output token (whose KV is never computed)
             stored = hashes[: (len(prompt) + len(plan.token_ids) - 1) // block_size]
             yield i, len(prompt), stored, min(len(stored), (len(prompt) - 1) // block_size)
 
 
-def oracle_hit_rate(
-    workload: Workload, *, seed: int, block_size: int = BLOCK_SIZE, skip: Container[int] = ()
-) -> float:
+def oracle_hit_rate(workload: Workload, *, seed: int, block_size: int = BLOCK_SIZE, skip: Container[int] = ()) -> float:
     """The hit rate with one unlimited cache shared by every request, in trace order (module docstring).
 
     Items whose index is in ``skip`` fill the cache but are not counted (requests that bypass the gateway)."""
@@ -487,7 +503,12 @@ def finite_hit_rate(
 
 
 def knowing_router_hit_rate(
-    workload: Workload, pods: int, capacity: int, *, seed: int, block_size: int = BLOCK_SIZE,
+    workload: Workload,
+    pods: int,
+    capacity: int,
+    *,
+    seed: int,
+    block_size: int = BLOCK_SIZE,
     skip: Container[int] = (),
 ) -> float:
     """The hit rate of a router that knows every pod's cache: ``pods`` caches of ``capacity`` blocks each
@@ -550,13 +571,19 @@ _decode = msgspec.json.Decoder()
 
 
 async def _send(session: aiohttp.ClientSession, url: str, turn: Turn, record: Record, max_tokens: int) -> bool:
-    body = {"model": MODEL, "messages": [{"role": r, "content": c} for r, c in turn.messages],
-            "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": r, "content": c} for r, c in turn.messages],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     parts: list[str] = []
     try:
-        async with session.post(url, data=msgspec.json.encode(body),
-                                headers={"content-type": "application/json"}) as resp:
+        async with session.post(
+            url, data=msgspec.json.encode(body), headers={"content-type": "application/json"}
+        ) as resp:
             record.status = resp.status
             record.pod = resp.headers.get("x-sim-pod", "")
             held = resp.headers.get("x-sim-held-at-arrival")
@@ -587,8 +614,9 @@ async def _send(session: aiohttp.ClientSession, url: str, turn: Turn, record: Re
     return record.ttft is not None
 
 
-async def _run_item(session: aiohttp.ClientSession, url: str, item: Item, records: list[Record],
-                    opts: Options, scheduled: float) -> None:
+async def _run_item(
+    session: aiohttp.ClientSession, url: str, item: Item, records: list[Record], opts: Options, scheduled: float
+) -> None:
     for i, turn in enumerate(item.turns):
         if i:
             await asyncio.sleep(item.think_s[i - 1] * opts.time_scale)
@@ -677,14 +705,19 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
-_COUNTER = re.compile(rb"^(vllm:prefix_cache_queries_total|vllm:prefix_cache_hits_total|vllm:num_preemptions_total)"
-                      rb"(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+_COUNTER = re.compile(
+    rb"^(vllm:prefix_cache_queries_total|vllm:prefix_cache_hits_total|vllm:num_preemptions_total)"
+    rb"(?:\{[^}]*\})? ([0-9.eE+-]+)$",
+    re.M,
+)
 
 
 async def _sim_counters(pods: Sequence[str]) -> Counter[str]:
     totals: Counter[str] = Counter()
-    query = "&".join(f"name[]={n}" for n in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                                              "vllm:num_preemptions_total"))
+    query = "&".join(
+        f"name[]={n}"
+        for n in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total")
+    )
     async with aiohttp.ClientSession() as session:
         for pod in pods:
             async with session.get(f"http://{pod}/metrics?{query}") as resp:
@@ -703,10 +736,26 @@ class _Simulator:
     def __init__(self, opts: Options, num_gpu_blocks: int) -> None:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "epp.sim", "--pods", str(opts.pods), "--seed", str(opts.seed),
-             "--time-scale", str(opts.time_scale), "--num-gpu-blocks", str(num_gpu_blocks),
-             "--max-model-len", str(num_gpu_blocks * BLOCK_SIZE), "--enable-scale-out"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+            [
+                sys.executable,
+                "-m",
+                "epp.sim",
+                "--pods",
+                str(opts.pods),
+                "--seed",
+                str(opts.seed),
+                "--time-scale",
+                str(opts.time_scale),
+                "--num-gpu-blocks",
+                str(num_gpu_blocks),
+                "--max-model-len",
+                str(num_gpu_blocks * BLOCK_SIZE),
+                "--enable-scale-out",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
         )
         assert self.process.stdout is not None
         self.pods = []
@@ -764,8 +813,9 @@ def _peer(policy: str) -> tuple[str, str] | None:
     return (kind, peer_policy or _PEER_POLICY) if kind in PEER_KINDS else None
 
 
-def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, blocks: int, *,
-               round_: int = 0) -> Result:
+def run_policy(
+    workload: Workload, policy: str, opts: Options, oracle: float, blocks: int, *, round_: int = 0
+) -> Result:
     """Start a cold simulator, the policy's gateway, send the workload, and measure."""
     _check_policy(policy)
     sim = _Simulator(opts, blocks)
@@ -785,20 +835,31 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
             pids[peer[0]] = router.pid
         else:
             if policy == "rr":
-                bootstrap = render_round_robin(BootstrapOptions(listen_address="127.0.0.1", listen_port=0,
-                                                                admin_port=0, pool_endpoints=tuple(sim.pods)))
+                bootstrap = render_round_robin(
+                    BootstrapOptions(
+                        listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(sim.pods)
+                    )
+                )
             elif policy == "floor":
                 floor = _FloorPicker(sim.pods)
-                bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
-                                                    picker_port=floor.port))
+                bootstrap = render(
+                    BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0, picker_port=floor.port)
+                )
             else:
                 base, flags = _picker_flags(policy)
                 config = _QUEUE_KV_CONFIG if base == "queue-kv" else base.removeprefix("config:")
                 extra = (["--config-file", str(config)] if base != "default" else []) + flags
                 picker = PickerProcess(sim.pods, extra_args=extra, python=_picker_python(policy))
                 picker.start()
-                bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
-                                                    picker_port=picker.grpc_port, observe_responses=_observes(policy)))
+                bootstrap = render(
+                    BootstrapOptions(
+                        listen_address="127.0.0.1",
+                        listen_port=0,
+                        admin_port=0,
+                        picker_port=picker.grpc_port,
+                        observe_responses=_observes(policy),
+                    )
+                )
             envoy = EnvoyProcess(bootstrap, concurrency=1)
             envoy.start()
             url = f"http://127.0.0.1:{envoy.listen_port}"
@@ -837,10 +898,16 @@ def run_policy(workload: Workload, policy: str, opts: Options, oracle: float, bl
         if floor is not None:
             floor.stop()
         sim.stop()
-    result = _summarise(workload, policy, records, unfinished, before, after,
-                        {k: v / wall for k, v in cpu_s.items()}, oracle, wall)
-    return dataclasses.replace(result, round=round_, cpu_s={k: round(v, 3) for k, v in cpu_s.items()},
-                               idle_cores={k: round(v, 4) for k, v in idle.items()}, router_stats=stats)
+    result = _summarise(
+        workload, policy, records, unfinished, before, after, {k: v / wall for k, v in cpu_s.items()}, oracle, wall
+    )
+    return dataclasses.replace(
+        result,
+        round=round_,
+        cpu_s={k: round(v, 3) for k, v in cpu_s.items()},
+        idle_cores={k: round(v, 4) for k, v in idle.items()},
+        router_stats=stats,
+    )
 
 
 class _FloorPicker:
@@ -851,8 +918,9 @@ class _FloorPicker:
     def __init__(self, pods: Sequence[str]) -> None:
         self.port = free_port()
         script = Path(__file__).with_name("passthrough_picker.py")
-        self.process = subprocess.Popen([sys.executable, str(script), "--port", str(self.port),
-                                         "--endpoints", ",".join(pods)])
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), "--port", str(self.port), "--endpoints", ",".join(pods)]
+        )
 
     @property
     def pid(self) -> int:
@@ -895,8 +963,17 @@ def _run_loop(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-def _summarise(workload: Workload, policy: str, records: list[Record], unfinished: int, before: Counter[str],
-               after: Counter[str], cpu: dict[str, float], oracle: float, wall: float) -> Result:
+def _summarise(
+    workload: Workload,
+    policy: str,
+    records: list[Record],
+    unfinished: int,
+    before: Counter[str],
+    after: Counter[str],
+    cpu: dict[str, float],
+    oracle: float,
+    wall: float,
+) -> Result:
     done = [r for r in records if r.done is not None and r.ttft is not None]
     ttfts = [r.ttft * 1000 for r in done if r.ttft is not None]
     queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
@@ -991,8 +1068,10 @@ def _check_policy(policy: str) -> None:
         if peer[1] not in PEER_POLICIES[peer[0]]:
             raise ValueError(f"policy {policy!r}: {peer[0]} policies are {', '.join(PEER_POLICIES[peer[0]])}")
     elif policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}, "
-                         f"{'|'.join(PEER_KINDS)}:POLICY or config:PATH")
+        raise ValueError(
+            f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}, "
+            f"{'|'.join(PEER_KINDS)}:POLICY or config:PATH"
+        )
 
 
 def _label(policy: str) -> str:
@@ -1014,10 +1093,16 @@ def run(opts: Options, *, log: Any = print) -> list[Result]:
         if peer is not None and (why := unavailable(peer[0])) is not None:
             raise RuntimeError(f"policy {policy}: {why}")
     blocks = num_gpu_blocks(opts)
-    log(f"pool: {opts.pods} simulated pods, {blocks} KV blocks ({blocks * BLOCK_SIZE} tokens) each, "
-        f"time scale {opts.time_scale}; load: " + (f"closed loop, {opts.users} users" if opts.users else
-                                                   f"open loop, Poisson, {opts.load:.0%} of no-hit capacity")
-        + f"; {opts.max_tokens} output tokens per request")
+    log(
+        f"pool: {opts.pods} simulated pods, {blocks} KV blocks ({blocks * BLOCK_SIZE} tokens) each, "
+        f"time scale {opts.time_scale}; load: "
+        + (
+            f"closed loop, {opts.users} users"
+            if opts.users
+            else f"open loop, Poisson, {opts.load:.0%} of no-hit capacity"
+        )
+        + f"; {opts.max_tokens} output tokens per request"
+    )
     peers = sorted({p[0] for p in map(_peer, opts.policies) if p is not None})
     if peers:
         log("peers: " + ", ".join(f"{kind} {peer_version(kind)}" for kind in peers))
@@ -1026,12 +1111,16 @@ def run(opts: Options, *, log: Any = print) -> list[Result]:
         workload = make_workload(kind, opts)
         longest = max(t.prompt_tokens for item in workload.items for t in item.turns) + opts.max_tokens
         if longest > blocks * BLOCK_SIZE:
-            raise ValueError(f"workload {kind} has a request of {longest} tokens: more than a pod's KV cache "
-                             f"({blocks} blocks of {BLOCK_SIZE}); give more --num-gpu-blocks")
+            raise ValueError(
+                f"workload {kind} has a request of {longest} tokens: more than a pod's KV cache "
+                f"({blocks} blocks of {BLOCK_SIZE}); give more --num-gpu-blocks"
+            )
         oracle = oracle_hit_rate(workload, seed=opts.seed)
-        log(f"workload {kind} ({WORKLOADS[kind]}): {len(workload.items)} items, {workload.requests} requests, "
+        log(
+            f"workload {kind} ({WORKLOADS[kind]}): {len(workload.items)} items, {workload.requests} requests, "
             f"{workload.rate_per_s / opts.time_scale:.1f} req/s wall offered "
-            f"(no-hit capacity {workload.capacity_per_s / opts.time_scale:.1f}), oracle hit rate {oracle:.1%}")
+            f"(no-hit capacity {workload.capacity_per_s / opts.time_scale:.1f}), oracle hit rate {oracle:.1%}"
+        )
         workloads.append((workload, oracle))
     results = []
     for round_ in range(opts.rounds):
@@ -1042,16 +1131,25 @@ def run(opts: Options, *, log: Any = print) -> list[Result]:
         for workload, oracle in workloads:
             for policy in policies:
                 result = run_policy(workload, policy, opts, oracle, blocks, round_=round_)
-                log(f"  {workload.name} {policy:<13} {result.wall_s:3.0f}s: hit {result.hit_rate:.1%}, TTFT P90 "
+                log(
+                    f"  {workload.name} {policy:<13} {result.wall_s:3.0f}s: hit {result.hit_rate:.1%}, TTFT P90 "
                     f"{result.ttft_p90_ms:.0f} ms; CPU-s per 1k requests "
                     + (", ".join(f"{k} {v:.2f}" for k, v in routing_cpu_per_1k(result).items()) or "-")
-                    + (f" (picker idle {result.idle_cores['picker']:.3f} cores)" if "picker" in result.idle_cores
-                       else "")
-                    + "; cores " + ", ".join(f"{k} {v:.2f}" for k, v in result.cpu_cores.items()))
+                    + (
+                        f" (picker idle {result.idle_cores['picker']:.3f} cores)"
+                        if "picker" in result.idle_cores
+                        else ""
+                    )
+                    + "; cores "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in result.cpu_cores.items())
+                )
                 if result.router_stats:
-                    log("    vllm-router: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(result.router_stats.items()))
+                    log(
+                        "    vllm-router: "
+                        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(result.router_stats.items()))
                         + f" ({result.router_stats.get('input:render', 0) / max(result.requests, 1):.1f} renders "
-                          "per request: input:render counts token ids received from a pod)")
+                        "per request: input:render counts token ids received from a pod)"
+                    )
                 if (warning := _router_warning(result)) is not None:
                     log(f"  warning: {warning}")
                 results.append(result)
@@ -1064,8 +1162,10 @@ def _router_warning(r: Result) -> str | None:
         return None
     missing = r.router_stats.get("decision:missing_tokens", 0.0)
     if missing or not r.router_stats.get("input:render", 0.0):
-        return (f"{r.workload}/{r.policy}: vllm-router routed {missing:.0f} requests without token ids "
-                f"(inputs {r.router_stats}): are the pods' render endpoints on (--enable-scale-out)?")
+        return (
+            f"{r.workload}/{r.policy}: vllm-router routed {missing:.0f} requests without token ids "
+            f"(inputs {r.router_stats}): are the pods' render endpoints on (--enable-scale-out)?"
+        )
     return None
 
 
@@ -1108,8 +1208,10 @@ def format_cpu_table(results: Sequence[Result], pods: int) -> str:
     by_pair: dict[tuple[str, str], list[Result]] = defaultdict(list)
     for r in results:
         by_pair[(r.workload, r.policy)].append(r)
-    head = (f"{'workload':<18} {'policy':<20} {'routing CPU-s / 1k req':>22}   {'per round':<24} "
-            f"{'picker':>7} {'envoy':>6} {'router':>6}   {'picker idle':>11}")
+    head = (
+        f"{'workload':<18} {'policy':<20} {'routing CPU-s / 1k req':>22}   {'per round':<24} "
+        f"{'picker':>7} {'envoy':>6} {'router':>6}   {'picker idle':>11}"
+    )
     lines = [head, "-" * len(head)]
     last_kind = ""
     for (kind, policy), runs in by_pair.items():
@@ -1141,25 +1243,34 @@ def format_cpu_table(results: Sequence[Result], pods: int) -> str:
         names = dict.fromkeys(k for p in per_run for k in p)
         split = ", ".join(f"{n} {statistics.median(p[n] for p in per_run if n in p):.2f}" for n in names)
         idle = [r.idle_cores["picker"] for r in results if r.policy == policy and "picker" in r.idle_cores]
-        lines.append(f"  {_label(policy):<20} {overall[policy]:6.2f}   ({split})"
-                     + (f"; picker idle {statistics.median(idle):.3f} cores at {pods} pods" if idle else ""))
+        lines.append(
+            f"  {_label(policy):<20} {overall[policy]:6.2f}   ({split})"
+            + (f"; picker idle {statistics.median(idle):.3f} cores at {pods} pods" if idle else "")
+        )
         parts = [_picker_parts(r) for r in results if r.policy == policy and r.completed and _PICKER_MAIN in r.cpu_s]
         if parts:
-            lines.append(f"  {'':<20}        the picker's request path {statistics.median(p[0] for p in parts):.2f}, "
-                         f"its scrape worker {statistics.median(p[1] for p in parts):.2f} (idle not subtracted)")
+            lines.append(
+                f"  {'':<20}        the picker's request path {statistics.median(p[0] for p in parts):.2f}, "
+                f"its scrape worker {statistics.median(p[1] for p in parts):.2f} (idle not subtracted)"
+            )
     pickers = [p for p in overall if _peer(p) is None and p != "rr"]
     if "sglang-router" in overall and pickers:
         for policy in pickers:
-            picker = statistics.median(routing_cpu_per_1k(r).get("picker", math.nan) for r in results
-                                       if r.policy == policy and r.completed)
+            picker = statistics.median(
+                routing_cpu_per_1k(r).get("picker", math.nan) for r in results if r.policy == policy and r.completed
+            )
             ratio = picker / overall["sglang-router"]
             if policy == "floor":  # not a picker: what the reference exchange's messages cost on this transport
-                lines.append(f"  the protocol's floor (the same ext_proc messages, no work) / sglang-router: "
-                             f"{picker:.2f} / {overall['sglang-router']:.2f} = {ratio:.2f}")
+                lines.append(
+                    f"  the protocol's floor (the same ext_proc messages, no work) / sglang-router: "
+                    f"{picker:.2f} / {overall['sglang-router']:.2f} = {ratio:.2f}"
+                )
                 continue
-            lines.append(f"  target (issue 14): picker above idle / sglang-router ≤ 0.5: {_label(policy)} "
-                         f"{picker:.2f} / {overall['sglang-router']:.2f} = {ratio:.2f} "
-                         + ("(met)" if ratio <= 0.5 else f"(not met: {ratio / 0.5:.1f}x the target)"))
+            lines.append(
+                f"  target (issue 14): picker above idle / sglang-router ≤ 0.5: {_label(policy)} "
+                f"{picker:.2f} / {overall['sglang-router']:.2f} = {ratio:.2f} "
+                + ("(met)" if ratio <= 0.5 else f"(not met: {ratio / 0.5:.1f}x the target)")
+            )
     return "\n".join(lines)
 
 
@@ -1172,8 +1283,10 @@ def _picker_parts(r: Result) -> tuple[float, float]:
 
 def format_table(results: Sequence[Result]) -> str:
     """The results as a fixed-width text table, with an oracle row per workload."""
-    head = (f"{'workload':<18} {'policy':<20} {'hit rate':>8} {'/oracle':>7} {'TTFT P50':>9} {'P90':>8} "
-            f"{'P90/rr':>6} {'req/s':>6} {'tok/s':>6} {'sticky':>6} {'imbal':>5} {'ok/sent':>9} {'CPU':>5}")
+    head = (
+        f"{'workload':<18} {'policy':<20} {'hit rate':>8} {'/oracle':>7} {'TTFT P50':>9} {'P90':>8} "
+        f"{'P90/rr':>6} {'req/s':>6} {'tok/s':>6} {'sticky':>6} {'imbal':>5} {'ok/sent':>9} {'CPU':>5}"
+    )
     lines = [head, "-" * len(head)]
     by_workload: dict[str, list[Result]] = defaultdict(list)
     for r in results:
@@ -1192,9 +1305,12 @@ def format_table(results: Sequence[Result]) -> str:
             )
             label = ""
         lines.append(f"{'':<18} {'oracle (bound)':<20} {rows[0].oracle_hit_rate:8.1%}")
-    notes = [f"{r.workload}/{r.policy}: {r.errors} errors, {r.unfinished} unfinished, {r.preemptions} preemptions, "
-             f"{r.wrong_answers} unexpected answers" + (f"; first error {r.first_error}" if r.first_error else "")
-             for r in results if r.errors or r.unfinished or r.preemptions or r.wrong_answers]
+    notes = [
+        f"{r.workload}/{r.policy}: {r.errors} errors, {r.unfinished} unfinished, {r.preemptions} preemptions, "
+        f"{r.wrong_answers} unexpected answers" + (f"; first error {r.first_error}" if r.first_error else "")
+        for r in results
+        if r.errors or r.unfinished or r.preemptions or r.wrong_answers
+    ]
     return "\n".join(lines + notes)
 
 
@@ -1218,21 +1334,27 @@ def write_chart(results: Sequence[Result], path: Path) -> bool:
     for i, policy in enumerate(policies):
         offset = (i - len(policies) / 2) * width
         rows = [get.get((k, policy)) for k in kinds]
-        bars = axes[0].bar(x + offset, [r.hit_rate * 100 if r else 0 for r in rows], width, label=_label(policy),
-                           color=f"C{i}")
+        bars = axes[0].bar(
+            x + offset, [r.hit_rate * 100 if r else 0 for r in rows], width, label=_label(policy), color=f"C{i}"
+        )
         axes[0].bar_label(bars, fmt="%.0f", fontsize="small")
         axes[1].bar(x + offset, [_finite(r.ttft_p90_ms) if r else 0 for r in rows], width, color=f"C{i}")
-        axes[1].scatter(x + offset, [_finite(r.ttft_p50_ms) if r else 0 for r in rows], color="black", marker="_",
-                        s=200, zorder=3)
+        axes[1].scatter(
+            x + offset, [_finite(r.ttft_p50_ms) if r else 0 for r in rows], color="black", marker="_", s=200, zorder=3
+        )
         axes[2].bar(x + offset, [r.tokens_per_s if r else 0 for r in rows], width, color=f"C{i}")
     oracle = [next(r.oracle_hit_rate for r in results if r.workload == k) * 100 for k in kinds]
-    bars = axes[0].bar(x + (len(policies) / 2) * width, oracle, width, label="oracle (bound)", color="lightgray",
-                       edgecolor="gray")
+    bars = axes[0].bar(
+        x + (len(policies) / 2) * width, oracle, width, label="oracle (bound)", color="lightgray", edgecolor="gray"
+    )
     axes[0].bar_label(bars, fmt="%.0f", fontsize="small")
     axes[0].set_ylim(0, 105)
     labels = [f"{k}: {WORKLOADS[k]}" for k in kinds]
-    for ax, title, unit in ((axes[0], "prefix-cache hit rate", "%"), (axes[1], "TTFT: bar P90, tick P50", "ms (log)"),
-                            (axes[2], "output throughput", "tokens/s")):
+    for ax, title, unit in (
+        (axes[0], "prefix-cache hit rate", "%"),
+        (axes[1], "TTFT: bar P90, tick P50", "ms (log)"),
+        (axes[2], "output throughput", "tokens/s"),
+    ):
         ax.set_xticks(x, labels)
         ax.set_title(title)
         ax.set_ylabel(unit)
@@ -1282,36 +1404,61 @@ def idle_at(pods: int, window: float) -> dict[str, float]:
 
 
 def _format_idle(cost: dict[str, float]) -> str:
-    return (f"picker idle rate at {cost['pods']:.0f} idle pods (scrape_cost.py's farm): {cost['cores_on']:.3f} cores "
-            f"({cost['cores_off']:.3f} with scraping off; {cost['scrapes_per_s_on']:.0f} scrapes/s, the idle "
-            f"backoff asking each pod about once a second)")
+    return (
+        f"picker idle rate at {cost['pods']:.0f} idle pods (scrape_cost.py's farm): {cost['cores_on']:.3f} cores "
+        f"({cost['cores_off']:.3f} with scraping off; {cost['scrapes_per_s_on']:.0f} scrapes/s, the idle "
+        f"backoff asking each pod about once a second)"
+    )
 
 
 # --cpu-comparison: issue 14's side-by-side CPU figure, sized to fit ~30 minutes on a shared 2-core machine.
-_CPU_COMPARISON = {"policies": "rr,default,floor,sglang-router,vllm-router", "rounds": 3, "max_tokens": 16,
-                   "duration": 20.0, "drain": 30.0}
+_CPU_COMPARISON = {
+    "policies": "rr,default,floor,sglang-router,vllm-router",
+    "rounds": 3,
+    "max_tokens": 16,
+    "duration": 20.0,
+    "drain": 30.0,
+}
 
 
 def _parser(preset: bool = False) -> argparse.ArgumentParser:
-    d = dataclasses.replace(Options(), **{k: v for k, v in _CPU_COMPARISON.items() if k != "policies"},
-                            policies=tuple(str(_CPU_COMPARISON["policies"]).split(","))) if preset else Options()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = (
+        dataclasses.replace(
+            Options(),
+            **{k: v for k, v in _CPU_COMPARISON.items() if k != "policies"},
+            policies=tuple(str(_CPU_COMPARISON["policies"]).split(",")),
+        )
+        if preset
+        else Options()
+    )
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="about a minute: 3 s of arrivals per run, 15 s drain")
-    p.add_argument("--cpu-comparison", action="store_true",
-                   help="issue 14's side-by-side CPU run; its defaults: " + ", ".join(
-                       f"--{k.replace('_', '-')} {v}" for k, v in _CPU_COMPARISON.items())
-                   + " (explicit flags win); ~21 min on a 2-core machine")
+    p.add_argument(
+        "--cpu-comparison",
+        action="store_true",
+        help="issue 14's side-by-side CPU run; its defaults: "
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in _CPU_COMPARISON.items())
+        + " (explicit flags win); ~21 min on a 2-core machine",
+    )
     p.add_argument("--pods", type=int, default=d.pods)
     p.add_argument("--workloads", default=",".join(d.workloads), help="comma-separated, of " + ",".join(WORKLOADS))
-    p.add_argument("--policies", default=",".join(d.policies),
-                   help=f"comma-separated, of {','.join(POLICIES)}; config:PATH (the picker with that config); "
-                        "a picker policy +FLAG=VALUE the picker with --FLAG=VALUE (default+io-thread=false), +observe "
-                        "behind an Envoy that observes responses (default+observe), @PYTHON under that "
-                        "interpreter (default@/tmp/old-python); "
-                        f"sglang-router and vllm-router are their {_PEER_POLICY}, KIND:POLICY another of theirs")
-    p.add_argument("--rounds", type=int, default=d.rounds,
-                   help="run every workload x policy this many times (policies alternating); tables show medians")
+    p.add_argument(
+        "--policies",
+        default=",".join(d.policies),
+        help=f"comma-separated, of {','.join(POLICIES)}; config:PATH (the picker with that config); "
+        "a picker policy +FLAG=VALUE the picker with --FLAG=VALUE (default+io-thread=false), +observe "
+        "behind an Envoy that observes responses (default+observe), @PYTHON under that "
+        "interpreter (default@/tmp/old-python); "
+        f"sglang-router and vllm-router are their {_PEER_POLICY}, KIND:POLICY another of theirs",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=d.rounds,
+        help="run every workload x policy this many times (policies alternating); tables show medians",
+    )
     p.add_argument("--duration", type=float, default=d.duration, help="wall seconds of arrivals per run")
     p.add_argument("--drain", type=float, default=d.drain, help="wall seconds after that before cutting off")
     p.add_argument("--load", type=float, default=d.load, help="offered load, fraction of the no-hit capacity")
@@ -1320,17 +1467,32 @@ def _parser(preset: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--groups", type=int, default=d.groups, help="system prompts of workload a")
     p.add_argument("--popularity", choices=("uniform", "zipf"), default=d.popularity, help="group popularity (a)")
     p.add_argument("--zipf-s", type=float, default=d.zipf_s, help="exponent of the zipf popularity")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="output tokens per request, each one streamed event (keep it short to compare routing CPU)")
-    p.add_argument("--cache-fraction", type=float, default=d.cache_fraction,
-                   help="KV cache per pod, as a fraction of workload a's prefix working set")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=d.max_tokens,
+        help="output tokens per request, each one streamed event (keep it short to compare routing CPU)",
+    )
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=d.cache_fraction,
+        help="KV cache per pod, as a fraction of workload a's prefix working set",
+    )
     p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help="KV blocks per pod (overrides)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--idle-window", type=float, default=d.idle_window,
-                   help="seconds of the picker's idle CPU (no traffic, same pool) before each load")
-    p.add_argument("--idle-pods", default="",
-                   help="also measure the picker's idle rate at these pool sizes (comma-separated, e.g. 100) "
-                        "on bench/scrape_cost.py's stand-in pods")
+    p.add_argument(
+        "--idle-window",
+        type=float,
+        default=d.idle_window,
+        help="seconds of the picker's idle CPU (no traffic, same pool) before each load",
+    )
+    p.add_argument(
+        "--idle-pods",
+        default="",
+        help="also measure the picker's idle rate at these pool sizes (comma-separated, e.g. 100) "
+        "on bench/scrape_cost.py's stand-in pods",
+    )
     p.add_argument("--skip-routing", action="store_true", help="only the --idle-pods measurement")
     p.add_argument("--json", type=Path, default=_ROOT / "bench" / "results" / "routing_quality.json")
     p.add_argument("--png", type=Path, default=_ROOT / "bench" / "results" / "routing_quality.png")
@@ -1343,12 +1505,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     duration, drain = (3.0, 15.0) if args.quick else (args.duration, args.drain)
     try:
         opts = Options(
-            pods=args.pods, workloads=tuple(w for w in args.workloads.split(",") if w),
-            policies=tuple(p for p in args.policies.split(",") if p), duration=duration, drain=drain,
-            load=args.load, users=args.users, time_scale=args.time_scale, groups=args.groups,
-            popularity=args.popularity, zipf_s=args.zipf_s, max_tokens=args.max_tokens,
-            cache_fraction=args.cache_fraction, num_gpu_blocks=args.num_gpu_blocks, seed=args.seed,
-            rounds=args.rounds, idle_window=args.idle_window,
+            pods=args.pods,
+            workloads=tuple(w for w in args.workloads.split(",") if w),
+            policies=tuple(p for p in args.policies.split(",") if p),
+            duration=duration,
+            drain=drain,
+            load=args.load,
+            users=args.users,
+            time_scale=args.time_scale,
+            groups=args.groups,
+            popularity=args.popularity,
+            zipf_s=args.zipf_s,
+            max_tokens=args.max_tokens,
+            cache_fraction=args.cache_fraction,
+            num_gpu_blocks=args.num_gpu_blocks,
+            seed=args.seed,
+            rounds=args.rounds,
+            idle_window=args.idle_window,
         )
         idle_pods = [int(n) for n in args.idle_pods.split(",") if n.strip()]
     except ValueError as exc:
@@ -1372,19 +1545,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds = f", median of {opts.rounds} rounds" if opts.rounds > 1 else ""
         print(f"\nRouting quality ({opts.pods} pods, {opts.max_tokens} output tokens per request{rounds})")
         print(format_table(medians))
-        print(f"\nRouting CPU: CPU-seconds per 1,000 completed requests (user + system, /proc) of the processes that"
-              f" route: picker above its idle rate (measured {opts.idle_window:g} s before each load, same pool,"
-              f" subtracted x the load's wall time) and Envoy apart; a peer router whole (it is the proxy);"
-              f" rr is Envoy alone. Not counted: the simulated pods and the client.")
+        print(
+            f"\nRouting CPU: CPU-seconds per 1,000 completed requests (user + system, /proc) of the processes that"
+            f" route: picker above its idle rate (measured {opts.idle_window:g} s before each load, same pool,"
+            f" subtracted x the load's wall time) and Envoy apart; a peer router whole (it is the proxy);"
+            f" rr is Envoy alone. Not counted: the simulated pods and the client."
+        )
         print(format_cpu_table(results, opts.pods))
-        print(f"\n{time.perf_counter() - started:.0f} s in all; latencies are wall clock at time scale "
-              f"{opts.time_scale}")
+        print(
+            f"\n{time.perf_counter() - started:.0f} s in all; latencies are wall clock at time scale {opts.time_scale}"
+        )
     for cost in idle if results else ():  # printed again below a long run's tables
         print(_format_idle(cost))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    report = {"options": asdict(opts), "results": [asdict(r) for r in results],
-              "medians": [asdict(r) for r in median_results(results)], "idle_at": idle,
-              "peers": {k: peer_version(k) for k in PEER_KINDS}}
+    report = {
+        "options": asdict(opts),
+        "results": [asdict(r) for r in results],
+        "medians": [asdict(r) for r in median_results(results)],
+        "idle_at": idle,
+        "peers": {k: peer_version(k) for k in PEER_KINDS},
+    }
     args.json.write_text(json.dumps(_json_safe(report), indent=1, allow_nan=False))
     print(f"results: {args.json}")
     if not results:

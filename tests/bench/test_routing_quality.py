@@ -34,8 +34,9 @@ def _load_bench():
 
 rq = _load_bench()
 
-_TINY = dict(pods=2, groups=4, duration=0.5, drain=20.0, time_scale=0.25, max_tokens=4, num_gpu_blocks=1024,
-             idle_window=0.2)
+_TINY = dict(
+    pods=2, groups=4, duration=0.5, drain=20.0, time_scale=0.25, max_tokens=4, num_gpu_blocks=1024, idle_window=0.2
+)
 
 
 def _turn(*messages: tuple[str, str], max_tokens: int = 4, seed: int = 1):
@@ -63,8 +64,9 @@ async def _sequential_engine_hit_rate(workload, seed: int, blocks: int = 1 << 16
         for item in workload.items:
             for turn in item.turns:
                 sink = Sink()
-                req = engine.new_request(rq.MODEL, render_chat(turn.messages), max_tokens=len(turn.answer) // 4,
-                                         ignore_eos=True, sink=sink)
+                req = engine.new_request(
+                    rq.MODEL, render_chat(turn.messages), max_tokens=len(turn.answer) // 4, ignore_eos=True, sink=sink
+                )
                 engine.submit(req)
                 while not req.finished:
                     await sink.wait()
@@ -123,9 +125,13 @@ def test_traces_are_deterministic_and_sized_by_the_load() -> None:
 
 @pytest.mark.parametrize(
     "change, message",
-    [({"workloads": ("x",)}, "unknown workload"), ({"policies": ("random",)}, "unknown policy"),
-     ({"load": 0}, "load must be positive"), ({"pods": 0}, "pods must be at least 1"),
-     ({"popularity": "pareto"}, "popularity")],
+    [
+        ({"workloads": ("x",)}, "unknown workload"),
+        ({"policies": ("random",)}, "unknown policy"),
+        ({"load": 0}, "load must be positive"),
+        ({"pods": 0}, "pods must be at least 1"),
+        ({"popularity": "pareto"}, "popularity"),
+    ],
 )
 def test_bad_options_are_refused_with_a_message(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -247,25 +253,47 @@ def test_smoke_run_through_a_peer_router_on_the_same_trace(kind: str) -> None:
     assert rq._router_warning(dataclasses.replace(r, policy="vllm-router", router_stats={})) is not None
 
 
-def _cpu_result(policy: str, round_: int, cpu_s: dict[str, float], idle: dict[str, float] | None = None,
-                p90: float = 40.0) -> object:
-    return rq.Result("a", policy, 100, 100, 0, 0, 0.5, 0.9, 20.0, p90, 5.0, 80.0, {"client": 0.1}, wall_s=10.0,
-                     round=round_, cpu_s=cpu_s, idle_cores=idle or {})
+def _cpu_result(
+    policy: str, round_: int, cpu_s: dict[str, float], idle: dict[str, float] | None = None, p90: float = 40.0
+) -> object:
+    return rq.Result(
+        "a",
+        policy,
+        100,
+        100,
+        0,
+        0,
+        0.5,
+        0.9,
+        20.0,
+        p90,
+        5.0,
+        80.0,
+        {"client": 0.1},
+        wall_s=10.0,
+        round=round_,
+        cpu_s=cpu_s,
+        idle_cores=idle or {},
+    )
 
 
 def test_routing_cpu_is_per_thousand_completed_requests_and_the_picker_is_counted_above_its_idle_rate() -> None:
-    r = _cpu_result("default", 0, {"picker": 0.9, "envoy": 0.3, "simulator": 5.0, "client": 1.0},
-                    {"picker": 0.04, "envoy": 0.001})
+    r = _cpu_result(
+        "default", 0, {"picker": 0.9, "envoy": 0.3, "simulator": 5.0, "client": 1.0}, {"picker": 0.04, "envoy": 0.001}
+    )
     per = rq.routing_cpu_per_1k(r)
     assert per == pytest.approx({"picker": (0.9 - 0.04 * 10.0) / 100 * 1000, "envoy": 3.0})  # pods, client: not routing
     assert rq.routing_cpu_per_1k(_cpu_result("sglang-router", 0, {"sglang-router": 0.2, "simulator": 1})) == {
-        "sglang-router": pytest.approx(2.0)}
+        "sglang-router": pytest.approx(2.0)
+    }
     assert rq.routing_cpu_per_1k(dataclasses.replace(r, completed=0)) == {}
 
 
 def test_rounds_are_summarised_by_medians_and_the_cpu_table_checks_the_target() -> None:
-    runs = [_cpu_result("default", i, {"picker": p, "envoy": 0.3}, {"picker": 0.01}, p90=p90)
-            for i, (p, p90) in enumerate([(0.5, 40.0), (0.7, 60.0), (0.6, 50.0)])]
+    runs = [
+        _cpu_result("default", i, {"picker": p, "envoy": 0.3}, {"picker": 0.01}, p90=p90)
+        for i, (p, p90) in enumerate([(0.5, 40.0), (0.7, 60.0), (0.6, 50.0)])
+    ]
     runs += [_cpu_result("sglang-router", i, {"sglang-router": c}) for i, c in enumerate([0.2, 0.3, 0.1])]
     medians = rq.median_results(runs)
     assert [(m.policy, m.round) for m in medians] == [("default", -1), ("sglang-router", -1)]
