@@ -138,12 +138,21 @@ runs above; slopes of the main process and its two workers together):
   kB over 240k routes (small bodies: 84,360-84,488 over 400k); the KV-event subscriber under
   ``bench/kvevents_lag.py``'s storm (51k blocks stored and removed a second) for 8 minutes, 3.06M
   events, rose 0.5 MiB in its first 2 minutes and not at all in the 6 after.
+* Nor the mmap threshold at that rate. glibc's fixed at its starting 128 KiB (``--picker-env
+  MALLOC_MMAP_THRESHOLD_=131072``: buffers of the steps' size mapped and unmapped, not left in the heap;
+  ``epp/server/process.py`` has it at 103-108 requests a second) beside the picker as shipped, at
+  5b092d7 (``--precise --minutes 25 --warmup 0.3``, 43 requests a second each, ~47k requests after the
+  warm-up): **7.50** bytes a request with the threshold fixed (fitted from 40 / 50 / 60 / 75%: 5.26 /
+  0.63 / 0.09 / 8.79; thirds' medians 104.60 / 104.83 / 104.82 MiB), **-0.99** as shipped (108.6 MiB
+  after the warm-up, 108.1 at the end; thirds 108.65 / 108.77 / 108.56), CPU 7.98 against 7.48 ms a
+  request. The fixed threshold keeps RSS ~4 MiB lower and costs 7% more CPU; the slope is the same
+  reading of a step or two either way.
 
 Against the target (<= 1 byte a request over 30 minutes): met without precise routing (one process
 0.01-0.07; ``--workers 2`` with observed responses 1.2, 2.1 with TLS); with precise routing, met in one
-process at 121-227 requests a second (0.72 over an hour, 1.81); at ~40, once in four one-process runs
-(0.97; the others 16.7-23.4) and in neither run under ``--workers 2`` (11.9, 20.8): the same growth in
-time, see "Nor ``--workers``".
+process at 121-227 requests a second (0.72 over an hour, 1.81); at ~40, in two of five one-process runs
+(0.97 and -0.99; the others 16.7-23.4) and in neither run under ``--workers 2`` (11.9, 20.8): the same
+growth in time, see "Nor ``--workers``".
 """
 
 from __future__ import annotations
