@@ -189,6 +189,24 @@ applying the scrape worker's results 8%; the loop's own C and the kernel 18%. Th
 worker and request process together, on this machine) is two-thirds interpreter as well, its page reading 42% of
 its Python samples. Reading observed connections once a 5 ms window (c27c6ec, reverted) made it worse: see
 ``epp/extproc/processor.py``.
+
+What any picker pays: the ``floor`` policy beside them, ``--cpu-comparison --policies
+rr,default,floor,sglang-router --rounds 2`` at 6a09d46 (691 s; sglang-router 3.64, a slow state of the
+machine), medians over every workload and round, routing CPU-s per 1,000 requests: the picker 5.48 above
+idle (a / b / c 5.63 / 3.82 / 6.08; its request path 4.01 and its scrape worker 1.78, idle not
+subtracted), the no-work server **1.78** (1.88 / 1.42 / 1.86), sglang-router 3.64 (3.66 / 3.19 / 3.85);
+Envoy 5.26 in front of the picker, 5.27 in front of the no-work server, 2.85 alone. The target's ratio:
+the picker 1.51, the no-work server **0.49**. So the reference exchange's messages alone (the request's
+headers and body, the response's headers, each of the 16 streamed chunks and the end, on epp's transport
+with the chunks between the first and the last answered in C) cost what the target allows the whole
+picker, and its own work would have to cost nothing: parsing, routing and accounting (2.23 above the
+floor in the request path) and scraping (1.78: upstream's 50 ms cadence on 8 pods whose numbers change,
+160 scrapes a second at this workload's 16 requests a second, ~10 a request; ``python bench/scrape_cost.py
+--skip-latency --busy --pods 8 --rounds 2`` the same hour: 372 µs of CPU a scrape, worker and request process
+together, of which reading the ~2 KB filtered page ~80-110 µs in a hot loop). What would go under it:
+fewer messages (response body mode NONE, or observed responses: neither is what the gateways configure),
+the exchange itself in native code (``bench/wakeup_floor.py``: a C epoll echo costs about half of a uvloop
+one a message), and scraping priced by the requests rather than the clock.
 """
 
 from __future__ import annotations
