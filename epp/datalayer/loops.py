@@ -132,14 +132,19 @@ the three, with the blind time still half the staleness threshold and only until
 Against a real vLLM 0.32 server (CPU, idle), its API process spent 22 ms/s above idle answering a
 picker without the backoff and 1.0 ms/s with it (1 scrape a second: its numbers do
 not change; ``python bench/vllm_scrape_cost.py --modes idle,filtered,picker-backoff,picker-no-backoff``).
-Pods that serve a different page each scrape are never slowed and cost what they did (0.132 and
-0.136 cores at 100 pods, previous code and now: noise; ``--busy``). Where such a busy scrape's time
-goes (py-spy on the worker at 100 busy pods, ~0.11 core): about half in uvloop's own loop (epoll,
-reading the answers, the timer heap), ~10% writing the requests, ~11% writing the result batches to
-the request process (the syscall and its wake-up; encoding 20 results is ~10 µs), ~13% parsing
-pages, ~5% building results; the request process's ~0.02 core is mostly its 100 wake-ups a second.
-None of those is a lever like the cadence: fewer parent wake-ups trade freshness (see
-:mod:`epp.datalayer.worker`), the rest is one read and one write per scrape.
+Pods that serve a different page each scrape are never slowed, and they are what scraping costs under
+load. ``python bench/scrape_cost.py --skip-latency --busy --pods 8,100 --rounds 2`` at 652d5cf (the
+farm's filtered page ~2.3 KB: three gauges, four LoRA series, vLLM 0.32's ``cache_config_info``): 0.055
+cores at 8 pods (330 µs of CPU a scrape, 160 a second), **0.53 at 100** (264 µs a scrape, 2,000 a
+second), the request-path process 0.008 and 0.068 of it. The same bench with 6190fe6's picker beside
+(``--pods 100 --baseline``): 0.447 against 0.472 cores, so no regression since; the 0.132-0.136 cores
+at 100 busy pods this paragraph quoted before (and a py-spy reading of ~0.11 core, half of it in
+uvloop's loop) are not what this bench measures now. ``perf`` of the scrape loops alone (one process,
+the same farm): 69% of their CPU in the interpreter, 18% in the kernel, 7% in uvloop; of the Python
+samples, reading the page about half (``EngineMapping.parse``: ~58 µs a page in a hot loop on a quiet
+machine, spread over a dozen small readings of a few µs each, bytes methods at 0.1-0.5 µs a call here),
+the HTTP framing, the sends and the loop's bookkeeping the rest. Fewer parent wake-ups trade freshness
+(see :mod:`epp.datalayer.worker`); what would cut the rest is the read and the framing in native code.
 
 Conditional requests were not an option: prometheus_client sends no ``ETag`` and ignores
 ``If-None-Match`` (its exposition apps, as vLLM 0.32 and SGLang mount them, checked in their sources),
