@@ -290,6 +290,7 @@ POLICIES = {
     "vllm-router": "vllm-router",
 }
 _PEER_POLICY = "cache_aware"  # the peers' prefix-aware policy; KIND:POLICY picks another
+_NOT_PICKERS = ("rr", "floor")  # Envoy alone, and a no-work ext_proc server: neither runs the picker
 
 # Workload shapes (tokens); see the module docstring.
 _SYSTEM_TOKENS = (2048, 6144)
@@ -1087,7 +1088,9 @@ class Options:
 def _check_policy(policy: str) -> None:
     peer = _peer(policy)
     if peer is None:
-        policy = _picker_flags(policy)[0]
+        whole, policy = policy, _picker_flags(policy)[0]
+        if policy in _NOT_PICKERS and whole != policy:
+            raise ValueError(f"policy {whole!r}: {policy} runs no picker, so it takes no +FLAG, +observe or @PYTHON")
     if policy.startswith("config:"):
         if not Path(policy.removeprefix("config:")).is_file():
             raise ValueError(f"policy {policy!r}: no such file")

@@ -148,6 +148,12 @@ def test_a_picker_policy_names_extra_picker_flags() -> None:
     rq.Options(**{**_TINY, "policies": ("default+io-thread=false",)})  # accepted
     with pytest.raises(ValueError, match="unknown policy 'random'"):
         rq.Options(**{**_TINY, "policies": ("random+io-thread=false",)})
+    # Envoy alone and the no-work server run no picker: a picker's flag or interpreter is refused, not
+    # read as a config file named after them.
+    for policy in ("floor+observe", "rr+io-thread=false", "floor@/tmp/py"):
+        with pytest.raises(ValueError, match="runs no picker"):
+            rq.Options(**{**_TINY, "policies": (policy,)})
+    assert rq.Options(**{**_TINY, "policies": ("rr", "floor")}).policies == ("rr", "floor")
 
 
 def test_main_refuses_an_unknown_workload_without_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
