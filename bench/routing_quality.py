@@ -215,13 +215,13 @@ requests above idle at 50 ms (its scrape worker 1.47), 3.54 at 200 ms (0.53), th
 sglang-router 3.22: the ratios 1.46, **1.10** and 0.55. What the slower cadence cost the routing, same
 runs: workload a hit rate 88.7 against 89.0%, TTFT P90 253 against 237 ms (pod imbalance 1.43 against
 1.33); b 72.6 against 74.0% (96 against 98% of the oracle), P90 115 ms both; c P90 513 ms both. Again
-with 100 ms between (``--policies "default,default+refresh-metrics-interval=100ms,default+refresh-
-metrics-interval=200ms" --rounds 2``, at 3e297e1, 569 s): the picker 4.58 / 3.96 / 3.45 CPU-s per 1,000
-requests at 50 / 100 / 200 ms (its scrape worker 1.43 / 0.93 / 0.50); workload a's hit rate 89.0 / 88.9 /
-88.7%, TTFT P90 244 / 251 / 256 ms; b's 73.4 / 73.4 / 72.7%, P90 117 / 117 / 118 ms; c's P90 516 / 511 /
-513 ms. So 100 ms saved the picker ~14% with no change in routing these runs can see, 200 ms ~25% for about
-a point of b's hit rate and a few percent of a's P90. Four rounds in two runs: a hint of the trade, not its
-measure; the default stays upstream's 50 ms.
+with 100 ms between, at 3e297e1 (569 s):
+``--cpu-comparison --policies "default,default+refresh-metrics-interval=100ms,default+refresh-metrics-interval=200ms" --rounds 2``;
+the picker 4.58 / 3.96 / 3.45 CPU-s per 1,000 requests at 50 / 100 / 200 ms (its scrape worker 1.43 / 0.93
+/ 0.50); workload a's hit rate 89.0 / 88.9 / 88.7%, TTFT P90 244 / 251 / 256 ms; b's 73.4 / 73.4 / 72.7%,
+P90 117 / 117 / 118 ms; c's P90 516 / 511 / 513 ms. So 100 ms saved the picker ~14% with no change in
+routing these runs can see, 200 ms ~25% for about a point of b's hit rate and a few percent of a's P90.
+Four rounds in two runs: a hint of the trade, not its measure; the default stays upstream's 50 ms.
 """
 
 from __future__ import annotations
