@@ -192,6 +192,15 @@ Measured side by side, processed / observed (2 shared cores, medians):
   virtual cores swings from run to run (no other load: the last pair is the outlier); the medians
   over the runs, 28.3 / 14.4 µs at one stream (a 1,024-token stream ~14.7 ms of picker CPU) and 5.4
   / 3.4 at 16. Envoy's own CPU per 1,024-event request 113-136 / 80-98 ms (no ext_proc: 56-72).
+  Envoy multiplexes the observer cluster's streams onto few connections, and a connection was lent
+  with four busy streams at most (the limit measured for answered ones), so sixteen observed streams
+  were the event loop's, read at every wake-up: on a slower machine (at b1d0451) that cost more than
+  answering them, 23.7 against 11.0 µs a chunk (``--events 1024 --streams 16 --rounds 3 --requests 32
+  --observe``; strace over 25 s: 14,337 epoll_pwait and reads observed against 8,235 and 6,827 writes
+  processed). A connection of observed streams only is now lent with up to 32 of them
+  (``LEND_MAX_OPEN`` in :mod:`epp.wire._fast`): the same command, 3.3 against 12.1 µs, and again with
+  ``--streams 1,16 --requests 16``: 3.3 against 13.3 at 16 streams, 27.6 against 41.8 at one (one
+  stream is not affected).
 * non-streamed, ``python bench/extproc_overhead.py --sizes 1024 --connections 1 --rounds 5 --floor
   --observe`` at 879605d: P50 added 0.62 / **0.52 ms** (the no-work floor, which processes
   responses, 0.52), P99 1.41 / 1.25 ms, picker CPU 0.347 / 0.374 ms a request (a second stream, and

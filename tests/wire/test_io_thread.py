@@ -1,14 +1,14 @@
 """epp.wire's I/O thread (epp/wire/_fast.c, "The I/O thread").
 
-A connection whose open streams all echo (at most four) is lent to a native thread, which answers
-their middle response body chunks (a TLS connection too: its session is C's, epp.wire._fast.TlsTransport,
-and the thread decrypts and encrypts its records); any other frame, the peer's end, or an answer the socket
-or the peer's windows cannot take hands it back, and the event loop takes it back before it touches
-the connection itself. What must hold: the client sees exactly what the event loop alone would have
-sent (byte for byte, in order, within its windows: the raw client's peer checks every frame), the
-calls see what they would have seen, and the thread did answer the middle chunks. Real sockets on
-127.0.0.1, on both event loops (tests/wire/conftest.py); the tests that take the ``lending`` fixture
-run over plaintext and over TLS.
+A connection whose open streams all echo (at most four answered ones; observed ones up to 32) is lent
+to a native thread, which answers their middle response body chunks (a TLS connection too: its session
+is C's, epp.wire._fast.TlsTransport, and the thread decrypts and encrypts its records); any other
+frame, the peer's end, or an answer the socket or the peer's windows cannot take hands it back, and
+the event loop takes it back before it touches the connection itself. What must hold: the client sees
+exactly what the event loop alone would have sent (byte for byte, in order, within its windows: the
+raw client's peer checks every frame), the calls see what they would have seen, and the thread did
+answer the middle chunks. Real sockets on 127.0.0.1, on both event loops (tests/wire/conftest.py); the
+tests that take the ``lending`` fixture run over plaintext and over TLS.
 """
 
 from __future__ import annotations
@@ -474,10 +474,47 @@ async def test_an_observed_stream_s_chunks_are_the_thread_s_read_in_batches_or_a
         await client.send(data(1, grpc(observed_message(b"data: [DONE]\n\n", end_of_stream=True))))
         await client.until(lambda peer: 1 in peer.streams and peer.streams[1].status is not None)
         (call,) = calls
-        assert [m.response_body.body for m in call.seen] == [b"data: first\n\n", b"data: [DONE]\n\n"]  # the first and the last: the call's
+        assert [m.response_body.body for m in call.seen] == [
+            b"data: first\n\n",
+            b"data: [DONE]\n\n",
+        ]  # the first and the last: the call's
         assert call.stream.response_chunks == 42
         assert client.peer.streams[1].messages == []  # nothing answered, by anyone
     finally:
         set_observe_coalesce(previous)
+        await client.close()
+        await server.stop(0)
+
+
+async def test_sixteen_observed_streams_share_a_lent_connection() -> None:
+    # Answered streams are lent four at most (test_five_streams_are_never_lent); observed ones need no
+    # answer, and a connection of them is lent however many it carries (up to LEND_MAX_OPEN): Envoy
+    # multiplexes an observer cluster's streams onto few connections, which the event loop read at
+    # every wake-up while the thread reads them in batches.
+    calls: list[BodyWatch] = []
+    server = GrpcServer({PATH: lambda stream: calls.append(BodyWatch(stream)) or calls[-1]}, flag="test")  # type: ignore[arg-type, func-returntype]
+    port = server.serve_socket(bind_socket("127.0.0.1", 0))
+    client = await Client.connect(port)
+    ids = list(range(1, 33, 2))
+    try:
+        for stream_id in ids:
+            await client.send(client.requests.open(stream_id, PATH))
+            await client.send(data(stream_id, grpc(observed_message(b"data: first\n\n"))))
+        (connection,) = server._connections
+        await eventually(lambda: connection.lent == 1, "the sixteen observed streams' connection is lent")
+        for index in range(10):
+            for stream_id in ids:
+                await client.send(data(stream_id, grpc(observed_message(_middle(index)))))
+            await asyncio.sleep(0.001)
+        await eventually(lambda: connection.thread_chunks == 10 * len(ids), "the thread took every middle chunk")
+        for stream_id in ids:
+            await client.send(data(stream_id, grpc(observed_message(b"data: [DONE]\n\n", end_of_stream=True))))
+        await client.until(lambda peer: all(i in peer.streams and peer.streams[i].status is not None for i in ids))
+        assert len(calls) == len(ids)
+        for call in calls:
+            assert [m.response_body.body for m in call.seen] == [b"data: first\n\n", b"data: [DONE]\n\n"]
+            assert call.stream.response_chunks == 12
+        assert all(client.peer.streams[i].messages == [] for i in ids)  # nothing answered, by anyone
+    finally:
         await client.close()
         await server.stop(0)
