@@ -65,35 +65,35 @@ costs; :meth:`_Stream.response_body` turns the echo on at the first chunk (the r
 stays here) and still sees the last (end_of_stream, the usage).
 
 Below uvloop's wake-up: the I/O thread (``--io-thread``, on by default; on TLS ports too, below). A
-connection whose open streams all echo, at most 4 of them and each past its 32nd chunk, is lent to a
-native thread with its own epoll (:mod:`epp.wire._fast`, "The I/O thread"), which reads the socket
-and answers the middle chunks with neither the GIL nor the event loop, and hands the connection back
-at anything else (a new stream's headers, a last chunk, a WINDOW_UPDATE or PING, the peer's end, a
-full socket); the loop also takes it back before it writes anything itself. ``python
-bench/wakeup_floor.py --servers c-epoll,wire,wire-thread,uvloop --rounds 5`` (3,000 messages 2 ms
-apart, server CPU per message, medians): a C epoll echo 16.7 µs, the thread 23.3, the loop's C read
+connection whose open streams all echo, at most 4 of them (of observed ones, up to 32: below) and each
+past its 32nd chunk, is lent to a native thread with its own epoll (:mod:`epp.wire._fast`, "The I/O
+thread"), which reads the socket and answers the middle chunks with neither the GIL nor the event loop,
+and hands the connection back at anything else (a new stream's headers, a last chunk, a WINDOW_UPDATE or
+PING, the peer's end, a full socket); the loop also takes it back before it writes anything itself.
+``python bench/wakeup_floor.py --servers c-epoll,wire,wire-thread,uvloop --rounds 5`` (3,000 messages 2
+ms apart, server CPU per message, medians): a C epoll echo 16.7 µs, the thread 23.3, the loop's C read
 path 40.0, a uvloop echo 33.3. Through Envoy, ``python bench/streaming_cost.py --events 256,1024
 --streams 1,4,16 --rounds 3 --requests 10 --baseline-python P`` (P: a python wrapper adding
 ``--io-thread=false``), picker CPU per ext_proc message with the thread / without: 1,024 events at 1
-stream 33.7 / 51.9 µs (34.7 / 53.4 ms a request), at 4 streams 11.0 / 20.0, at 16 streams 6.9 / 8.3;
-256 events 52.3 / 53.1, 16.5 / 21.6, 6.7 / 7.2 (the first 32 chunks of a stream are the loop's,
-below). Lending with up to 64 streams open, at a stream's first chunk, made 16 streams dearer (6.8
-against 3.0 µs): a busy connection is handed back and forth for every new stream and last chunk, and
-its reads carry several chunks each, which the loop answers as cheaply; hence the limit of 4. A lend
-and its hand-back cost wake-ups of the loop, which short streams do not repay: lending at a stream's
-first chunk made ``python bench/routing_quality.py --cpu-comparison --idle-pods 100 --policies
-rr,default,default+io-thread=false,sglang-router --rounds 2`` (16-token streams) cost the picker
-2.94 CPU-s per 1,000 requests against 2.77 without the thread; hence the 32 chunks
+stream 33.7 / 51.9 µs (34.7 / 53.4 ms a request), at 4 streams 11.0 / 20.0, at 16 streams 6.9 / 8.3; 256
+events 52.3 / 53.1, 16.5 / 21.6, 6.7 / 7.2 (the first 32 chunks of a stream are the loop's, below).
+Lending with up to 64 streams open, at a stream's first chunk, made 16 streams dearer (6.8 against 3.0
+µs): a busy connection is handed back and forth for every new stream and last chunk, and its reads carry
+several chunks each, which the loop answers as cheaply; hence the limit of 4. A lend and its hand-back
+cost wake-ups of the loop, which short streams do not repay: lending at a stream's first chunk made
+``python bench/routing_quality.py --cpu-comparison --idle-pods 100 --policies
+rr,default,default+io-thread=false,sglang-router --rounds 2`` (16-token streams) cost the picker 2.94
+CPU-s per 1,000 requests against 2.77 without the thread; hence the 32 chunks
 (``--io-thread-after-chunks``), which such streams never reach. uvloop kept a lent socket in its own
 epoll until it next fired there, one more wake-up per lend; the lend now registers it for no event
 (0c816f6). Measured again after that, ``--policies
-rr,default,default+io-thread-after-chunks=1,sglang-router --rounds 2``: picker above idle 1.90 CPU-s
-per 1,000 requests at 32 chunks, 2.07 at 1 (request path 1.54 / 1.65): lending at the first chunk
-still does not pay, so 32 stays. What is left at one stream is the kernel's: the thread spends ~5%
-of its CPU in user space (its /proc stat over a run: 3 ticks user, 53 system, 9,431 wake-ups), and so would any
+rr,default,default+io-thread-after-chunks=1,sglang-router --rounds 2``: picker above idle 1.90 CPU-s per
+1,000 requests at 32 chunks, 2.07 at 1 (request path 1.54 / 1.65): lending at the first chunk still does
+not pay, so 32 stays. What is left at one stream is the kernel's: the thread spends ~5% of its CPU in
+user space (its /proc stat over a run: 3 ticks user, 53 system, 9,431 wake-ups), and so would any
 server: the wake-up of an idle core, the recv, and a send whose loopback TCP work for Envoy's side,
-waking Envoy included, is charged to the sender. 15 µs per chunk at one stream is below that floor
-on these machines; what would go lower is fewer messages (response body mode NONE, below).
+waking Envoy included, is charged to the sender. 15 µs per chunk at one stream is below that floor on
+these machines; what would go lower is fewer messages (response body mode NONE, below).
 
 TLS (``--secure-serving=true``, upstream's default, so what most deployments run). Under uvloop's
 TLS every message went through its SSL protocol and Python's ssl objects, and a TLS connection could

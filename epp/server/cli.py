@@ -102,8 +102,8 @@ SERVE_FLAGS = FlagSet(
             "io-thread",
             True,
             "this project's, not upstream's: a native thread answers the middle chunks of streamed responses "
-            "while a connection has at most 4 streams open, each past its --io-thread-after-chunks chunks "
-            "(less CPU per chunk); false: the event loop answers every message",
+            "while a connection has at most 4 streams open (32 observed ones), each past its "
+            "--io-thread-after-chunks chunks (less CPU per chunk); false: the event loop answers every message",
         ),
         make_flag(
             "io-thread-after-chunks",

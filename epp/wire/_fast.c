@@ -1038,7 +1038,7 @@ static PyObject *tls_usable(PyObject *module, PyObject *context) {
  *
  * One native thread per process, started at the first lend, with its own epoll and an eventfd to the
  * event loop. A connection is lent to it (ConnectionBase.lend) when every open stream echoes (at most
- * LEND_MAX_STREAMS of them, each past LEND_AFTER_CHUNKS): uvloop stops reading the socket, this thread
+ * LEND_MAX_STREAMS of them, or LEND_MAX_OPEN observed ones, each past LEND_AFTER_CHUNKS): uvloop stops reading the socket, this thread
  * reads it, and answers the middle chunks (echo_core) without
  * the GIL and without waking the event loop. The first frame it cannot answer (anything but such a
  * chunk: a new stream's HEADERS, the last chunk, a WINDOW_UPDATE, a PING, ...), the peer's end or an

@@ -39,13 +39,13 @@ never opened, PUSH_PROMISE, frames over our 1 MiB, malformed PING/SETTINGS/RST_S
 WINDOW_UPDATE/GOAWAY, bad padding, bad HPACK); a stream error resets that stream only (DATA after
 the client's END_STREAM, a stream WINDOW_UPDATE of 0 or past 2^31-1). Tested in tests/wire.
 
-A connection whose open streams all echo (at most 4, each past its 32nd chunk) is lent to a native
-I/O thread (:mod:`epp.wire._fast`, "The I/O thread"; ``io_thread``; on TLS where the session is C's,
-a :class:`~epp.wire._fast.TlsTransport`'s, the thread reads and writes its records), which answers
-their middle chunks without waking the event loop and hands the connection back at any other
-frame; :meth:`Connection._reclaim` takes it back first wherever this side touches the connection (a
-send, a finish, a GOAWAY, a close), so that its state has one owner at a time. Why, and what it
-buys: :mod:`epp.extproc.processor`, "Transport".
+A connection whose open streams all echo (at most 4, or 32 observed ones; each past its 32nd chunk) is
+lent to a native I/O thread (:mod:`epp.wire._fast`, "The I/O thread"; ``io_thread``; on TLS where the
+session is C's, a :class:`~epp.wire._fast.TlsTransport`'s, the thread reads and writes its records),
+which answers their middle chunks without waking the event loop and hands the connection back at any
+other frame; :meth:`Connection._reclaim` takes it back first wherever this side touches the connection
+(a send, a finish, a GOAWAY, a close), so that its state has one owner at a time. Why, and what it buys:
+:mod:`epp.extproc.processor`, "Transport".
 
 A message split over frames is reassembled in place (a bytearray), and a large answer is sent in
 frames cut from a view: both cost the message's size, not its size squared. ``python
@@ -513,7 +513,7 @@ class Connection(ConnectionBase, asyncio.Protocol):
     # -- the I/O thread (epp.wire._fast) ----------------------------------------------------------
 
     def _lend(self) -> None:
-        """Every open stream echoes, at most 4, each past its 32nd chunk (the C read path's call, at the
+        """Every open stream echoes, at most 4 (32 observed), each past its 32nd chunk (the C read path's call, at the
         end of a read): from now on the I/O thread reads the socket and answers their middle chunks,
         until a frame it does not answer hands the connection back (:func:`_returns`) or this side
         needs it (:meth:`_reclaim`)."""
