@@ -19,7 +19,24 @@ from epp.testing.vllm import http_get as get
 from epp.testing.vllm import http_post as post
 from tests.realvllm.conftest import Tier
 
-_WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]
+_WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+]
 
 
 def _prompt(seed: int, words: int) -> str:
@@ -42,8 +59,13 @@ def test_json_and_sse_route_through_envoy(tier: Tier, variant: str) -> None:
     reply = json.loads(body)
     assert reply["model"] == BASE and len(reply["choices"]) == 1 and reply["usage"]["completion_tokens"] >= 1
 
-    chat = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True}}
+    chat = {
+        "model": BASE,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     status, body = post(f"{url}/v1/chat/completions", chat)
     assert status == 200, body
     events = [line for line in body.decode().splitlines() if line.startswith("data: ")]
@@ -52,7 +74,9 @@ def test_json_and_sse_route_through_envoy(tier: Tier, variant: str) -> None:
 
 
 def _sum(page: str, family: str) -> float:
-    return sum(float(v) for v in re.findall(rf"^{family}_sum\{{[^}}]*model_name=\"{BASE}\"[^}}]*\}} (\S+)$", page, re.M))
+    return sum(
+        float(v) for v in re.findall(rf"^{family}_sum\{{[^}}]*model_name=\"{BASE}\"[^}}]*\}} (\S+)$", page, re.M)
+    )
 
 
 @pytest.mark.parametrize("variant", _VARIANTS)
@@ -69,8 +93,16 @@ def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(t
     metrics = f"http://127.0.0.1:{picker.metrics_port}/metrics"
     before = get(metrics)[1].decode()
     made = {name: s.counter("vllm:generation_tokens_total") for name, s in tier.servers.items()}
-    body = {"model": BASE, "prompt": _prompt(11, 40), "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
-            "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": BASE,
+        "prompt": _prompt(11, 40),
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     status, reply = post(f"{url}/v1/completions", body)
     assert status == 200, reply
     events = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: ")]
@@ -96,11 +128,56 @@ def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(t
             break
         time.sleep(0.1)
     assert _sum(after, "inference_objective_output_tokens") - _sum(before, "inference_objective_output_tokens") == 1500
-    assert _sum(after, "inference_objective_input_tokens") - _sum(before, "inference_objective_input_tokens") == (
-        usage["prompt_tokens"]
+    assert (
+        _sum(after, "inference_objective_input_tokens") - _sum(before, "inference_objective_input_tokens")
+        == (usage["prompt_tokens"])
     )
     pool = json.loads(get(f"http://127.0.0.1:{picker.metrics_port}/debug/pool")[1])["endpoints"]
     assert all(e["in_flight"]["requests"] == 0 for e in pool)
+
+
+def test_concurrent_long_streams_observed_arrive_whole_and_are_accounted(tier: Tier) -> None:
+    # Envoy multiplexes the observer's streams onto few connections; a connection of observed streams
+    # only is lent to the I/O thread with more than four of them (epp/wire/_fast.c, LEND_MAX_OPEN). Six
+    # long streams at once through the observing Envoy: each arrives whole (every token's logprob entry)
+    # and the picker accounts every one's usage and releases every in-flight count.
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, picker = tier.route("observed")
+    metrics = f"http://127.0.0.1:{picker.metrics_port}/metrics"
+    output_before = _sum(get(metrics)[1].decode(), "inference_objective_output_tokens")
+    tokens, streams = 800, 6
+
+    def stream(seed: int) -> tuple[int, int]:
+        body = {
+            "model": BASE,
+            "prompt": _prompt(100 + seed, 30),
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "logprobs": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        status, reply = post(f"{url}/v1/completions", body)
+        assert status == 200, reply
+        events = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        choices = [c for e in events[:-1] for c in json.loads(e)["choices"]]
+        return json.loads(events[-2])["usage"]["completion_tokens"], sum(len(c["logprobs"]["tokens"]) for c in choices)
+
+    with ThreadPoolExecutor(streams) as pool:
+        results = list(pool.map(stream, range(streams)))
+    assert results == [(tokens, tokens)] * streams
+    counted = 0.0
+    for _ in range(50):  # each response's end is accounted just after its last chunk went out
+        counted = _sum(get(metrics)[1].decode(), "inference_objective_output_tokens") - output_before
+        if counted >= tokens * streams:
+            break
+        time.sleep(0.1)
+    assert counted == tokens * streams
+    pool_state = json.loads(get(f"http://127.0.0.1:{picker.metrics_port}/debug/pool")[1])["endpoints"]
+    assert all(e["in_flight"]["requests"] == 0 for e in pool_state)
 
 
 def test_real_pages_are_scraped_filtered_and_without_errors(tier: Tier) -> None:
@@ -220,15 +297,20 @@ def test_base_model_requests_spread_over_the_servers(tier: Tier) -> None:
 
 
 def test_the_picker_knows_each_servers_cache_size_and_served_models(tier: Tier) -> None:
-    pool = {e["address"]: e for e in json.loads(get(f"http://127.0.0.1:{tier.picker.metrics_port}/debug/pool")[1])["endpoints"]}
+    pool = {
+        e["address"]: e
+        for e in json.loads(get(f"http://127.0.0.1:{tier.picker.metrics_port}/debug/pool")[1])["endpoints"]
+    }
     for name, server in tier.servers.items():
         page = get(f"{server.url}/metrics/")[1].decode()
         real = int(float(re.search(r'vllm:cache_config_info\{[^}]*kv_cache_size_tokens="([^"]+)"', page).group(1)))
         seen = pool[server.hostport]
         # The prefix index sizes each pod from this: its capacity in tokens is the pod's own cache.
         assert seen["metrics"]["kv_cache_size_tokens"] == real > 0, (name, seen["metrics"])
-        print(f"server {name}: kv_cache_size_tokens {real}, block_size {seen['metrics']['block_size']}, "
-              f"num_gpu_blocks {seen['metrics']['num_gpu_blocks']}")
+        print(
+            f"server {name}: kv_cache_size_tokens {real}, block_size {seen['metrics']['block_size']}, "
+            f"num_gpu_blocks {seen['metrics']['num_gpu_blocks']}"
+        )
         served = seen["served"]
         assert served["listed"] and served["base_models"] == [BASE]
         assert served["adapters"] == ({ADAPTER: BASE} if name == "a" else {}), served
