@@ -11,6 +11,7 @@ import json
 import random
 import re
 import time
+from typing import Any
 
 import pytest
 
@@ -79,6 +80,26 @@ def _sum(page: str, family: str) -> float:
     )
 
 
+def _long_stream(url: str, prompt: str, tokens: int) -> tuple[dict[str, object], list[str], list[dict[str, Any]]]:
+    """``tokens`` tokens of a greedy completion streamed with a logprob each, answered 200 and ended by
+    ``[DONE]``: its body, its events' data and their choices (the usage event, second to last, has none)."""
+    body: dict[str, object] = {
+        "model": BASE,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    status, reply = post(f"{url}/v1/completions", body)
+    assert status == 200, reply
+    events = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return body, events, [c for e in events[:-1] for c in json.loads(e)["choices"]]
+
+
 @pytest.mark.parametrize("variant", _VARIANTS)
 def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(tier: Tier, variant: str) -> None:
     # 1,500 tokens in some hundreds of SSE events: the middle chunks are answered by the picker's I/O
@@ -93,23 +114,9 @@ def test_a_long_stream_arrives_whole_and_its_usage_reaches_the_pickers_metrics(t
     metrics = f"http://127.0.0.1:{picker.metrics_port}/metrics"
     before = get(metrics)[1].decode()
     made = {name: s.counter("vllm:generation_tokens_total") for name, s in tier.servers.items()}
-    body = {
-        "model": BASE,
-        "prompt": _prompt(11, 40),
-        "max_tokens": 1500,
-        "ignore_eos": True,
-        "temperature": 0,
-        "logprobs": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    status, reply = post(f"{url}/v1/completions", body)
-    assert status == 200, reply
-    events = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
+    body, events, choices = _long_stream(url, _prompt(11, 40), 1500)
     usage = json.loads(events[-2])["usage"]
     assert usage["completion_tokens"] == 1500
-    choices = [c for e in events[:-1] for c in json.loads(e)["choices"]]  # (the usage event has none)
     assert len(choices) > 100  # enough for the lending rule (--io-thread-after-chunks 32) to lend it
     assert sum(len(c["logprobs"]["tokens"]) for c in choices) == 1500  # every token's event came through
     texts = [c["text"] for c in choices]
@@ -149,21 +156,7 @@ def test_concurrent_long_streams_observed_arrive_whole_and_are_accounted(tier: T
     tokens, streams = 800, 6
 
     def stream(seed: int) -> tuple[int, int]:
-        body = {
-            "model": BASE,
-            "prompt": _prompt(100 + seed, 30),
-            "max_tokens": tokens,
-            "ignore_eos": True,
-            "temperature": 0,
-            "logprobs": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        status, reply = post(f"{url}/v1/completions", body)
-        assert status == 200, reply
-        events = [line[6:] for line in reply.decode().splitlines() if line.startswith("data: ")]
-        assert events[-1] == "[DONE]"
-        choices = [c for e in events[:-1] for c in json.loads(e)["choices"]]
+        _, events, choices = _long_stream(url, _prompt(100 + seed, 30), tokens)
         return json.loads(events[-2])["usage"]["completion_tokens"], sum(len(c["logprobs"]["tokens"]) for c in choices)
 
     with ThreadPoolExecutor(streams) as pool:
