@@ -177,7 +177,7 @@ import aiohttp
 
 from epp.envoy.bootstrap import EPP_CLUSTER, BootstrapOptions, render
 from epp.kube.objectives import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION
-from epp.testing.envoy import EnvoyProcess, free_port
+from epp.testing.envoy import EnvoyProcess, free_port, free_ports
 from epp.testing.fake_apiserver import INFERENCE_POOLS, PODS, FakeApiServer, Resource, make_pod, make_pool
 from epp.testing.harness import PickerProcess, child_pids
 
@@ -565,8 +565,7 @@ class Bench:
         self.orphans: list[int] = []  # scrape workers still alive after their picker was killed
         self.session: aiohttp.ClientSession | None = None
         self._rng = random.Random(args.seed)
-        self._listen_port = free_port()
-        self._admin_port = free_port()
+        self._listen_port, self._admin_port = free_ports(2)
         self.t0 = 0.0  # when the traffic started
 
     def evidence(self, load: Load) -> Evidence:
@@ -696,9 +695,11 @@ class Bench:
             try:
                 async with self.session.get(url, timeout=timeout) as response:
                     pool = await response.json() if response.status == 200 else None
-                stale = None if pool is None else {
-                    e["name"].removesuffix("-rank-0"): bool(e["metrics"]["stale"]) for e in pool["endpoints"]
-                }
+                stale = (
+                    None
+                    if pool is None
+                    else {e["name"].removesuffix("-rank-0"): bool(e["metrics"]["stale"]) for e in pool["endpoints"]}
+                )
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
                 stale = None
             self.views.append(View(time.time(), stale))
@@ -1125,30 +1126,39 @@ def _measure(
         ]
         until = min(later, default=float("inf"))
         back = _first(
-            o.result.t0 for o in outcomes
+            o.result.t0
+            for o in outcomes
             if fault.end <= o.result.t0 < until and any(x["pod"] == target for x in o.received)
         )
         if back is not None:
             measured["traffic again after the fix"] = back - fault.end
-        last = [o.result.t0 for o in outcomes
-                if fault.start <= o.result.t0 <= fault.end and any(x["pod"] == target for x in o.received)]
+        last = [
+            o.result.t0
+            for o in outcomes
+            if fault.start <= o.result.t0 <= fault.end and any(x["pod"] == target for x in o.received)
+        ]
         if last and fault.kind.startswith("metrics-"):
             measured["last request to it"] = max(last) - fault.start
     if fault.kind in ("pool-churn", "watch-drop") and target:
-        last = [o.result.t0 for o in outcomes
-                if fault.start <= o.result.t0 <= fault.end and any(x["pod"] == target for x in o.received)]
+        last = [
+            o.result.t0
+            for o in outcomes
+            if fault.start <= o.result.t0 <= fault.end and any(x["pod"] == target for x in o.received)
+        ]
         measured["last request to the pod that left"] = (max(last) - fault.start) if last else 0.0
         if fault.kind == "pool-churn" and fault.target:
             added = fault.target.split("->")[1]
-            first = _first(o.result.t0 for o in outcomes
-                           if o.result.t0 >= fault.start and any(x["pod"] == added for x in o.received))
+            first = _first(
+                o.result.t0
+                for o in outcomes
+                if o.result.t0 >= fault.start and any(x["pod"] == added for x in o.received)
+            )
             if first is not None:
                 measured["first request to the pod that joined"] = first - fault.start
     if fault.kind in ("picker-kill", "envoy-restart"):
         # Routed by the picker again: the first request after the fix that took the picked route.
         again = _first(
-            o.result.t0 for o in outcomes
-            if o.result.t0 >= fault.end and (o.envoy or {}).get("route") == "picked"
+            o.result.t0 for o in outcomes if o.result.t0 >= fault.end and (o.envoy or {}).get("route") == "picked"
         )
         if again is not None:
             measured["picked again"] = again - fault.start
@@ -1207,8 +1217,10 @@ def print_report(report: Report) -> None:
         "not in the pool, stale in the picker's view, or not serving the model (pods record every request id)"
     )
     print()
-    header = (f"{'fault':<16}{'times':>6}{'lost':>6}{'in flight':>10}{'misrouted':>10}"
-              f"{'window median':>15}{'max':>9}{'bound':>9}  measured (medians, seconds after the fault)")
+    header = (
+        f"{'fault':<16}{'times':>6}{'lost':>6}{'in flight':>10}{'misrouted':>10}"
+        f"{'window median':>15}{'max':>9}{'bound':>9}  measured (medians, seconds after the fault)"
+    )
     print(header)
     print("-" * len(header))
     kinds = list(dict.fromkeys(f.kind for f in report.faults))
@@ -1253,8 +1265,11 @@ def print_report(report: Report) -> None:
             print("  " + o.describe().replace(f"t0={o.result.t0:.3f}", f"t={o.result.t0 - report.t0:.2f}s"))
     print()
     print(f"{'process':<16}{'RSS MiB: start':>15}{'max':>8}{'end':>8}{'fds: start':>12}{'max':>6}{'end':>6}")
-    for label, pick in (("picker (main)", lambda s: s.picker), ("scrape worker", lambda s: s.worker),
-                        ("envoy", lambda s: s.envoy)):
+    for label, pick in (
+        ("picker (main)", lambda s: s.picker),
+        ("scrape worker", lambda s: s.worker),
+        ("envoy", lambda s: s.envoy),
+    ):
         values = [v for v in (pick(s) for s in report.evidence.samples) if v is not None]
         if not values:
             continue
@@ -1318,8 +1333,14 @@ def plot(report: Report, path: str) -> None:
     top.plot(xs, good, lw=0.6, color="tab:green")
     top.set_ylabel("answered/s")
     bottom = [0] * seconds
-    colors = {"connection": "tab:red", "cut": "tab:orange", "5xx": "tab:purple", "404 fail-open round robin":
-              "tab:olive", "other status": "tab:brown", "misrouted": "tab:blue"}
+    colors = {
+        "connection": "tab:red",
+        "cut": "tab:orange",
+        "5xx": "tab:purple",
+        "404 fail-open round robin": "tab:olive",
+        "other status": "tab:brown",
+        "misrouted": "tab:blue",
+    }
     for kind in kinds:
         if any(bad[kind]):
             errors.bar(xs, bad[kind], bottom=bottom, width=1.0, color=colors[kind], label=kind)
@@ -1327,15 +1348,24 @@ def plot(report: Report, path: str) -> None:
     errors.set_ylabel("lost or misrouted/s")
     if any(bottom):
         errors.legend(loc="upper right", fontsize=7)
-    for label, pick, color in (("picker", lambda s: s.picker, "tab:blue"), ("scrape worker", lambda s: s.worker,
-                               "tab:cyan"), ("envoy", lambda s: s.envoy, "tab:gray")):
+    for label, pick, color in (
+        ("picker", lambda s: s.picker, "tab:blue"),
+        ("scrape worker", lambda s: s.worker, "tab:cyan"),
+        ("envoy", lambda s: s.envoy, "tab:gray"),
+    ):
         points = [(s.t - t0, pick(s)) for s in report.evidence.samples if pick(s) is not None]
         rss.plot([p[0] for p in points], [p[1][0] / 2**20 for p in points], ".", ms=2, label=label, color=color)
         fds.plot([p[0] for p in points], [p[1][1] for p in points], ".", ms=2, label=label, color=color)
     links = [(s.t - t0, s.envoy_connections) for s in report.evidence.samples if s.envoy_connections is not None]
     if links:
-        fds.plot([p[0] for p in links], [sum(p[1]) for p in links], "-", lw=0.6, color="tab:olive",
-                 label="envoy connections (clients + upstreams)")
+        fds.plot(
+            [p[0] for p in links],
+            [sum(p[1]) for p in links],
+            "-",
+            lw=0.6,
+            color="tab:olive",
+            label="envoy connections (clients + upstreams)",
+        )
     rss.set_ylabel("RSS MiB")
     fds.set_ylabel("open fds")
     rss.legend(loc="upper right", fontsize=7)
@@ -1350,8 +1380,10 @@ def plot(report: Report, path: str) -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color=palette(i % 10), alpha=0.3) for i in range(len(spans))]
     top.legend(handles, spans, loc="upper right", fontsize=7, ncol=3)
     mode = "fail-closed" if report.args.fail_closed else "fail-open"
-    top.set_title(f"chaos: {report.args.minutes:g} min, {mode}; {len(report.outcomes):,} requests, "
-                  f"{len(report.unexplained)} unexplained losses or misroutes")
+    top.set_title(
+        f"chaos: {report.args.minutes:g} min, {mode}; {len(report.outcomes):,} requests, "
+        f"{len(report.unexplained)} unexplained losses or misroutes"
+    )
     figure.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=90)

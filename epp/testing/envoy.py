@@ -61,6 +61,17 @@ def free_port() -> int:
         return port
 
 
+def free_ports(count: int) -> tuple[int, ...]:
+    """``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago. Calling free_port() twice
+    can return the same port twice (the kernel may hand a just-closed port out again), so the sockets
+    here are all held until every port is chosen."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return tuple(sock.getsockname()[1] for sock in socks)
+
+
 def free_port_run(count: int, *, away_from: tuple[int, ...] = ()) -> int:
     """The first of ``count`` consecutive TCP ports on 127.0.0.1 that were all free a moment ago, none
     of them within ``count`` of a port in ``away_from`` (a data-parallel server's rank r binds its
@@ -153,9 +164,7 @@ class EnvoyProcess:
         assert self._process is not None
         while True:
             if self._process.poll() is not None:
-                raise EnvoyError(
-                    f"envoy exited with status {self._process.returncode}:\n{self.log_tail()}"
-                )
+                raise EnvoyError(f"envoy exited with status {self._process.returncode}:\n{self.log_tail()}")
             if self._admin is None:
                 self._admin = _read_admin_address(admin_path)
             if self._admin is not None and self._admin_status("/ready") == 200:
@@ -235,9 +244,7 @@ class EnvoyProcess:
 
         Histograms (whose values are not integers) are left out.
         """
-        path = "/stats" if pattern is None else "/stats?" + urllib.parse.urlencode(
-            {"filter": pattern}
-        )
+        path = "/stats" if pattern is None else "/stats?" + urllib.parse.urlencode({"filter": pattern})
         result: dict[str, int] = {}
         for line in self._admin_get(path).splitlines():
             name, sep, value = line.rpartition(": ")

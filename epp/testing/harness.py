@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.envoy.bootstrap import EPP_CLUSTER
-from epp.testing.envoy import EnvoyProcess, free_port
+from epp.testing.envoy import EnvoyProcess, free_port, free_ports
 from epp.testing.processes import stop_process
 
 __all__ = ["PickerProcess", "child_pids", "cpu_seconds", "wait_for_picker"]
@@ -107,9 +107,7 @@ class PickerProcess:
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.env = dict(env or {})
-        self.grpc_port = free_port()
-        self.health_port = free_port()
-        self.metrics_port = free_port()
+        self.grpc_port, self.health_port, self.metrics_port = free_ports(3)
         self.args = [
             python, "-m", "epp", "serve",
             "--bind-address", "127.0.0.1",

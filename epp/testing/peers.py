@@ -64,7 +64,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from epp.testing.envoy import free_port
+from epp.testing.envoy import free_ports
 from epp.testing.processes import stop_at_exit, stop_process
 
 __all__ = ["KINDS", "POLICIES", "PeerError", "PeerRouter", "render_counts", "unavailable", "version"]
@@ -132,8 +132,16 @@ def _worker_url(worker: str) -> str:
 class PeerRouter:
     """One running peer router; made by :meth:`start`, ended by :meth:`stop` (or leaving a ``with``)."""
 
-    def __init__(self, kind: str, process: subprocess.Popen[bytes], port: int, metrics_port: int,
-                 log: IO[bytes], workers: tuple[str, ...], policy: str) -> None:
+    def __init__(
+        self,
+        kind: str,
+        process: subprocess.Popen[bytes],
+        port: int,
+        metrics_port: int,
+        log: IO[bytes],
+        workers: tuple[str, ...],
+        policy: str,
+    ) -> None:
         self.kind = kind
         self.policy = policy
         self.workers = workers
@@ -169,7 +177,7 @@ class PeerRouter:
         command = _command(kind)
         assert command is not None
         workers = tuple(_worker_url(w) for w in worker_urls)
-        port, metrics_port = free_port(), free_port()
+        port, metrics_port = free_ports(2)
         args = [command, *(["launch"] if kind == "sglang-router" else []),
                 "--host", "127.0.0.1", "--port", str(port),
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
@@ -180,8 +188,9 @@ class PeerRouter:
             args += ["--log-level", log_level]
         args += list(extra_args)
         log = tempfile.NamedTemporaryFile(prefix=f"epp-{kind}-", suffix=".log", delete=False)  # noqa: SIM115
-        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # a Ctrl-C at the bench does not race its stop()
+        process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )  # a Ctrl-C at the bench does not race its stop()
         router = cls(kind, process, port, metrics_port, log, workers, policy)
         _running.add(router)
         try:
@@ -201,8 +210,10 @@ class PeerRouter:
             if healthy == len(self.workers):
                 return
             if time.monotonic() > deadline:
-                raise PeerError(f"{self.kind} was not ready in time ({max(healthy, 0)} of {len(self.workers)} "
-                                f"workers healthy):\n{self.log_tail()}")
+                raise PeerError(
+                    f"{self.kind} was not ready in time ({max(healthy, 0)} of {len(self.workers)} "
+                    f"workers healthy):\n{self.log_tail()}"
+                )
             time.sleep(_POLL_S)
 
     def _healthy_workers(self) -> int:
@@ -266,8 +277,9 @@ class PeerRouter:
     def __enter__(self) -> PeerRouter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def __repr__(self) -> str:

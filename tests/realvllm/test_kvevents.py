@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from epp.envoy.bootstrap import BootstrapOptions, render
-from epp.testing.envoy import EnvoyProcess, free_port, free_port_run
+from epp.testing.envoy import EnvoyProcess, free_port_run, free_ports
 from epp.testing.harness import PickerProcess, wait_for_picker
 from epp.testing.vllm import BASE, VllmServer, http_get, http_post, start_vllm, tier_paths
 
@@ -60,7 +60,7 @@ class Precise:
 
 
 def _config(models: Path, bind: str = "") -> str:
-    events = f"\n    kvEventsConfig: {{zmqEndpoint: \"{bind}\"}}" if bind else ""
+    events = f'\n    kvEventsConfig: {{zmqEndpoint: "{bind}"}}' if bind else ""
     return f"""\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -101,9 +101,14 @@ def precise(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Precise]:
     workers_envoy: EnvoyProcess | None = None
     try:
         for name in ("p", "q"):
-            events, replay = free_port(), free_port()
-            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
-                      "replay_endpoint": f"tcp://*:{replay}", "topic": f"kv@127.0.0.1@{BASE}"}
+            events, replay = free_ports(2)
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{events}",
+                "replay_endpoint": f"tcp://*:{replay}",
+                "topic": f"kv@127.0.0.1@{BASE}",
+            }
             servers.append(start_vllm(python, models, name, kv_events=False,
                                       extra_args=["--kv-events-config", json.dumps(config)]))  # fmt: skip
             kv_ports += [events, replay]
@@ -193,9 +198,14 @@ def test_a_picker_that_binds_catches_up_with_what_a_server_published_before_it_l
     if paths is None:
         pytest.skip("the real-vLLM tier needs EPP_VLLM_PYTHON and EPP_VLLM_MODELS (tests/realvllm/setup_tier.sh)")
     python, models = paths
-    bind, replay = free_port(), free_port()
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{bind}",
-              "replay_endpoint": f"tcp://*:{replay}", "topic": f"kv@127.0.0.1@{BASE}"}
+    bind, replay = free_ports(2)
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{bind}",
+        "replay_endpoint": f"tcp://*:{replay}",
+        "topic": f"kv@127.0.0.1@{BASE}",
+    }
     server = start_vllm(python, models, "bind", kv_events=False, extra_args=["--kv-events-config", json.dumps(config)])
     picker: PickerProcess | None = None
     try:
@@ -205,7 +215,9 @@ def test_a_picker_that_binds_catches_up_with_what_a_server_published_before_it_l
         assert status == 200, body
         blocks = _tokens(server, prompt) // _BLOCK
         assert blocks >= 2
-        picker = _picker(tmp_path, f"{server.hostport} kv-replay={replay}", _config(models, bind=f"tcp://127.0.0.1:{bind}"))
+        picker = _picker(
+            tmp_path, f"{server.hostport} kv-replay={replay}", _config(models, bind=f"tcp://127.0.0.1:{bind}")
+        )
         metric = functools.partial(_metric, picker)
         deadline = time.monotonic() + 30
         while metric("epp_kv_event_index_blocks") < blocks and time.monotonic() < deadline:
@@ -248,7 +260,9 @@ def test_a_prompt_sent_straight_to_a_server_is_then_routed_to_it_and_matched_as_
     hits_before = [s.counter("vllm:prefix_cache_hits_total") for s in precise.servers]
     queries_before = [s.counter("vllm:prefix_cache_queries_total") for s in precise.servers]
     request_id = f"kv-{round_}-{random.getrandbits(32):08x}"
-    status, body = _post_with_id(f"{url}/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 1}, request_id)
+    status, body = _post_with_id(
+        f"{url}/v1/completions", {"model": BASE, "prompt": prompt, "max_tokens": 1}, request_id
+    )
     assert status == 200, body
     hits = [s.counter("vllm:prefix_cache_hits_total") - h for s, h in zip(precise.servers, hits_before, strict=True)]
     queries = [s.counter("vllm:prefix_cache_queries_total") - q
@@ -260,7 +274,6 @@ def test_a_prompt_sent_straight_to_a_server_is_then_routed_to_it_and_matched_as_
     assert record["profiles"][0]["picked"] == [name]
     # What the picker predicted the server holds is what the server found in its cache.
     assert record["prefix_match_tokens"][name] == hits[chosen] == (n // _BLOCK) * _BLOCK
-
 
 
 @pytest.mark.parametrize("mode", ["connect", "bind"])
@@ -277,8 +290,13 @@ def test_every_data_parallel_rank_of_a_server_is_followed(tmp_path: Path, mode: 
         events = free_port_run(2)  # rank 1 binds (or the picker binds) each + 1
         replay = free_port_run(2, away_from=(events,))
         publish = f"tcp://*:{events}" if mode == "connect" else f"tcp://127.0.0.1:{events}"
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": publish,
-                  "replay_endpoint": f"tcp://*:{replay}", "topic": f"kv@127.0.0.1@{BASE}"}
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": publish,
+            "replay_endpoint": f"tcp://*:{replay}",
+            "topic": f"kv@127.0.0.1@{BASE}",
+        }
         server = start_vllm(python, models, "dp", kv_events=False,
                             extra_args=["--kv-events-config", json.dumps(config), "--data-parallel-size", "2"])  # fmt: skip
         try:

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.datalayer.static import parse_endpoints
 from epp.server.server import EndpointPicker
-from epp.testing.envoy import free_port
+from epp.testing.envoy import free_port, free_ports
 from tests.pickers import loopback_settings
 
 from ..datalayer._scraping import VLLM_PAGE, until
@@ -24,6 +24,7 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 @pytest.fixture
 async def pod() -> AsyncIterator[int]:
     """A model server that answers its metrics page; yields its port."""
+
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=VLLM_PAGE)
 
@@ -87,7 +88,8 @@ async def test_the_pool_becomes_ready_when_an_endpoint_first_answers(pod: int) -
 
 
 async def test_with_scraping_off_every_endpoint_counts() -> None:
-    picker = await _picker(f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}", scrape=False)
+    first, second = free_ports(2)  # two free_port() calls can return one port twice (a CI run failed so)
+    picker = await _picker(f"127.0.0.1:{first},127.0.0.1:{second}", scrape=False)
     try:
         assert await _readiness(picker) == _SERVING
         assert _ready_pods(picker) == 2

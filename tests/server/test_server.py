@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from grpc_health.v1 import health_pb2
 
-from epp.testing.envoy import free_port
+from epp.testing.envoy import free_ports
 from epp.testing.harness import PickerProcess
 
 
@@ -29,7 +29,7 @@ def first() -> Iterator[PickerProcess]:
 def test_a_second_picker_on_a_taken_port_stops_naming_the_flag(first: PickerProcess, flag: str, attribute: str) -> None:
     # gRPC sets SO_REUSEPORT by default: without turning it off, a second picker on the same
     # --grpc-port started without an error and took half of Envoy's streams.
-    ports = {"--grpc-port": free_port(), "--grpc-health-port": free_port(), "--metrics-port": free_port()}
+    ports = dict(zip(("--grpc-port", "--grpc-health-port", "--metrics-port"), free_ports(3), strict=True))
     taken = getattr(first, attribute)
     ports[flag] = taken
     args = [f"{name}={port}" for name, port in ports.items()]
