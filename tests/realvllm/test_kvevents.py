@@ -59,6 +59,19 @@ class Precise:
                 re.findall(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", page, re.M)}  # fmt: skip
 
 
+def _kv_events_args(endpoint: str, replay: int) -> list[str]:
+    """vLLM's arguments to publish KV events on ``endpoint`` (bound when it names ``*``, else connected
+    to) with a replay socket on port ``replay``."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "replay_endpoint": f"tcp://*:{replay}",
+        "topic": f"kv@127.0.0.1@{BASE}",
+    }
+    return ["--kv-events-config", json.dumps(config)]
+
+
 def _config(models: Path, bind: str = "") -> str:
     events = f'\n    kvEventsConfig: {{zmqEndpoint: "{bind}"}}' if bind else ""
     return f"""\
@@ -102,15 +115,8 @@ def precise(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Precise]:
     try:
         for name in ("p", "q"):
             events, replay = free_ports(2)
-            config = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://*:{events}",
-                "replay_endpoint": f"tcp://*:{replay}",
-                "topic": f"kv@127.0.0.1@{BASE}",
-            }
             servers.append(start_vllm(python, models, name, kv_events=False,
-                                      extra_args=["--kv-events-config", json.dumps(config)]))  # fmt: skip
+                                      extra_args=_kv_events_args(f"tcp://*:{events}", replay)))  # fmt: skip
             kv_ports += [events, replay]
         for server in servers:
             server.wait_healthy()
@@ -199,14 +205,9 @@ def test_a_picker_that_binds_catches_up_with_what_a_server_published_before_it_l
         pytest.skip("the real-vLLM tier needs EPP_VLLM_PYTHON and EPP_VLLM_MODELS (tests/realvllm/setup_tier.sh)")
     python, models = paths
     bind, replay = free_ports(2)
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{bind}",
-        "replay_endpoint": f"tcp://*:{replay}",
-        "topic": f"kv@127.0.0.1@{BASE}",
-    }
-    server = start_vllm(python, models, "bind", kv_events=False, extra_args=["--kv-events-config", json.dumps(config)])
+    server = start_vllm(
+        python, models, "bind", kv_events=False, extra_args=_kv_events_args(f"tcp://127.0.0.1:{bind}", replay)
+    )
     picker: PickerProcess | None = None
     try:
         server.wait_healthy()
@@ -290,15 +291,8 @@ def test_every_data_parallel_rank_of_a_server_is_followed(tmp_path: Path, mode: 
         events = free_port_run(2)  # rank 1 binds (or the picker binds) each + 1
         replay = free_port_run(2, away_from=(events,))
         publish = f"tcp://*:{events}" if mode == "connect" else f"tcp://127.0.0.1:{events}"
-        config = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": publish,
-            "replay_endpoint": f"tcp://*:{replay}",
-            "topic": f"kv@127.0.0.1@{BASE}",
-        }
         server = start_vllm(python, models, "dp", kv_events=False,
-                            extra_args=["--kv-events-config", json.dumps(config), "--data-parallel-size", "2"])  # fmt: skip
+                            extra_args=[*_kv_events_args(publish, replay), "--data-parallel-size", "2"])  # fmt: skip
         try:
             server.wait_healthy()
             break
