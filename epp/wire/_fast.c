@@ -1038,9 +1038,9 @@ static PyObject *tls_usable(PyObject *module, PyObject *context) {
  *
  * One native thread per process, started at the first lend, with its own epoll and an eventfd to the
  * event loop. A connection is lent to it (ConnectionBase.lend) when every open stream echoes (at most
- * LEND_MAX_STREAMS of them, or LEND_MAX_OPEN observed ones, each past LEND_AFTER_CHUNKS): uvloop stops reading the socket, this thread
- * reads it, and answers the middle chunks (echo_core) without
- * the GIL and without waking the event loop. The first frame it cannot answer (anything but such a
+ * LEND_MAX_STREAMS of them, or LEND_MAX_OPEN observed ones, each past LEND_AFTER_CHUNKS): uvloop stops
+ * reading the socket, this thread reads it, and answers the middle chunks (echo_core) without the GIL
+ * and without waking the event loop. The first frame it cannot answer (anything but such a
  * chunk: a new stream's HEADERS, the last chunk, a WINDOW_UPDATE, a PING, ...), the peer's end or an
  * error, or an answer the socket cannot take now, hands the connection back: the socket leaves this
  * epoll, the connection goes on the returned list, and the eventfd wakes the loop, which reclaims it
@@ -1308,9 +1308,10 @@ static int io_start(void) {
     return 0;
 }
 
-/* The connection may be lent now: not lent or closed, no partial frame or header block, and 1 to
- * LEND_MAX_STREAMS streams open, each echoing or observed and past lend_after chunks, beside idle ones
- * (LEND_MAX_OPEN streams in all). */
+/* The connection may be lent now: not lent or closed, no partial frame or header block, at most
+ * LEND_MAX_OPEN streams open, of which at least one echoes or is observed, every such stream past
+ * lend_after chunks, the rest idle; and at most LEND_MAX_STREAMS busy ones unless none of them is
+ * answered (a connection of observed streams only). */
 static int lendable(ConnectionBase *self) {
     if (self->lent || self->closed || !self->plain) return 0;
     if (Py_TYPE(self->transport) == &TlsTransportType) { /* an open session whose end nobody read yet */

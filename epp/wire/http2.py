@@ -513,10 +513,10 @@ class Connection(ConnectionBase, asyncio.Protocol):
     # -- the I/O thread (epp.wire._fast) ----------------------------------------------------------
 
     def _lend(self) -> None:
-        """Every open stream echoes, at most 4 (32 observed), each past its 32nd chunk (the C read path's call, at the
-        end of a read): from now on the I/O thread reads the socket and answers their middle chunks,
-        until a frame it does not answer hands the connection back (:func:`_returns`) or this side
-        needs it (:meth:`_reclaim`)."""
+        """Every open stream echoes, at most 4 (32 observed), each past its 32nd chunk (the C read path's
+        call, at the end of a read): from now on the I/O thread reads the socket and answers their middle
+        chunks, until a frame it does not answer hands the connection back (:func:`_returns`) or this
+        side needs it (:meth:`_reclaim`)."""
         transport = self.transport
         if (
             self._unread is not None
