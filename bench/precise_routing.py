@@ -68,7 +68,9 @@ process (it is the proxy too). Then the targets: precise >= 98% of the oracle on
 (approximate's beside it), and precise's TTFT P90 against the best peer's (<= 1x on every workload, <=
 0.8x on ``h``), with the median over the same requests of precise's (and approximate's) TTFT minus the
 peer's: two P90s are taken over different requests' tails, the paired difference is what one router
-adds to the same request (each round's runs paired, the median of the rounds').
+adds to the same request (each round's runs paired, the median of the rounds'); on a workload of
+sessions (b), also split into each session's first request and its later ones. ``--json`` writes every
+completed request's TTFT per run (``ttfts_ms``: family, its place among the family's requests, ms).
 
 Diagnostics: ``--envoy-timing`` prints, per run behind Envoy, Envoy's own times from its access log
 (the request phase: the request's last byte in to the upstream request's first byte out, i.e. the
@@ -140,6 +142,31 @@ machine) nothing on the path moved: precise's request phase P50 1.58 / 1.67 ms (
 thread the same day), approximate's 1.10 / 1.13; the same requests' TTFT minus sglang-router's, median,
 precise +2.3 ms, approximate +1.4 (+2.1-2.8 for precise with one thread); TTFT P90 104 / 105 against
 sglang-router's 103 / 107 ms, a tie within the rounds' scatter.
+
+Routing or path? On 2026-12-06 (a slow day: sglang-router's CPU 2.3-2.9 ms a request, 1.74 on the
+fast day above), at 799ddd7's code: ``--workloads b --policies precise,default,sglang-router --rounds
+3 --envoy-timing`` TTFT P90 precise 110, approximate 113, sglang-router 103 ms (**1.07x**), the same
+requests' TTFT minus sglang-router's, median, +4.6 / +3.6 ms, hit rates 100% / 97.7% / 100% of the
+oracle. Split by request (``--json``'s TTFTs, 2 more rounds): a session's first request, its prompt
+cold wherever it goes (median 947 tokens) and so placed by load alone, P50 96-101 ms against
+sglang-router's 93, later turns (cached but for the new message) 53-55 against 49-50; the paired
+difference the same for both, +5.7 and +5.0 ms (``precise`` in the split line's run below). Were the
+routing the gap, it would be on the first requests, whose placement the two routers decide
+differently (load against sglang-router's smallest tree); it is the same constant on every request,
+the gateway's path. With no load (``python bench/routing_quality.py --workloads b --policies
+default,sglang-router,floor --users 1 --duration 20 --drain 10 --rounds 2``: one session at a time,
+28 requests a run) the approximate picker's TTFT P50 was 48.7 / 47.9 ms against sglang-router's 46.2 /
+45.8: **+2.3 ms** with nothing queued anywhere, the exchange's round trips through Envoy (under the
+load, Envoy's clock put the approximate picker's request phase at P50 1.5 ms and the response
+headers' at 0.5, and the first chunk takes one more); under the load the same requests gain another
+2-3 ms from the 2 cores the pods, Envoy, the picker and the client share. Taking the
+warm turn's deferred encoding (``pre_request``, 1.4-1.8 ms a request on the loop) off the event loop
+onto the tokenizer's threads (HF ``tokenizers`` releases the GIL) shortened Envoy's request phase
+(P50 1.85-1.97 against 2.11-2.25 ms, P90 3.1-3.6 against 4.3-4.4) and nothing else: ``--workloads b
+--policies precise,precise@PATH,sglang-router --rounds 3 --envoy-timing`` with ``_THREAD_CHARS`` 0 at
+PATH, TTFT P90 109 against 111 ms (sglang-router 107), paired +5.2 against +5.4 ms (first / later
+requests +5.8 / +4.9 against +5.7 / +5.0), router CPU 5.6-5.9 against 5.4-5.7 ms a request (the
+thread hop): not taken.
 """
 
 from __future__ import annotations
@@ -180,8 +207,14 @@ except ImportError:  # the peers' launcher is not on this branch
 
 MODEL = rq.MODEL
 WORKLOADS = {**rq.WORKLOADS, "p": "cache pressure", "u": "unseen traffic", "h": "hot prefix"}
-POLICIES = {"rr": "round robin", "default": "approximate", "precise": "precise (KV events)",
-            "precise-remote": "precise, /tokenize", "sglang-router": "sglang-router", "vllm-router": "vllm-router"}
+POLICIES = {
+    "rr": "round robin",
+    "default": "approximate",
+    "precise": "precise (KV events)",
+    "precise-remote": "precise, /tokenize",
+    "sglang-router": "sglang-router",
+    "vllm-router": "vllm-router",
+}
 _PEERS = ("sglang-router", "vllm-router")
 _SCRAPED = "+scraped"  # a peer whose pods a picker that routes nothing scrapes all the same
 POLICIES |= {f"{p}{_SCRAPED}": f"{p} {_SCRAPED}" for p in _PEERS}
@@ -275,8 +308,13 @@ def _hot_workload(opts: rq.Options, knobs: Knobs) -> rq.Workload:
     weights = 1.0 / np.arange(1, knobs.hot_groups + 1) ** knobs.hot_zipf
     p = weights / weights.sum()
     # Capacity with hits: the pool's requests per simulated second when every system prompt is cached.
-    pilot = [rq._turn((("system", prompts[0]), ("user", rq._text(rng, int(np.mean(_HOT_QUESTION_TOKENS))))),
-                      opts.max_tokens, opts.seed)]
+    pilot = [
+        rq._turn(
+            (("system", prompts[0]), ("user", rq._text(rng, int(np.mean(_HOT_QUESTION_TOKENS))))),
+            opts.max_tokens,
+            opts.seed,
+        )
+    ]
     c = rq._COST
     question = float(np.mean(_HOT_QUESTION_TOKENS))
     context = pilot[0].prompt_tokens + opts.max_tokens / 2
@@ -288,8 +326,9 @@ def _hot_workload(opts: rq.Options, knobs: Knobs) -> rq.Workload:
     for _ in range(n):
         g = int(rng.choice(knobs.hot_groups, p=p))
         q = rq._text(rng, int(rng.integers(*_HOT_QUESTION_TOKENS, endpoint=True)))
-        items.append(rq.Item(f"group-{g}", (rq._turn((("system", prompts[g]), ("user", q)), opts.max_tokens,
-                                                      opts.seed),), ()))
+        items.append(
+            rq.Item(f"group-{g}", (rq._turn((("system", prompts[g]), ("user", q)), opts.max_tokens, opts.seed),), ())
+        )
     gaps = np.random.default_rng([opts.seed, 98]).exponential(1.0 / rate, size=n)
     arrivals = np.cumsum(gaps) - gaps[0]
     items = [replace(i, at_s=float(at)) for i, at in zip(items, arrivals, strict=True)]
@@ -331,8 +370,13 @@ class _Simulator:
     ``events=False``: a pod that only tokenizes (the precise policy's tokenizer, see ``_Tokenizer``)."""
 
     def __init__(self, opts: rq.Options, blocks: int, *, pods: int | None = None, events: bool = True) -> None:
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                  "replay_endpoint": "tcp://127.0.0.1:*", "topic": f"kv@127.0.0.1@{MODEL}"}
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://127.0.0.1:*",
+            "replay_endpoint": "tcp://127.0.0.1:*",
+            "topic": f"kv@127.0.0.1@{MODEL}",
+        }
         pods = opts.pods if pods is None else pods
         self.process = subprocess.Popen(
             [sys.executable, "-m", "epp.sim", "--pods", str(pods), "--seed", str(opts.seed),
@@ -386,8 +430,12 @@ async def _direct(run: Run, pods: Sequence[str], opts: rq.Options, tally: Counte
         async def one(item: rq.Item) -> None:
             turn = item.turns[0]
             pod = pods[xxhash.xxh64_intdigest(turn.messages[0][1].encode()) % len(pods)]
-            body = {"model": MODEL, "messages": [{"role": r, "content": c} for r, c in turn.messages],
-                    "max_tokens": opts.max_tokens, "ignore_eos": True}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": r, "content": c} for r, c in turn.messages],
+                "max_tokens": opts.max_tokens,
+                "ignore_eos": True,
+            }
             try:
                 async with session.post(f"http://{pod}/v1/chat/completions", json=body) as r:
                     await r.read()
@@ -441,10 +489,11 @@ def _ttfts(records: Sequence[rq.Record]) -> dict[tuple[str, int], float]:
     return out
 
 
-def _paired(runs: Sequence[Row], kind: str, policy: str, other: str) -> float | None:
+def _paired(runs: Sequence[Row], kind: str, policy: str, other: str, later: bool | None = None) -> float | None:
     """The median over the requests both completed of ``policy``'s TTFT minus ``other``'s, in ms (the
     median of the rounds' medians, each round's runs paired): what separates two routers on the same
-    requests, which two P90s taken over different tails do not show."""
+    requests, which two P90s taken over different tails do not show. ``later``: only the requests after
+    their item's first (True: a session's later turns), or only the first (False)."""
     by_round: dict[int, dict[str, Row]] = {}
     for row in runs:
         if row.result.workload == kind:
@@ -453,7 +502,7 @@ def _paired(runs: Sequence[Row], kind: str, policy: str, other: str) -> float | 
     for pair in by_round.values():
         if policy in pair and other in pair:
             a, b = pair[policy].ttfts, pair[other].ttfts
-            diffs = [a[k] - b[k] for k in a.keys() & b.keys()]
+            diffs = [a[k] - b[k] for k in a.keys() & b.keys() if later is None or (k[1] > 0) is later]
             if diffs:
                 medians.append(float(np.median(diffs)))
     return float(np.median(medians)) if medians else None
@@ -483,8 +532,10 @@ def _timing_summary(path: Path) -> str:
     parts = []
     for name, values in zip(("request phase", "response headers"), phases, strict=True):
         if values:
-            parts.append(f"{name} P50 {np.percentile(values, 50):.2f} P90 {np.percentile(values, 90):.2f} ms"
-                         f" ({len(values)} requests)")
+            parts.append(
+                f"{name} P50 {np.percentile(values, 50):.2f} P90 {np.percentile(values, 90):.2f} ms"
+                f" ({len(values)} requests)"
+            )
     return "; ".join(parts) or "no access log"
 
 
@@ -527,8 +578,15 @@ def _pin_tree(pid: int, cpus: set[int]) -> None:
                     _pin_tree(int(child), cpus)
 
 
-def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, int, int] = (5, 2, 2),
-               split_cores: bool = False, envoy_timing: bool = False, envoy_concurrency: int = 1) -> Row:
+def run_policy(
+    run: Run,
+    policy: str,
+    oracle_rate: float,
+    weights: tuple[int, int, int] = (5, 2, 2),
+    split_cores: bool = False,
+    envoy_timing: bool = False,
+    envoy_concurrency: int = 1,
+) -> Row:
     """One policy on one run; ``weights``: the precise profile's prefix, queue and KV-cache weights;
     ``split_cores``: the simulator alone on CPU 0, the router (Envoy and picker, or the peer) and this
     client on CPU 1, so that the router's CPU cannot slow the simulated pods down. A peer's policy
@@ -565,8 +623,11 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                 time.sleep(_SETTLE_S)
         else:
             if base == "rr":
-                bootstrap = render_round_robin(BootstrapOptions(listen_address="127.0.0.1", listen_port=0,
-                                                                admin_port=0, pool_endpoints=tuple(sim.pods)))
+                bootstrap = render_round_robin(
+                    BootstrapOptions(
+                        listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(sim.pods)
+                    )
+                )
             else:
                 extra = ["--endpoints-file", sim.endpoints_file(directory)]
                 if base.startswith("precise"):
@@ -584,8 +645,15 @@ def run_policy(run: Run, policy: str, oracle_rate: float, weights: tuple[int, in
                 picker = PickerProcess([], extra_args=extra, python=python or sys.executable)
                 picker.start()
                 pids["picker"] = picker.pid
-                bootstrap = render(BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0,
-                                                    picker_port=picker.grpc_port, observe_responses=observe))
+                bootstrap = render(
+                    BootstrapOptions(
+                        listen_address="127.0.0.1",
+                        listen_port=0,
+                        admin_port=0,
+                        picker_port=picker.grpc_port,
+                        observe_responses=observe,
+                    )
+                )
             if envoy_timing:
                 _log_timing(bootstrap, Path(directory) / "access.log")
             envoy = EnvoyProcess(bootstrap, concurrency=envoy_concurrency)
@@ -695,8 +763,10 @@ def _median_or_none(values: Sequence[float | None]) -> float | None:
 
 
 def _table(rows: Sequence[Row]) -> str:
-    head = (f"{'workload':<18} {'policy':<22} {'hit rate':>8} {'/oracle':>7} {'/held':>6} {'TTFT P50':>9} {'P90':>8} "
-            f"{'ok/sent':>9} {'router CPU/req':>14}")
+    head = (
+        f"{'workload':<18} {'policy':<22} {'hit rate':>8} {'/oracle':>7} {'/held':>6} {'TTFT P50':>9} {'P90':>8} "
+        f"{'ok/sent':>9} {'router CPU/req':>14}"
+    )
     lines = [head, "-" * len(head)]
     last = ""
     for row in rows:
@@ -705,9 +775,11 @@ def _table(rows: Sequence[Row]) -> str:
         last = r.workload
         share = f"{r.hit_rate / r.oracle_hit_rate:7.1%}" if r.oracle_hit_rate > 0 else f"{'-':>7}"
         held = f"{r.held_share:6.1%}" if r.held_share is not None else f"{'-':>6}"
-        lines.append(f"{label:<18} {POLICIES.get(r.policy, r.policy):<22} {r.hit_rate:8.1%} {share} {held} "
-                     f"{r.ttft_p50_ms:7.0f}ms {r.ttft_p90_ms:6.0f}ms {f'{r.completed}/{r.requests}':>9} "
-                     f"{row.picker_ms_per_request:11.2f} ms")
+        lines.append(
+            f"{label:<18} {POLICIES.get(r.policy, r.policy):<22} {r.hit_rate:8.1%} {share} {held} "
+            f"{r.ttft_p50_ms:7.0f}ms {r.ttft_p90_ms:6.0f}ms {f'{r.completed}/{r.requests}':>9} "
+            f"{row.picker_ms_per_request:11.2f} ms"
+        )
         if r.workload != (rows[rows.index(row) + 1].result.workload if rows.index(row) + 1 < len(rows) else None):
             lines.append(f"{'':<18} {'oracle (bound)':<22} {r.oracle_hit_rate:8.1%}")
     return "\n".join(lines)
@@ -720,8 +792,10 @@ def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = N
     for kind in ("p", "u"):
         precise, approx = by.get((kind, "precise")), by.get((kind, "default"))
         if precise is not None and precise.oracle_hit_rate > 0:
-            line = (f"{kind} {WORKLOADS[kind]}: precise {precise.hit_rate / precise.oracle_hit_rate:.1%} of the oracle"
-                    f" (target >= 98%)")
+            line = (
+                f"{kind} {WORKLOADS[kind]}: precise {precise.hit_rate / precise.oracle_hit_rate:.1%} of the oracle"
+                f" (target >= 98%)"
+            )
             if approx is not None:
                 line += f", approximate {approx.hit_rate / approx.oracle_hit_rate:.1%}"
             if precise.held_share is not None:
@@ -730,11 +804,15 @@ def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = N
                     line += f", approximate {approx.held_share:.1%}"
             finite = (bounds or {}).get(kind)
             if finite:
-                line += (f"; hit rate {precise.hit_rate:.1%} against one LRU cache of the pool's size "
-                         f"{finite['lru']:.1%} (MIN {finite['min']:.1%})")
+                line += (
+                    f"; hit rate {precise.hit_rate:.1%} against one LRU cache of the pool's size "
+                    f"{finite['lru']:.1%} (MIN {finite['min']:.1%})"
+                )
                 if "knowing" in finite:
-                    line += (f", a router knowing every pod's cache {finite['knowing']:.1%} "
-                             f"(precise {precise.hit_rate / finite['knowing']:.1%} of it)")
+                    line += (
+                        f", a router knowing every pod's cache {finite['knowing']:.1%} "
+                        f"(precise {precise.hit_rate / finite['knowing']:.1%} of it)"
+                    )
             out.append(line)
     for kind in dict.fromkeys(row.result.workload for row in rows):
         precise = by.get((kind, "precise"))
@@ -744,28 +822,42 @@ def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = N
         best = min(peers, key=lambda r: r.ttft_p90_ms)
         ratio = precise.ttft_p90_ms / best.ttft_p90_ms
         goal = 0.8 if kind == "h" else 1.0
-        line = (f"{kind} {WORKLOADS[kind]}: precise TTFT P90 {precise.ttft_p90_ms:.0f} ms = {ratio:.2f}x the best "
-                f"peer's ({best.policy}, {best.ttft_p90_ms:.0f} ms); target <= {goal:.1f}x")
+        line = (
+            f"{kind} {WORKLOADS[kind]}: precise TTFT P90 {precise.ttft_p90_ms:.0f} ms = {ratio:.2f}x the best "
+            f"peer's ({best.policy}, {best.ttft_p90_ms:.0f} ms); target <= {goal:.1f}x"
+        )
         observed = by.get((kind, "precise" + _OBSERVE))
         if observed is not None and math.isfinite(observed.ttft_p90_ms):
-            line += f"; observed responses {observed.ttft_p90_ms:.0f} ms = {observed.ttft_p90_ms / best.ttft_p90_ms:.2f}x"
+            line += (
+                f"; observed responses {observed.ttft_p90_ms:.0f} ms = {observed.ttft_p90_ms / best.ttft_p90_ms:.2f}x"
+            )
         scraped = by.get((kind, best.policy + _SCRAPED))
         if scraped is not None and scraped.ttft_p90_ms > 0:
-            line += (f"; {precise.ttft_p90_ms / scraped.ttft_p90_ms:.2f}x the same peer's with its pods scraped "
-                     f"as the picker scrapes them ({scraped.ttft_p90_ms:.0f} ms)")
+            line += (
+                f"; {precise.ttft_p90_ms / scraped.ttft_p90_ms:.2f}x the same peer's with its pods scraped "
+                f"as the picker scrapes them ({scraped.ttft_p90_ms:.0f} ms)"
+            )
         names = ("precise", "precise-remote", "default", "precise" + _OBSERVE, "default" + _OBSERVE)
         pickers = [p for k, p in by if k == kind and p.partition("@")[0] in names]
         paired = {p: d for p in pickers if (d := _paired(runs, kind, p, best.policy)) is not None}
         if paired:
-            line += ("; the same requests' TTFT minus the peer's, median: "
-                     + ", ".join(f"{p} {d:+.1f} ms" for p, d in paired.items()))
+            line += "; the same requests' TTFT minus the peer's, median: " + ", ".join(
+                f"{p} {d:+.1f} ms" for p, d in paired.items()
+            )
+            if any(k[1] for row in runs if row.result.workload == kind for k in row.ttfts):  # sessions
+                split = {p: (_paired(runs, kind, p, best.policy, False), _paired(runs, kind, p, best.policy, True))
+                         for p in paired}  # fmt: skip
+                line += ("; a session's first request / its later ones: "
+                         + ", ".join(f"{p} {first:+.1f} / {rest:+.1f} ms" for p, (first, rest) in split.items()
+                                     if first is not None and rest is not None))  # fmt: skip
         out.append(line)
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     d, k = rq.Options(), Knobs()
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 s of arrivals, 15 s drain")
     parser.add_argument("--workloads", default="a,b,c,p,u,h")
@@ -784,18 +876,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hot-groups", type=int, default=k.hot_groups)
     parser.add_argument("--hot-zipf", type=float, default=k.hot_zipf)
     parser.add_argument("--hot-load", type=float, default=k.hot_load)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="runs of each (workload, policy), the policies' order rotated each round; "
-                             "the table and the targets take the medians")
-    parser.add_argument("--precise-weights", default="5,2,2",
-                        help="the precise profile's prefix, queue and KV-cache scorer weights")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each (workload, policy), the policies' order rotated each round; "
+        "the table and the targets take the medians",
+    )
+    parser.add_argument(
+        "--precise-weights", default="5,2,2", help="the precise profile's prefix, queue and KV-cache scorer weights"
+    )
     results = Path(__file__).resolve().parent / "results"
-    parser.add_argument("--split-cores", action="store_true",
-                        help="the simulator alone on CPU 0, the router and the client on CPU 1 (needs 2 CPUs)")
-    parser.add_argument("--envoy-timing", action="store_true",
-                        help="print Envoy's request-phase and response-headers times per run (its access log)")
-    parser.add_argument("--envoy-concurrency", type=int, default=1,
-                        help="Envoy's worker threads (the peers' runtimes take one per core)")
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="the simulator alone on CPU 0, the router and the client on CPU 1 (needs 2 CPUs)",
+    )
+    parser.add_argument(
+        "--envoy-timing",
+        action="store_true",
+        help="print Envoy's request-phase and response-headers times per run (its access log)",
+    )
+    parser.add_argument(
+        "--envoy-concurrency",
+        type=int,
+        default=1,
+        help="Envoy's worker threads (the peers' runtimes take one per core)",
+    )
     parser.add_argument("--json", type=Path, default=results / "precise_routing.json")
     args = parser.parse_args(argv)
     duration, drain = (3.0, 15.0) if args.quick else (args.duration, args.drain)
@@ -819,10 +926,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for policy, why in skipped.items():
         print(f"{policy}: left out: {why}")
     policies = [p for p in policies if p not in skipped]
-    opts = rq.Options(pods=args.pods, duration=duration, drain=drain, load=args.load, time_scale=args.time_scale,
-                      max_tokens=args.max_tokens, seed=args.seed)
-    knobs = Knobs(args.pressure_groups, args.pressure_fraction, args.pressure_max_tokens, args.unseen_share,
-                  args.hot_groups, args.hot_zipf, args.hot_load)
+    opts = rq.Options(
+        pods=args.pods,
+        duration=duration,
+        drain=drain,
+        load=args.load,
+        time_scale=args.time_scale,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    knobs = Knobs(
+        args.pressure_groups,
+        args.pressure_fraction,
+        args.pressure_max_tokens,
+        args.unseen_share,
+        args.hot_groups,
+        args.hot_zipf,
+        args.hot_load,
+    )
     rows: list[Row] = []
     bounds: dict[str, dict[str, float]] = {}
     started = time.perf_counter()
@@ -841,8 +962,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               + (f"; a router knowing every pod's cache {finite['knowing']:.1%}" if "knowing" in finite else ""),
               flush=True)  # fmt: skip
         for n in range(args.rounds):
-            for policy in policies[n % len(policies):] + policies[: n % len(policies)]:
-                row = run_policy(run, policy, bound, weights, args.split_cores, args.envoy_timing, args.envoy_concurrency)
+            for policy in policies[n % len(policies) :] + policies[: n % len(policies)]:
+                row = run_policy(
+                    run, policy, bound, weights, args.split_cores, args.envoy_timing, args.envoy_concurrency
+                )
                 row = replace(row, result=replace(row.result, round=n))
                 rows.append(row)
                 r = row.result
@@ -861,9 +984,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     print(f"\n{time.perf_counter() - started:.0f} s in all; TTFTs are wall clock at time scale {opts.time_scale}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    report = {"options": asdict(opts), "knobs": asdict(knobs), "skipped": skipped, "finite_bounds": bounds,
-              "rows": [{**asdict(row.result), "router_ms_per_request": row.picker_ms_per_request,
-                        "direct_requests": row.direct_requests} for row in rows]}
+    report = {
+        "options": asdict(opts),
+        "knobs": asdict(knobs),
+        "skipped": skipped,
+        "finite_bounds": bounds,
+        "rows": [
+            {
+                **asdict(row.result),
+                "router_ms_per_request": row.picker_ms_per_request,
+                "direct_requests": row.direct_requests,
+                "ttfts_ms": [[family, turn, ms] for (family, turn), ms in row.ttfts.items()],
+            }
+            for row in rows
+        ],
+    }
     args.json.write_text(json.dumps(rq._json_safe(report), indent=1, allow_nan=False))
     print(f"results: {args.json}")
     return 0
