@@ -813,6 +813,11 @@ def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = N
                         f", a router knowing every pod's cache {finite['knowing']:.1%} "
                         f"(precise {precise.hit_rate / finite['knowing']:.1%} of it)"
                     )
+                if "placed" in finite:
+                    line += (
+                        f", the families placed knowing the trace {finite['placed']:.1%} "
+                        f"({finite['placed'] / precise.oracle_hit_rate:.1%} of the oracle)"
+                    )
             out.append(line)
     for kind in dict.fromkeys(row.result.workload for row in rows):
         precise = by.get((kind, "precise"))
@@ -955,11 +960,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                   for p in ("lru", "min")}  # fmt: skip
         if not run.direct:  # (traffic the picker does not see goes where another router sends it: not modelled)
             finite["knowing"] = rq.knowing_router_hit_rate(run.workload, run.opts.pods, run.blocks, seed=run.opts.seed)
+            finite["placed"] = rq.placed_hit_rate(run.workload, run.opts.pods, run.blocks, seed=run.opts.seed)
         bounds[kind] = finite
         print(f"workload {kind} ({WORKLOADS[kind]}): {run.workload.requests} requests "
               f"({len(run.direct)} bypassing the gateway), {run.blocks} blocks per pod, oracle {bound:.1%}; "
               f"one cache of the pool's {pool} blocks: LRU {finite['lru']:.1%}, MIN {finite['min']:.1%}"
-              + (f"; a router knowing every pod's cache {finite['knowing']:.1%}" if "knowing" in finite else ""),
+              + (f"; a router knowing every pod's cache {finite['knowing']:.1%}, the trace's families placed "
+                 f"over the pods knowing it {finite['placed']:.1%}" if "knowing" in finite else ""),
               flush=True)  # fmt: skip
         for n in range(args.rounds):
             for policy in policies[n % len(policies) :] + policies[: n % len(policies)]:

@@ -233,6 +233,7 @@ import contextlib
 import dataclasses
 import heapq
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -243,7 +244,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -551,11 +552,70 @@ def knowing_router_hit_rate(
     :func:`finite_hit_rate`'s does. The reference for routing under cache pressure, where the unlimited
     oracle asks for memory no pool has: what perfect knowledge of the pods' caches buys a greedy router.
     Not a bound: one request at a time (no two in flight), and greedy (a router that spread prefixes
-    on purpose could keep more). Items in ``skip`` are routed the same way but not counted."""
+    on purpose could keep more: :func:`placed_hit_rate`). Items in ``skip`` are routed the same way but
+    not counted."""
+
+    def greedy(item: int, runs: list[int], sent: list[int]) -> int:
+        return max(range(pods), key=lambda k: (runs[k], -sent[k]))
+
+    trace = _oracle_trace(workload, seed, block_size)
+    return _routed_hit_rate(trace, pods, capacity, greedy, block_size=block_size, skip=skip)
+
+
+def placed_hit_rate(
+    workload: Workload,
+    pods: int,
+    capacity: int,
+    *,
+    seed: int,
+    block_size: int = BLOCK_SIZE,
+    skip: Container[int] = (),
+) -> float:
+    """The hit rate of a static placement chosen knowing the whole trace: each family (a system prompt's
+    group, a session) on one pod, whatever the pods hold, the families placed largest first (their
+    prompt blocks times their requests) on the pod with the fewest prompt blocks placed so far; the
+    pods' caches as :func:`knowing_router_hit_rate`'s. What spreading prefixes on purpose keeps under
+    cache pressure: no family's requests evict another pod's, and each pod's share of the prefixes is
+    even. Items without a family are sent round robin."""
+    trace = list(_oracle_trace(workload, seed, block_size))
+    blocks: dict[str, int] = {}
+    requests: Counter[str] = Counter()
+    for i, _, _, looked_up in trace:
+        family = workload.items[i].family
+        if family is not None:
+            blocks[family] = max(blocks.get(family, 0), looked_up)
+            requests[family] += 1
+    placed = [0] * pods
+    place: dict[str, int] = {}
+    for family in sorted(blocks, key=lambda f: (-blocks[f] * requests[f], f)):
+        pod = min(range(pods), key=lambda k: (placed[k], k))
+        place[family] = pod
+        placed[pod] += blocks[family]
+    unplaced = itertools.count()
+
+    def static(item: int, runs: list[int], sent: list[int]) -> int:
+        family = workload.items[item].family
+        return place[family] if family is not None else next(unplaced) % pods
+
+    return _routed_hit_rate(trace, pods, capacity, static, block_size=block_size, skip=skip)
+
+
+def _routed_hit_rate(
+    trace: Iterable[tuple[int, int, list[int], int]],
+    pods: int,
+    capacity: int,
+    choose: Callable[[int, list[int], list[int]], int],
+    *,
+    block_size: int,
+    skip: Container[int],
+) -> float:
+    """``pods`` LRU caches of ``capacity`` blocks, the requests of ``trace`` (:func:`_oracle_trace`'s) in
+    order, each sent to the pod ``choose(item index, each pod's run of the request's leading blocks,
+    requests sent to each)`` names."""
     caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(pods)]
     sent = [0] * pods
     hits = queries = 0
-    for i, prompt_tokens, stored, looked_up in _oracle_trace(workload, seed, block_size):
+    for i, prompt_tokens, stored, looked_up in trace:
         runs = []
         for cache in caches:
             n = 0
@@ -564,7 +624,7 @@ def knowing_router_hit_rate(
                     break
                 n += 1
             runs.append(n)
-        pod = max(range(pods), key=lambda k: (runs[k], -sent[k]))
+        pod = choose(i, runs, sent)
         sent[pod] += 1
         cache = caches[pod]
         for h in stored[: runs[pod]]:

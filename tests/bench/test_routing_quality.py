@@ -101,6 +101,22 @@ async def test_the_finite_bound_with_lru_is_the_simulator_with_that_cache_and_mi
         assert lru <= rq.finite_hit_rate(workload, blocks, seed=opts.seed, policy="min") <= unlimited
 
 
+def test_routers_over_pods_reach_the_oracle_with_room_enough_and_fall_short_of_it_under_pressure() -> None:
+    opts = rq.Options(**{**_TINY, "duration": 1.0})
+    workload = rq.make_workload("a", opts)
+    unlimited = rq.oracle_hit_rate(workload, seed=opts.seed)
+    longest = max(t.prompt_tokens + len(t.answer) // 4 for item in workload.items for t in item.turns) // 16 + 2
+    for routed in (rq.knowing_router_hit_rate, rq.placed_hit_rate):
+        # Each family kept on one pod: with room for everything, every repeat hits as in one shared cache.
+        assert routed(workload, 2, 1 << 16, seed=opts.seed) == pytest.approx(unlimited, abs=1e-12)
+        assert routed(workload, 2, longest, seed=opts.seed) < unlimited - 0.1
+    # One pod holding one family's prompt at a time: a placement that keeps families apart loses less.
+    families = {item.family for item in workload.items}
+    assert len(families) == opts.groups
+    squeezed = rq.placed_hit_rate(workload, opts.groups, longest, seed=opts.seed)
+    assert squeezed == pytest.approx(unlimited, abs=0.02)
+
+
 def test_traces_are_deterministic_and_sized_by_the_load() -> None:
     opts = rq.Options(**_TINY)
     first, again = rq.make_workload("a", opts), rq.make_workload("a", opts)
