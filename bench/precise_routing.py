@@ -68,8 +68,8 @@ process (it is the proxy too). Then the targets: precise >= 98% of the oracle on
 (approximate's beside it), and precise's TTFT P90 against the best peer's (<= 1x on every workload, <=
 0.8x on ``h``), with the median over the same requests of precise's (and approximate's) TTFT minus the
 peer's: two P90s are taken over different requests' tails, the paired difference is what one router
-adds to the same request (each round's runs paired, the median of the rounds'); on a workload of
-sessions (b), also split into each session's first request and its later ones. ``--json`` writes every
+adds to the same request (each round's runs paired, the median of the rounds'); also split into each
+family's first request (a session's in b, a system prompt's in a, p, u, h) and the later ones. ``--json`` writes every
 completed request's TTFT per run (``ttfts_ms``: family, its place among the family's requests, ms).
 
 Diagnostics: ``--envoy-timing`` prints, per run behind Envoy, Envoy's own times from its access log
@@ -492,8 +492,9 @@ def _ttfts(records: Sequence[rq.Record]) -> dict[tuple[str, int], float]:
 def _paired(runs: Sequence[Row], kind: str, policy: str, other: str, later: bool | None = None) -> float | None:
     """The median over the requests both completed of ``policy``'s TTFT minus ``other``'s, in ms (the
     median of the rounds' medians, each round's runs paired): what separates two routers on the same
-    requests, which two P90s taken over different tails do not show. ``later``: only the requests after
-    their item's first (True: a session's later turns), or only the first (False)."""
+    requests, which two P90s taken over different tails do not show. ``later``: only the requests of a
+    family (a session, a system prompt's group) after its first (True), or only each family's first
+    (False); requests of no family are left out of either."""
     by_round: dict[int, dict[str, Row]] = {}
     for row in runs:
         if row.result.workload == kind:
@@ -502,7 +503,7 @@ def _paired(runs: Sequence[Row], kind: str, policy: str, other: str, later: bool
     for pair in by_round.values():
         if policy in pair and other in pair:
             a, b = pair[policy].ttfts, pair[other].ttfts
-            diffs = [a[k] - b[k] for k in a.keys() & b.keys() if later is None or (k[1] > 0) is later]
+            diffs = [a[k] - b[k] for k in a.keys() & b.keys() if later is None or (k[0] != "" and (k[1] > 0) is later)]
             if diffs:
                 medians.append(float(np.median(diffs)))
     return float(np.median(medians)) if medians else None
@@ -849,10 +850,10 @@ def _targets(rows: Sequence[Row], bounds: dict[str, dict[str, float]] | None = N
             line += "; the same requests' TTFT minus the peer's, median: " + ", ".join(
                 f"{p} {d:+.1f} ms" for p, d in paired.items()
             )
-            if any(k[1] for row in runs if row.result.workload == kind for k in row.ttfts):  # sessions
+            if any(k[0] and k[1] for row in runs if row.result.workload == kind for k in row.ttfts):  # families
                 split = {p: (_paired(runs, kind, p, best.policy, False), _paired(runs, kind, p, best.policy, True))
                          for p in paired}  # fmt: skip
-                line += ("; a session's first request / its later ones: "
+                line += ("; a family's first request (a session's, a system prompt's) / its later ones: "
                          + ", ".join(f"{p} {first:+.1f} / {rest:+.1f} ms" for p, (first, rest) in split.items()
                                      if first is not None and rest is not None))  # fmt: skip
         out.append(line)

@@ -61,13 +61,16 @@ def test_each_rounds_runs_are_paired_with_each_other_and_the_rounds_medians_take
     assert pr._paired(runs, "b", "precise", "sglang-router") == pytest.approx(2.0)
 
 
-def test_the_targets_print_the_split_for_sessions_and_not_for_single_requests() -> None:
+def test_the_targets_print_the_split_for_families_and_not_for_requests_of_none() -> None:
     runs = [_row("precise", 0, _sessions(97.0, 43.0), p90=110.0), _row("sglang-router", 0, _sessions(90.0, 40.0))]
     (line,) = pr._targets(runs, runs=runs)
     assert "1.10x the best peer's (sglang-router, 100 ms)" in line
     assert "precise +3.0 ms" in line
-    assert "a session's first request / its later ones: precise +7.0 / +3.0 ms" in line
-    single = {(f"group-{g}", 0): 50.0 + g for g in range(4)}
-    runs = [_row("precise", 0, single, p90=110.0), _row("sglang-router", 0, {k: v - 1 for k, v in single.items()})]
+    assert "a family's first request (a session's, a system prompt's) / its later ones: precise +7.0 / +3.0 ms" in line
+    unrelated = {("", n): 50.0 + n for n in range(4)}  # requests of no family (workload c): nothing to split
+    runs = [
+        _row("precise", 0, unrelated, p90=110.0),
+        _row("sglang-router", 0, {k: v - 1 for k, v in unrelated.items()}),
+    ]
     (line,) = pr._targets(runs, runs=runs)
     assert "precise +1.0 ms" in line and "first request" not in line
