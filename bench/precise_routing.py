@@ -62,6 +62,20 @@ requests overlap). Printed for workloads with no traffic bypassing the gateway. 
 (``--workloads p --policies default,precise --rounds 2``, medians): it hits 76.7% on p (the unlimited
 oracle 85.1%, one LRU cache of the pool's size 77.6%); precise 78.7%, **102.6%** of it (99.8% of the
 best held at arrival, 92.5% of the unlimited oracle), approximate 74.9%, 97.7% of it (95.4%, 88.0%).
+A fourth, the router spreading prefixes on purpose (:func:`routing_quality.placed_hit_rate`): each
+family (a system prompt's group, a session) placed on one pod knowing the whole trace in advance,
+largest first (prompt blocks times requests) on the pod with the fewest placed, the pods' caches
+replayed as the knowing router's. On p it keeps **79.7%**, 93.6% of the unlimited oracle (the
+knowing router 76.7%, 90.1%): no router over LRU pods gets near 98% of it, since what the oracle
+adds is an eviction order that sees the future. On 2026-12-06 (the picker's code 799ddd7's;
+``--workloads p,u --policies default,precise,sglang-router,vllm-router``, one round): p precise 77.5%, 91.1% of the
+oracle (97.2% of the placement), approximate 90.5%, of the best held at arrival 99.5% / 97.3%; u
+precise 99.1% of the oracle, approximate 88.5%, sglang-router 74.6%, vllm-router 77.9% (held 99.6
+/ 87.0 / 74.2 / 78.2%); TTFT P90 p 411 against sglang-router's 412 ms (1.00x), u 138 against
+vllm-router's 441 (0.31x). The same day, ``--workloads a,c,h`` likewise: precise's TTFT P90 40 ms
+against vllm-router's 61 (a, 0.66x; sglang-router 88), 514 against sglang-router's 793 (c, 0.65x),
+318 against vllm-router's 3,543 (h, **0.09x**; sglang-router 5,939), hit rates 100% of the oracle
+on a, 98.3% on h (approximate 91.7%, the peers 92.4 / 98.6%).
 Printed per (workload, policy): hit rate and its share of the oracle, TTFT P50/P90, and the picker's CPU
 per completed request (its process and scrape worker, from /proc, over the load), or the peer's whole
 process (it is the proxy too). Then the targets: precise >= 98% of the oracle on ``p`` and ``u``
@@ -166,7 +180,9 @@ onto the tokenizer's threads (HF ``tokenizers`` releases the GIL) shortened Envo
 --policies precise,precise@PATH,sglang-router --rounds 3 --envoy-timing`` with ``_THREAD_CHARS`` 0 at
 PATH, TTFT P90 109 against 111 ms (sglang-router 107), paired +5.2 against +5.4 ms (first / later
 requests +5.8 / +4.9 against +5.7 / +5.0), router CPU 5.6-5.9 against 5.4-5.7 ms a request (the
-thread hop): not taken.
+thread hop): not taken. Nor do observed responses close it on such a day (``--workloads b --policies
+precise,precise+observe,sglang-router --rounds 3``): TTFT P90 110 / 108 against 103 ms (1.07x /
+1.06x), paired +6.1 / +4.5 ms, the request phase's round trip and the 2 shared cores left.
 """
 
 from __future__ import annotations
