@@ -639,12 +639,9 @@ def run_policy(
                 picker.start()
                 time.sleep(_SETTLE_S)
         else:
+            gateway = BootstrapOptions(listen_address="127.0.0.1", listen_port=0, admin_port=0)
             if base == "rr":
-                bootstrap = render_round_robin(
-                    BootstrapOptions(
-                        listen_address="127.0.0.1", listen_port=0, admin_port=0, pool_endpoints=tuple(sim.pods)
-                    )
-                )
+                bootstrap = render_round_robin(replace(gateway, pool_endpoints=tuple(sim.pods)))
             else:
                 extra = ["--endpoints-file", sim.endpoints_file(directory)]
                 if base.startswith("precise"):
@@ -662,15 +659,7 @@ def run_policy(
                 picker = PickerProcess([], extra_args=extra, python=python or sys.executable)
                 picker.start()
                 pids["picker"] = picker.pid
-                bootstrap = render(
-                    BootstrapOptions(
-                        listen_address="127.0.0.1",
-                        listen_port=0,
-                        admin_port=0,
-                        picker_port=picker.grpc_port,
-                        observe_responses=observe,
-                    )
-                )
+                bootstrap = render(replace(gateway, picker_port=picker.grpc_port, observe_responses=observe))
             if envoy_timing:
                 _log_timing(bootstrap, Path(directory) / "access.log")
             envoy = EnvoyProcess(bootstrap, concurrency=envoy_concurrency)
