@@ -68,8 +68,9 @@ largest first (prompt blocks times requests) on the pod with the fewest placed, 
 replayed as the knowing router's. On p it keeps **79.7%**, 93.6% of the unlimited oracle (the
 knowing router 76.7%, 90.1%): no router over LRU pods gets near 98% of it, since what the oracle
 adds is an eviction order that sees the future. On 2026-12-06 (the picker's code 799ddd7's;
-``--workloads p,u --policies default,precise,sglang-router,vllm-router``, one round): p precise 77.5%, 91.1% of the
-oracle (97.2% of the placement), approximate 90.5%, of the best held at arrival 99.5% / 97.3%; u
+``--workloads p,u --policies default,precise,sglang-router,vllm-router``, one round): p precise
+77.5%, 91.1% of the oracle (97.2% of the placement), approximate 90.5%, of the best held at arrival
+99.5% / 97.3%; u
 precise 99.1% of the oracle, approximate 88.5%, sglang-router 74.6%, vllm-router 77.9% (held 99.6
 / 87.0 / 74.2 / 78.2%); TTFT P90 p 411 against sglang-router's 412 ms (1.00x), u 138 against
 vllm-router's 441 (0.31x). The same day, ``--workloads a,c,h`` likewise: precise's TTFT P90 40 ms
@@ -83,8 +84,9 @@ process (it is the proxy too). Then the targets: precise >= 98% of the oracle on
 0.8x on ``h``), with the median over the same requests of precise's (and approximate's) TTFT minus the
 peer's: two P90s are taken over different requests' tails, the paired difference is what one router
 adds to the same request (each round's runs paired, the median of the rounds'); also split into each
-family's first request (a session's in b, a system prompt's in a, p, u, h) and the later ones. ``--json`` writes every
-completed request's TTFT per run (``ttfts_ms``: family, its place among the family's requests, ms).
+family's first request (a session's in b, a system prompt's in a, p, u, h) and the later ones.
+``--json`` writes every completed request's TTFT per run (``ttfts_ms``: family, its place among the
+family's requests, ms).
 
 Diagnostics: ``--envoy-timing`` prints, per run behind Envoy, Envoy's own times from its access log
 (the request phase: the request's last byte in to the upstream request's first byte out, i.e. the

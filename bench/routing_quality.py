@@ -575,8 +575,8 @@ def placed_hit_rate(
     group, a session) on one pod, whatever the pods hold, the families placed largest first (their
     prompt blocks times their requests) on the pod with the fewest prompt blocks placed so far; the
     pods' caches as :func:`knowing_router_hit_rate`'s. What spreading prefixes on purpose keeps under
-    cache pressure: no family's requests evict another pod's, and each pod's share of the prefixes is
-    even. Items without a family are sent round robin."""
+    cache pressure: each prefix cached on one pod only, and the pods' shares of the prefixes even.
+    Items without a family are sent round robin."""
     trace = list(_oracle_trace(workload, seed, block_size))
     blocks: dict[str, int] = {}
     requests: Counter[str] = Counter()

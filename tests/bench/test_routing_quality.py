@@ -110,7 +110,7 @@ def test_routers_over_pods_reach_the_oracle_with_room_enough_and_fall_short_of_i
         # Each family kept on one pod: with room for everything, every repeat hits as in one shared cache.
         assert routed(workload, 2, 1 << 16, seed=opts.seed) == pytest.approx(unlimited, abs=1e-12)
         assert routed(workload, 2, longest, seed=opts.seed) < unlimited - 0.1
-    # One pod holding one family's prompt at a time: a placement that keeps families apart loses less.
+    # A pod per family, each with room for one family's requests: kept apart, the families hit as in the oracle.
     families = {item.family for item in workload.items}
     assert len(families) == opts.groups
     squeezed = rq.placed_hit_rate(workload, opts.groups, longest, seed=opts.seed)
