@@ -228,7 +228,9 @@ def test_the_floor_policy_routes_through_a_no_work_ext_proc_server_and_is_counte
     assert r.completed == r.requests > 0 and r.errors == r.unfinished == 0 and r.wrong_answers == 0, r
     assert set(r.cpu_s) == {"simulator", "envoy", "client", "picker", rq._PICKER_MAIN}
     assert set(rq.routing_cpu_per_1k(r)) == {"picker", "envoy"} and set(r.idle_cores) == {"picker", "envoy"}
-    assert r.cpu_s["picker"] > 0 and rq._picker_parts(r)[1] == pytest.approx(0, abs=1e-9)  # no scrape worker
+    # Its CPU is its one process's: no scrape worker. (Not asserted above zero: /proc counts CPU in 10 ms
+    # ticks, and a no-work server may use less than one over a run this small.)
+    assert r.cpu_s["picker"] == r.cpu_s[rq._PICKER_MAIN] >= 0 and rq._picker_parts(r)[1] == 0
     # Round robin over both pods, whatever the prefix: each pod serves half (one more at most).
     assert r.imbalance <= (r.requests // 2 + 1) / (r.requests / 2)
 
